@@ -1,0 +1,102 @@
+"""`RolloutBatch`: the one currency passed between data, rollout, reward and loss code."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of prompt + response sequences and everything computed about them.
+
+    Sequences are right-padded to a common length S. Prompts are left-aligned at position 0, so the
+    response of row b starts at ``prompt_lengths[b]``; ``response_mask`` marks response tokens
+    (including the EOS token when one was generated).
+
+    Shapes: B rows, S positions, P layer percentiles, d hidden size.
+    """
+
+    input_ids: Tensor  # B×S long
+    attention_mask: Tensor  # B×S long, 1 on real tokens
+    response_mask: Tensor  # B×S float, 1 on response tokens
+    group_ids: Tensor  # B long, rows sampled from the same prompt share an id
+    prompts: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)  # reference answers, one per row
+    outcome_rewards: Tensor | None = None  # B float
+    correct: Tensor | None = None  # B bool
+    token_rewards: Tensor | None = None  # B×S float, dense (flow) rewards on response tokens
+    advantages: Tensor | None = None  # B×S float
+    old_logprobs: Tensor | None = None  # B×S float, logprob of token s under the sampling policy (aligned to input_ids)
+    ref_logprobs: Tensor | None = None  # B×S float, same under the frozen reference (KL only)
+    entropy: Tensor | None = None  # B float, mean token entropy of the response
+    latents: Tensor | None = None  # P×B×S×d, detached hidden states at the tapped layers
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> Tensor:
+        return self.response_mask.sum(-1)
+
+    def _map(self, tensor_fn, list_fn) -> RolloutBatch:
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value = tensor_fn(f.name, value)
+            elif isinstance(value, list):
+                value = list_fn(value)
+            values[f.name] = value
+        return RolloutBatch(**values)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        return self._map(lambda _, t: t.to(device), list)
+
+    def select(self, index: Tensor | list[int]) -> RolloutBatch:
+        """Rows ``index`` (a bool mask or integer indices) of every field."""
+        index = torch.as_tensor(index)
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        rows = index.tolist()
+        return self._map(
+            lambda name, t: t[:, index] if name == "latents" else t[index.to(t.device)],
+            lambda values: [values[i] for i in rows] if values else [],
+        )
+
+    @staticmethod
+    def cat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """Concatenate rows, right-padding sequences to the longest one."""
+        if not batches:
+            raise ValueError("RolloutBatch.cat needs at least one batch")
+        length = max(b.input_ids.shape[1] for b in batches)
+        values = {}
+        for f in dataclasses.fields(RolloutBatch):
+            parts = [getattr(b, f.name) for b in batches]
+            if all(p is None for p in parts):
+                values[f.name] = None
+            elif isinstance(parts[0], list):
+                values[f.name] = [x for p in parts for x in p]
+            elif any(p is None for p in parts):
+                raise ValueError(f"RolloutBatch.cat: field {f.name!r} is set in some batches only")
+            elif f.name == "latents":
+                values[f.name] = torch.cat([_pad_to(p, length, dim=2) for p in parts], dim=1)
+            elif parts[0].dim() >= 2:
+                values[f.name] = torch.cat([_pad_to(p, length, dim=1) for p in parts], dim=0)
+            else:
+                values[f.name] = torch.cat(parts, dim=0)
+        return RolloutBatch(**values)
+
+
+def _pad_to(t: Tensor, length: int, dim: int) -> Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)

@@ -1,0 +1,78 @@
+"""Load a causal LM + tokenizer from a hub id, a local directory or a bundled tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class BackboneError(ValueError):
+    """A model path or hub id that cannot be loaded as a causal LM (one-line message)."""
+
+
+def resolve_backbone_path(name_or_path: str) -> str:
+    """``bundled:NAME`` → the packaged model under ``flowkit/assets/NAME``; anything else unchanged."""
+    if name_or_path.startswith("bundled:"):
+        path = ASSETS / name_or_path.removeprefix("bundled:")
+        if not path.is_dir():
+            available = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
+            raise BackboneError(f"no bundled model {name_or_path!r}; available: {available}")
+        return str(path)
+    return name_or_path
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise BackboneError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_backbone(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` with ``from_pretrained``; errors are one line naming the path.
+
+    A local path that does not exist fails before any hub lookup, so a typo never turns into a
+    download attempt.
+    """
+    path = resolve_backbone_path(name_or_path)
+    looks_local = path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
+    if looks_local and not Path(path).expanduser().is_dir():
+        raise BackboneError(f"model path {path!r} does not exist")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # HF raises OSError/ValueError/EnvironmentError variants
+        raise BackboneError(f"cannot load a model config from {path!r}: {str(err).splitlines()[0]}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+        )
+    except ValueError as err:
+        raise BackboneError(
+            f"{path!r} is not a causal LM (config type {config.model_type!r}): {str(err).splitlines()[0]}"
+        ) from None
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The list of transformer blocks of a HF causal LM (Llama/Qwen/Mistral style ``model.model.layers``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, base.base_model_prefix, base)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise BackboneError(f"{type(base).__name__} has no `.{base.base_model_prefix}.layers`; cannot tap latents")
+    return layers

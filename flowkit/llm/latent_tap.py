@@ -1,0 +1,70 @@
+"""Capture hidden states at layer percentiles with forward hooks, inside a forward that runs anyway."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from flowkit.llm.backbone import decoder_layers
+
+
+def tapped_layer_indices(percentiles: Sequence[float], num_layers: int) -> list[int]:
+    """Hidden-state indices ``h = min(round(p·L), L−1)`` (at least 1) for layer percentiles ``p``.
+
+    Indices follow HF's ``output_hidden_states`` convention: ``h`` is the output of decoder block
+    ``h − 1``; ``h = L`` (the last block, shaped by the LM head) is excluded (RLFR App. B).
+    """
+    indices = []
+    for p in percentiles:
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"layer percentile must be in (0, 1], got {p}")
+        indices.append(max(1, min(round(p * num_layers), num_layers - 1)))
+    return indices
+
+
+class LatentTap:
+    """Context manager that records the outputs of the tapped decoder blocks during a forward.
+
+    >>> with LatentTap(model, [0.25, 0.5, 0.75]) as tap:
+    ...     logits = model(input_ids).logits
+    >>> tap.latents  # P×B×S×d, detached
+    """
+
+    def __init__(self, model: torch.nn.Module, percentiles: Sequence[float]):
+        layers = decoder_layers(model)
+        self.num_layers = len(layers)
+        self.indices = tapped_layer_indices(percentiles, self.num_layers)
+        self._modules = [layers[h - 1] for h in self.indices]
+        self._captured: list[Tensor | None] = [None] * len(self.indices)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def layer_positions(self) -> list[float]:
+        """The layer-position value ``h / L`` fed to the velocity field for each tap."""
+        return [h / self.num_layers for h in self.indices]
+
+    def __enter__(self) -> LatentTap:
+        self._captured = [None] * len(self.indices)
+        for slot, module in enumerate(self._modules):
+            self._handles.append(module.register_forward_hook(self._hook(slot)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, slot: int):
+        def record(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            self._captured[slot] = hidden.detach()
+
+        return record
+
+    @property
+    def latents(self) -> Tensor:
+        if any(t is None for t in self._captured):
+            raise RuntimeError("LatentTap.latents read before a forward pass ran inside the tap")
+        return torch.stack(self._captured)  # type: ignore[arg-type]

@@ -1,0 +1,51 @@
+"""Tiny Qwen2-architecture models and character-level tokenizers, built offline for tests and toy tasks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+def char_tokenizer(alphabet: Iterable[str]) -> PreTrainedTokenizerFast:
+    """A WordLevel tokenizer with one token per character of ``alphabet`` plus pad/bos/eos/unk.
+
+    Characters are split individually, so decoding ``tokenizer.decode(tokenizer.encode(s))`` returns ``s``
+    for any ``s`` over the alphabet (spaces included if listed).
+    """
+    chars = sorted(set(alphabet))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_qwen2(
+    vocab_size: int,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    max_positions: int = 512,
+    pad_token_id: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 causal LM (≈1 M parameters at the defaults, tied embeddings)."""
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_positions, tie_word_embeddings=True, pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+    )
+    return Qwen2ForCausalLM(config)

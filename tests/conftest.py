@@ -1,0 +1,32 @@
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "build"
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(BUILD / "torch_extensions"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(BUILD / "inductor"))
+os.environ.setdefault("TRITON_CACHE_DIR", str(BUILD / "triton"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """``../shared/data`` next to the checkout (present on developer machines and in CI)."""
+    path = ROOT.parent / "shared" / "data"
+    if not path.is_dir():
+        pytest.skip("../shared/data is not present")
+    return path
