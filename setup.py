@@ -20,10 +20,10 @@ def native_extensions():
 
     cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    extra = {"cxx": ["-O3", "-fopenmp", "-std=c++17"]}
+    extra = {"cxx": ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++20"]}
     kwargs = {"extra_compile_args": extra, "extra_link_args": ["-fopenmp"]}
     if use_cuda:
-        extra["nvcc"] = ["-O3", "--use_fast_math", "-std=c++17"]
+        extra["nvcc"] = ["-O3", "--use_fast_math", "-std=c++20"]
         ext = cpp_extension.CUDAExtension("flowkit._C", sources + cuda_sources, define_macros=[("FLOWKIT_WITH_CUDA", None)], **kwargs)
     else:
         ext = cpp_extension.CppExtension("flowkit._C", sources, **kwargs)

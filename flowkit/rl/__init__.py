@@ -1,0 +1,1 @@
+"""RL math on plain tensors: token rewards, advantages, policy losses, rejection sampling."""

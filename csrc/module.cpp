@@ -1,0 +1,30 @@
+// flowkit._C: the Python module that loads the native ops, and the op schemas (torch.ops.flowkit.*).
+// Kernels register per device in csrc/<op>/<op>_{cpu.cpp,cuda.cu}; Python adds fake tensors and autograd
+// (flowkit/kernels/native/).
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "flowkit native ops (torch.ops.flowkit)", -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(flowkit, m) {
+  // RLFR prologue: x_t = t·x1 + (1−t)·ε for every (percentile, timestep, token) row; ε regenerated from seed.
+  m.def("interpolate_latents(Tensor x1, Tensor timesteps, int seed) -> Tensor");
+  // RLFR epilogue: score[n] = mask[n] · mean_{p,t} w_t · mean_d (v − (x1 − ε))² (eq. 7 with w_t = t/(1−t)).
+  m.def("velocity_deviation(Tensor v, Tensor x1, Tensor timesteps, Tensor weights, int seed, Tensor mask) -> Tensor");
+  m.def(
+      "velocity_deviation_backward(Tensor grad_score, Tensor v, Tensor x1, Tensor timesteps, Tensor weights, int seed, "
+      "Tensor mask) -> Tensor");
+  // Flow-token attention core: RoPE'd flow queries over context keys [0, prefix_len) plus the flow keys (GQA);
+  // returns the output (B, S, F, H, dh) and the float32 log-sum-exp (B, S, F, H) for the backward.
+  m.def(
+      "flow_attention(Tensor q, Tensor flow_k, Tensor flow_v, Tensor context_k, Tensor context_v, "
+      "Tensor prefix_lengths) -> (Tensor, Tensor)");
+  m.def(
+      "flow_attention_backward(Tensor grad_out, Tensor q, Tensor flow_k, Tensor flow_v, Tensor context_k, "
+      "Tensor context_v, Tensor prefix_lengths, Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor)");
+}

@@ -1,0 +1,125 @@
+"""RLFR flow-matching math on tapped latents: the loss (eq. 4) and the debiased deviation score (eq. 5, 7).
+
+Latents arrive as P×B×S×d (P tapped layers). Only *scored* tokens take part: response tokens that have a
+condition (the next response token's latent by default, §3.3), so the last response token gets no score.
+All (layer, timestep) variants of all scored tokens are stacked into one batch for a single velocity-field
+call; the fused kernels (``flowkit.kernels``) regenerate the noise from a seed instead of storing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from flowkit import kernels
+from flowkit.flow.velocity_field import VelocityField
+
+Condition = Literal["next", "previous", "none"]
+
+
+def sample_logit_normal(count: int, generator: torch.Generator | None = None, device=None) -> Tensor:
+    """t = sigmoid(n), n ~ N(0, 1): the offline-pretraining timestep distribution (t = 1 is data)."""
+    return torch.sigmoid(torch.randn(count, generator=generator)).to(device)
+
+
+def scored_token_mask(response_mask: Tensor, condition: Condition = "next") -> Tensor:
+    """B×S bool: response tokens that have the chosen condition token inside the response."""
+    response = response_mask.bool()
+    if condition == "none":
+        return response
+    shifted = torch.zeros_like(response)
+    if condition == "next":
+        shifted[:, :-1] = response[:, 1:]
+    elif condition == "previous":
+        shifted[:, 1:] = response[:, :-1]
+    else:
+        raise ValueError(f"condition must be 'next', 'previous' or 'none', got {condition!r}")
+    return response & shifted
+
+
+def _gather_tokens(latents: Tensor, scored: Tensor, condition: Condition) -> tuple[Tensor, Tensor | None]:
+    """x1 (P×N×d) at the scored positions and their condition latents (P×N×d) or None."""
+    rows, cols = scored.nonzero(as_tuple=True)
+    x1 = latents[:, rows, cols]
+    if condition == "none":
+        return x1, None
+    offset = 1 if condition == "next" else -1
+    return x1, latents[:, rows, cols + offset]
+
+
+def stacked_deviation(
+    field: VelocityField,
+    x1: Tensor,
+    cond: Tensor | None,
+    layer_positions: Sequence[float],
+    timesteps: Tensor,
+    weights: Tensor,
+    seed: int,
+) -> Tensor:
+    """Per-token mean_{t,ℓ} w(t)·mean_d (v − (x1 − ε))² for x1: P×N×d → N (one field call over P·T·N rows)."""
+    num_layers, num_tokens, _ = x1.shape
+    num_times = timesteps.numel()
+    x1 = x1.float()
+    x_t = kernels.interpolate_latents(x1, timesteps, seed)
+    t_rows = timesteps.float().repeat_interleave(num_tokens).repeat(num_layers)
+    layer_rows = torch.tensor(layer_positions, device=x1.device, dtype=torch.float32).repeat_interleave(num_times * num_tokens)
+    cond_rows = None
+    if cond is not None:
+        cond_rows = cond.unsqueeze(1).expand(num_layers, num_times, num_tokens, cond.shape[-1]).reshape(-1, cond.shape[-1])
+    v = field(x_t, t_rows, layer_rows, cond_rows).float()
+    mask = torch.ones(num_tokens, device=x1.device, dtype=torch.float32)
+    return kernels.velocity_deviation(v, x1, timesteps, weights, seed, mask)
+
+
+def velocity_deviation_scores(
+    field: VelocityField,
+    latents: Tensor,
+    response_mask: Tensor,
+    layer_positions: Sequence[float],
+    timesteps: Sequence[float],
+    seed: int,
+    condition: Condition = "next",
+    num_draws: int = 1,
+) -> Tensor:
+    """Debiased deviation R_CFM per token (eq. 7), B×S, zero where a token is not scored.
+
+    R_CFM(a_k) = mean_{t∈T, ℓ∈P} [ t/(1−t) · mean_d (v_φ(x_t, t, c, ℓ) − (x1 − ε))² ] (eq. 5 inside eq. 7).
+    ``num_draws`` > 1 averages independent noise draws (seeds ``seed, seed+1, …``) to reduce variance;
+    a given ``seed`` always gives the same scores.
+    """
+    scored = scored_token_mask(response_mask, condition)
+    scores = torch.zeros(scored.shape, device=latents.device, dtype=torch.float32)
+    if not scored.any():
+        return scores
+    x1, cond = _gather_tokens(latents, scored, condition)
+    t = torch.tensor(list(timesteps), device=latents.device, dtype=torch.float32)
+    weights = kernels.debias_weights(t)
+    total = sum(stacked_deviation(field, x1, cond, layer_positions, t, weights, seed + draw) for draw in range(num_draws))
+    scores[scored] = total / num_draws
+    return scores
+
+
+def flow_matching_loss(
+    field: VelocityField,
+    latents: Tensor,
+    response_mask: Tensor,
+    layer_positions: Sequence[float],
+    timesteps: Tensor,
+    seed: int,
+    condition: Condition = "next",
+) -> Tensor:
+    """Eq. 4: mean over scored tokens, layers, timesteps and the hidden dim of (v − (x1 − ε))².
+
+    Every token is paired with every timestep in ``timesteps`` (logit-normal draws offline, the rewarding
+    timesteps online), which is an unbiased estimate of the expectation over t.
+    """
+    scored = scored_token_mask(response_mask, condition)
+    if not scored.any():
+        return latents.new_zeros((), dtype=torch.float32)
+    x1, cond = _gather_tokens(latents, scored, condition)
+    timesteps = timesteps.to(latents.device, torch.float32)
+    unit = torch.ones_like(timesteps)
+    return stacked_deviation(field, x1, cond, layer_positions, timesteps, unit, seed).mean()

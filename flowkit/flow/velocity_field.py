@@ -1,0 +1,93 @@
+"""Token-wise velocity field v_φ(x_t, t, c, ℓ) of RLFR (§3.2; the official code's adaLN MLP).
+
+No attention across tokens: every row is an independent (latent, timestep, condition, layer) query, which
+is what lets the reward path stack all (layer, timestep) variants of all tokens into one batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def sinusoidal_embedding(values: Tensor, dim: int = 256, max_period: float = 10000.0, scale: float = 1000.0) -> Tensor:
+    """DiT-style embedding of scalars in [0, 1]: ``dim/2`` cosines and sines of ``scale·values``."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=values.device, dtype=torch.float32) / half)
+    args = scale * values.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class ScalarEmbedder(nn.Module):
+    """Sinusoidal features (256 frequencies) → Linear → SiLU → Linear."""
+
+    def __init__(self, width: int, frequencies: int = 256):
+        super().__init__()
+        self.frequencies = frequencies
+        self.mlp = nn.Sequential(nn.Linear(frequencies, width), nn.SiLU(), nn.Linear(width, width))
+
+    def forward(self, values: Tensor) -> Tensor:
+        return self.mlp(sinusoidal_embedding(values, self.frequencies).to(self.mlp[0].weight.dtype))
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    return x * (1 + scale) + shift
+
+
+class AdaLNBlock(nn.Module):
+    """RMSNorm → adaLN(shift, scale) → Linear→SiLU→Linear → gated residual; adaLN zero-initialised."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(width, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
+        self.ada_ln = nn.Sequential(nn.SiLU(), nn.Linear(width, 3 * width))
+        nn.init.zeros_(self.ada_ln[1].weight)
+        nn.init.zeros_(self.ada_ln[1].bias)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        shift, scale, gate = self.ada_ln(y).chunk(3, dim=-1)
+        return x + gate * self.mlp(modulate(self.norm(x), shift, scale))
+
+
+class VelocityField(nn.Module):
+    """v_φ(x_t, t, c, ℓ) → velocity in R^d (RLFR eq. 4's network).
+
+    Args:
+        hidden_size: d, the policy's hidden size (the latents' dimension).
+        width: w, the field's width (default d).
+        depth: number of residual adaLN blocks (paper: 4 for ≤3B policies, 6 for 7B/8B).
+        conditioned: whether a condition latent c (the next token's latent, §3.3) is given.
+    """
+
+    def __init__(self, hidden_size: int, width: int | None = None, depth: int = 4, conditioned: bool = True):
+        super().__init__()
+        width = width or hidden_size
+        self.hidden_size, self.width, self.depth, self.conditioned = hidden_size, width, depth, conditioned
+        self.input_proj = nn.Linear(hidden_size, width)
+        self.t_embed = ScalarEmbedder(width)
+        self.layer_embed = ScalarEmbedder(width)
+        self.cond_proj = nn.Linear(hidden_size, width) if conditioned else None
+        self.blocks = nn.ModuleList(AdaLNBlock(width) for _ in range(depth))
+        self.final_norm = nn.RMSNorm(width, eps=1e-6)
+        self.final_ada_ln = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
+        self.output_proj = nn.Linear(width, hidden_size)
+        for layer in (self.final_ada_ln[1], self.output_proj):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x_t: Tensor, t: Tensor, layer_position: Tensor, condition: Tensor | None = None) -> Tensor:
+        """x_t: M×d, t: M, layer_position: M (h/L), condition: M×d or None → velocity M×d."""
+        dtype = self.input_proj.weight.dtype
+        y = self.t_embed(t) + self.layer_embed(layer_position)
+        if self.cond_proj is not None:
+            if condition is None:
+                raise ValueError("this VelocityField is conditioned; pass the condition latents")
+            y = y + self.cond_proj(condition.to(dtype))
+        x = self.input_proj(x_t.to(dtype))
+        for block in self.blocks:
+            x = block(x, y)
+        shift, scale = self.final_ada_ln(y).chunk(2, dim=-1)
+        return self.output_proj(modulate(self.final_norm(x), shift, scale))

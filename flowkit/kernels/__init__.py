@@ -1,0 +1,19 @@
+"""Fused ops for flow-matching rewards (DESIGN §5): RLFR velocity deviation and flow-token attention.
+
+Every op has a PyTorch reference, Triton kernels, and native C++/CUDA kernels (``torch.ops.flowkit``, built
+from ``csrc/``); :func:`available_backends` lists what runs here and ``FLOWKIT_KERNELS`` forces one.
+"""
+
+from .backends import available_backends
+from .flow_attention import flow_token_attention
+from .rng import flow_noise
+from .velocity_deviation import debias_weights, interpolate_latents, velocity_deviation
+
+__all__ = [
+    "available_backends",
+    "debias_weights",
+    "flow_noise",
+    "flow_token_attention",
+    "interpolate_latents",
+    "velocity_deviation",
+]

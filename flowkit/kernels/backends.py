@@ -1,0 +1,87 @@
+"""Which implementation runs an op: native CUDA → Triton (CUDA tensors) → native CPU (``flowkit._C``) → reference.
+
+``FLOWKIT_KERNELS=reference|triton|native`` forces one; a forced or expected build that is missing falls back to
+the automatic choice with one warning per message. Triton runs on CPU tensors only when forced, which is how the
+tests drive it under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import warnings
+
+import torch
+
+ENV_VAR = "FLOWKIT_KERNELS"
+CHOICES = ("reference", "triton", "native")
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@functools.cache
+def native_loaded() -> bool:
+    """True when ``flowkit._C`` imports (it registers the ``torch.ops.flowkit`` kernels); also registers fakes/autograd."""
+    try:
+        from . import native  # noqa: F401  (registers fake + autograd for the native ops)
+    except ImportError:
+        return False
+    return native.LOADED
+
+
+def native_has(device_type: str) -> bool:
+    """True when ``flowkit._C`` was built with kernels for ``device_type`` ("cpu" or "cuda")."""
+    if not native_loaded():
+        return False
+    key = "CUDA" if device_type == "cuda" else "CPU"
+    return torch._C._dispatch_has_kernel_for_dispatch_key("flowkit::velocity_deviation", key)
+
+
+@functools.cache
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available_backends(device_type: str | None = None) -> list[str]:
+    """Backends usable for tensors on ``device_type`` (default: CUDA if available, else CPU), in dispatch order."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    found = []
+    if device_type == "cuda" and native_has("cuda"):
+        found.append("native")
+    if triton_importable() and (device_type == "cuda" or triton_interpreting()):
+        found.append("triton")
+    if device_type == "cpu" and native_has("cpu"):
+        found.append("native")
+    found.append("reference")
+    return found
+
+
+def select_backend(device: torch.device) -> str:
+    """The backend an op on ``device`` runs with (see module docstring)."""
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    available = available_backends(device.type)
+    if forced:
+        if forced not in CHOICES:
+            raise ValueError(f"{ENV_VAR}={forced!r}; expected one of {CHOICES}")
+        if forced in available:
+            return forced
+        warn_once(f"{ENV_VAR}={forced} is not available for {device.type} tensors; using {available[0]}")
+        return available[0]
+    if device.type == "cuda":
+        if "native" not in available:
+            warn_once("flowkit._C has no CUDA kernels (build with a CUDA toolkit and a CUDA torch); using "
+                      + ("Triton" if "triton" in available else "the reference ops"))
+        return available[0]
+    if "native" not in available:
+        warn_once("flowkit._C is not built (pip install -e . builds it); using the PyTorch reference ops")
+    return "native" if "native" in available else "reference"

@@ -1,0 +1,12 @@
+"""Python side of the native ops in ``csrc/`` (``torch.ops.flowkit``): fake tensors and autograd registrations.
+
+Importing this package loads ``flowkit._C``; ``LOADED`` says whether that worked.
+"""
+
+try:
+    import flowkit._C  # noqa: F401  (static TORCH_LIBRARY registrations run on load)
+except ImportError:
+    LOADED = False
+else:
+    LOADED = True
+    from . import flow_attention, velocity_deviation  # noqa: F401  (register fake + autograd)

@@ -1,0 +1,110 @@
+"""Rollout generation and (prompt, response) encoding into :class:`RolloutBatch` layout.
+
+Layout: each row is ``[left padding][prompt][response][right padding]`` — the layout HF ``generate``
+produces. Positions are derived from the attention mask (see :func:`position_ids`), so a forward over a
+batch gives the same logits as the generation did.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from flowkit.batch import RolloutBatch
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only, so left padding does not shift them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _response_mask(generated: Tensor, eos_token_id: int | None) -> Tensor:
+    """1 on generated tokens up to and including the first EOS."""
+    if eos_token_id is None:
+        return torch.ones_like(generated, dtype=torch.float32)
+    is_eos = generated == eos_token_id
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    return (~after_eos).float()
+
+
+class RolloutEngine:
+    """Samples ``n`` responses per prompt with HF ``generate`` and packs them into a :class:`RolloutBatch`."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_new_tokens: int = 1024,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        answers: list[str] | None = None,
+        temperature: float | None = None,
+    ) -> RolloutBatch:
+        """``n`` samples per prompt (rows grouped: prompt i → rows i·n … i·n+n−1); temperature 0 is greedy."""
+        temperature = self.temperature if temperature is None else temperature
+        device = next(self.model.parameters()).device
+        encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": self.top_p} if temperature > 0 else {"do_sample": False}
+        was_training = self.model.training
+        self.model.eval()
+        output = self.model.generate(
+            **encoded,
+            max_new_tokens=self.max_new_tokens,
+            num_return_sequences=n,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            **sampling,
+        )
+        self.model.train(was_training)
+        prompt_len = encoded["input_ids"].shape[1]
+        generated = output[:, prompt_len:]
+        response_mask = _response_mask(generated, self.tokenizer.eos_token_id)
+        prompt_mask = encoded["attention_mask"].repeat_interleave(n, dim=0)
+        generated = torch.where(response_mask.bool(), generated, self.tokenizer.pad_token_id)
+        responses = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        return RolloutBatch(
+            input_ids=torch.cat([output[:, :prompt_len], generated], dim=1),
+            attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
+            response_mask=torch.cat([torch.zeros_like(prompt_mask, dtype=torch.float32), response_mask], dim=1),
+            group_ids=torch.arange(len(prompts), device=device).repeat_interleave(n),
+            prompts=[p for p in prompts for _ in range(n)],
+            responses=responses,
+            answers=[a for a in answers for _ in range(n)] if answers is not None else [],
+        )
+
+
+def encode_pairs(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], responses: list[str], answers: list[str] | None = None,
+    append_eos: bool = True,
+) -> RolloutBatch:
+    """Pack given (prompt, response) pairs into the same layout as :meth:`RolloutEngine.generate`.
+
+    Used for expert solutions (offline flow pretraining) and for scoring existing responses.
+    """
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    eos = [tokenizer.eos_token_id] if append_eos and tokenizer.eos_token_id is not None else []
+    response_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + eos for r in responses]
+    length = max(len(r) for r in response_ids)
+    pad = tokenizer.pad_token_id
+    generated = torch.tensor([r + [pad] * (length - len(r)) for r in response_ids], dtype=torch.long)
+    response_mask = torch.tensor([[1.0] * len(r) + [0.0] * (length - len(r)) for r in response_ids])
+    prompt_mask = encoded["attention_mask"]
+    return RolloutBatch(
+        input_ids=torch.cat([encoded["input_ids"], generated], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
+        response_mask=torch.cat([torch.zeros_like(prompt_mask, dtype=torch.float32), response_mask], dim=1),
+        group_ids=torch.arange(len(prompts)),
+        prompts=list(prompts),
+        responses=list(responses),
+        answers=list(answers) if answers is not None else [],
+    )

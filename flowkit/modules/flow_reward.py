@@ -1,0 +1,76 @@
+"""`FlowRewardModule`: offline flow pretraining on expert solutions with the backbone frozen (RLFR §3.2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from flowkit.llm.backbone import load_backbone
+from flowkit.llm.latent_tap import LatentTap
+from flowkit.llm.rollout import encode_pairs, position_ids
+from flowkit.rewards.flow_reward import FlowReward
+
+
+class FlowRewardModule(L.LightningModule):
+    """Pretrain a :class:`FlowReward`'s velocity field on latents of expert (prompt, solution) pairs.
+
+    The frozen backbone runs in inference mode with a :class:`LatentTap`; only the field trains (eq. 4,
+    logit-normal t). ``export_artifacts`` writes the field as safetensors for ``FlowReward(weights=...)``.
+
+    Args:
+        backbone: hub id, local dir or ``bundled:NAME`` of the policy whose latents are modelled.
+        reward_model: the FlowReward whose field is trained (its percentiles, depth, condition).
+        lr: peak learning rate (paper: 1e-4); warmup_ratio: linear warmup fraction of ``max_steps``.
+        dtype, trust_remote_code: backbone loading.
+    """
+
+    def __init__(
+        self,
+        backbone: str = "bundled:tiny_adder",
+        reward_model: FlowReward | None = None,
+        lr: float = 1e-4,
+        warmup_ratio: float = 0.1,
+        dtype: str = "float32",
+        trust_remote_code: bool = False,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["reward_model"])
+        self.backbone, self.tokenizer = load_backbone(backbone, dtype, trust_remote_code)
+        self.backbone.requires_grad_(False).eval()
+        self.reward_model = reward_model or FlowReward()
+        self.tap = LatentTap(self.backbone, self.reward_model.percentiles)
+        self.reward_model.bind(self.backbone.config.hidden_size, self.tap.layer_positions)
+        self.generator = torch.Generator()
+
+    def on_fit_start(self) -> None:
+        self.generator.manual_seed(torch.initial_seed() % 2**31)
+
+    def expert_latents(self, rows: dict[str, list[str]]):
+        expert = encode_pairs(self.tokenizer, rows["prompt"], rows["solution"]).to(self.device)
+        with torch.no_grad(), self.tap:
+            self.backbone(input_ids=expert.input_ids, attention_mask=expert.attention_mask,
+                          position_ids=position_ids(expert.attention_mask))
+        return self.tap.latents, expert.response_mask
+
+    def training_step(self, rows: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        latents, mask = self.expert_latents(rows)
+        loss = self.reward_model.pretrain_loss(latents, mask, self.generator)
+        self.log("train/flow_loss", loss, prog_bar=True, batch_size=len(rows["prompt"]))
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.reward_model.parameters(), lr=self.hparams.lr)
+        total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches)
+        warmup = max(1, int(self.hparams.warmup_ratio * total))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def export_artifacts(self, directory: str | Path) -> dict[str, Path]:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "flow.safetensors"
+        self.reward_model.save_field(path)
+        return {"flow": path}

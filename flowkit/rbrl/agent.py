@@ -1,0 +1,143 @@
+"""One RBRL agent step (seed 002 Alg. 1 lines 3–10) and episode evaluation.
+
+The rule selection itself is a callback ``choose(observation) -> rule index`` so the same loop serves
+the trained selector, uniform-random choice and fixed-rule baselines.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flowkit.rbrl.encoder import EmbeddingCache
+from flowkit.rbrl.judges import Judge
+from flowkit.rbrl.language import LanguageEnv
+from flowkit.rbrl.rules import Rule
+from flowkit.rbrl.sources import RuleGenerationError, RuleSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Observation:
+    """The augmented state s̃_t: numeric state, candidate rules and their embeddings (R×E)."""
+
+    state: Tensor
+    rules: list[Rule]
+    embeddings: Tensor
+
+
+@dataclass
+class StepRecord:
+    """What happened at one step; the explanation log and ``flowkit explain-rules`` print these."""
+
+    t: int
+    state_text: str
+    rules: list[dict]
+    chosen: int | None
+    action: int
+    action_text: str
+    explanation: str
+    env_reward: float
+    rule_reward: float
+    probabilities: list[float] = field(default_factory=list)
+
+
+Chooser = Callable[[Observation], int]
+
+
+class RuleAgent:
+    """Drives one :class:`LanguageEnv` with a rule source, a judge and the embedding cache."""
+
+    def __init__(self, env: LanguageEnv, source: RuleSource, judge: Judge, embeddings: EmbeddingCache, max_rules: int):
+        self.env = env
+        self.source = source
+        self.judge = judge
+        self.embeddings = embeddings
+        self.max_rules = max_rules
+        self.generation_failures = 0
+        self.t = 0
+
+    def reset(self, seed: int) -> Observation:
+        self.env.reset(seed=seed)
+        self.source.seed(seed)
+        self.t = 0
+        return self.observe()
+
+    def observe(self) -> Observation:
+        state = torch.from_numpy(self.env.state_features())
+        try:
+            rules = self.source.generate(self.env)[: self.max_rules]
+        except RuleGenerationError as err:
+            self.generation_failures += 1
+            log.warning("no rules for this state (%d failures so far): %s", self.generation_failures, err)
+            rules = []
+        embeddings = self.embeddings([r.embedding_text for r in rules]) if rules else torch.zeros(0, 0)
+        return Observation(state, rules, embeddings)
+
+    def step(self, obs: Observation, chosen: int | None, probabilities: list[float] | None = None):
+        """Apply rule ``chosen`` (None when the source gave no rules: a random valid action, not stored).
+
+        Returns (env_reward, rule_reward, done, next observation or None when done, record)."""
+        valid = self.env.valid_actions()
+        if chosen is None:
+            action = int(self.env.np_random.choice(sorted(valid)))
+            rule, rule_reward = None, 0.0
+            explanation = "no valid rules were produced for this state; a random valid action was taken"
+        else:
+            rule = obs.rules[chosen]
+            decision = self.source.act(self.env, rule)
+            action, explanation = decision.action, decision.explanation
+            rule_reward = self.judge.score(self.env, rule, decision)
+        record = StepRecord(
+            t=self.t, state_text=self.env.describe(), rules=[r.as_json() | {"name": r.name} for r in obs.rules],
+            chosen=chosen, action=action, action_text=valid.get(action, f"invalid action {action}"),
+            explanation=explanation, env_reward=0.0, rule_reward=rule_reward, probabilities=probabilities or [],
+        )
+        _, env_reward, terminated, truncated, _ = self.env.step(action)
+        record.env_reward = float(env_reward)
+        self.t += 1
+        done = terminated or truncated
+        return float(env_reward), rule_reward, done, (None if done else self.observe()), record
+
+
+def run_episode(agent: RuleAgent, choose: Chooser, seed: int) -> tuple[float, list[StepRecord]]:
+    """Environment return of one episode (rule rewards are recorded, not added)."""
+    obs = agent.reset(seed)
+    total, records = 0.0, []
+    while obs is not None:
+        chosen = choose(obs) if obs.rules else None
+        env_reward, _, _, obs, record = agent.step(obs, chosen)
+        total += env_reward
+        records.append(record)
+    return total, records
+
+
+def random_chooser(seed: int) -> Chooser:
+    rng = np.random.default_rng(seed)
+    return lambda obs: int(rng.integers(len(obs.rules)))
+
+
+def fixed_rule_chooser(name: str) -> Chooser:
+    def choose(obs: Observation) -> int:
+        for i, rule in enumerate(obs.rules):
+            if rule.name == name:
+                return i
+        raise LookupError(f"rule {name!r} is not among this step's candidates")
+
+    return choose
+
+
+def evaluate(agent: RuleAgent, choose_for_seed: Callable[[int], Chooser], seeds: list[int], episodes: int) -> np.ndarray:
+    """Mean episode return per evaluation seed (episode seeds ``1000·seed + k``), shape (len(seeds),)."""
+    means = []
+    for seed in seeds:
+        choose = choose_for_seed(seed)
+        returns = [run_episode(agent, choose, 1000 * seed + k)[0] for k in range(episodes)]
+        means.append(float(np.mean(returns)))
+    return np.asarray(means)

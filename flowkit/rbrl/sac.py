@@ -1,0 +1,61 @@
+"""Discrete soft actor-critic over a variable set of rules (seed 002 §5.4, App. Alg. 3; Christodoulou 2019).
+
+All functions take per-rule tensors B×R with a bool ``mask`` (True = real rule) and are pure, so they
+can be checked against hand-computed values. With π = softmax over real rules:
+
+    V(s')   = Σ_a π(a|s') [min(Q̄1, Q̄2)(s', a) − α log π(a|s')]          (soft state value, target nets)
+    y       = r + γ (1 − done) V(s')
+    L_Q     = mean (Q1(s, a) − y)² + mean (Q2(s, a) − y)²
+    L_π     = mean_s Σ_a π(a|s) [α log π(a|s) − min(Q1, Q2)(s, a)]        (KL to the Boltzmann policy)
+    L_α     = mean_s log α · (H(π(·|s)) − H̄(s)),  H̄(s) = ratio · log |R_s|  (auto-tuned temperature)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def _expect(probs: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """Σ_a π(a) values(a) over real rules; padded entries (π = 0, values may be ±inf) contribute 0."""
+    return torch.where(mask, probs * values, torch.zeros_like(values)).sum(-1)
+
+
+def entropy(log_pi: Tensor, mask: Tensor) -> Tensor:
+    return -_expect(log_pi.exp(), log_pi, mask)
+
+
+def soft_q_target(
+    reward: Tensor, done: Tensor, next_log_pi: Tensor, next_q1: Tensor, next_q2: Tensor, next_mask: Tensor,
+    alpha: Tensor | float, gamma: float,
+) -> Tensor:
+    value = _expect(next_log_pi.exp(), torch.min(next_q1, next_q2) - alpha * next_log_pi, next_mask)
+    return reward + gamma * (1.0 - done.float()) * value
+
+
+def critic_loss(q1: Tensor, q2: Tensor, action: Tensor, target: Tensor) -> Tensor:
+    index = action.long().unsqueeze(-1)
+    target = target.detach()
+    q1_taken, q2_taken = q1.gather(-1, index).squeeze(-1), q2.gather(-1, index).squeeze(-1)
+    return ((q1_taken - target) ** 2).mean() + ((q2_taken - target) ** 2).mean()
+
+
+def actor_loss(log_pi: Tensor, q1: Tensor, q2: Tensor, mask: Tensor, alpha: Tensor | float) -> Tensor:
+    q_min = torch.min(q1, q2).detach()
+    return _expect(log_pi.exp(), alpha * log_pi - q_min, mask).mean()
+
+
+def target_entropy(mask: Tensor, ratio: float) -> Tensor:
+    return ratio * torch.log(mask.sum(-1).float())
+
+
+def temperature_loss(log_alpha: Tensor, log_pi: Tensor, mask: Tensor, ratio: float) -> Tensor:
+    gap = (entropy(log_pi, mask) - target_entropy(mask, ratio)).detach()
+    return (log_alpha * gap).mean()
+
+
+@torch.no_grad()
+def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
+    """Polyak averaging θ̄ ← (1 − τ) θ̄ + τ θ."""
+    for t, s in zip(target.parameters(), source.parameters()):
+        t.lerp_(s, tau)

@@ -1,0 +1,198 @@
+"""Template rule libraries: the offline, deterministic rule source.
+
+Every template rule is executable: ``preferred(env)`` lists the valid actions the rule allows in the
+current state (best first), so the action follows from the rule. The libraries deliberately mix good,
+mediocre and bad prioritisation strategies, as an LLM's candidate rules do (seed 002 Prop. 6.1 only
+needs a good rule to be among the candidates); the selector has to learn which to follow when.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowkit.rbrl.language import LanguageEnv
+from flowkit.rbrl.rules import Rule
+from flowkit.rbrl.sources import Decision, RuleSource
+
+
+@dataclass(frozen=True)
+class TemplateRule:
+    name: str
+    background: str
+    rule: str
+    preferred: Callable[[LanguageEnv], list[int]]
+
+    def instantiate(self, env: LanguageEnv) -> Rule:
+        preferred = tuple(self.preferred(env))
+        valid = env.valid_actions()
+        if not preferred or any(a not in valid for a in preferred):
+            raise AssertionError(f"template rule {self.name} proposed {preferred}, valid: {sorted(valid)}")
+        if len(preferred) == 1:
+            relevance = f"In the current state this means: {valid[preferred[0]]}."
+        else:
+            relevance = "In the current state it allows: " + "; ".join(valid[a] for a in preferred) + "."
+        return Rule(self.background, self.rule, relevance, name=self.name, preferred=preferred)
+
+
+# ---- bin packing -------------------------------------------------------------------------------------
+
+
+def _fitting_levels(env) -> list[int]:
+    return [a for a in env.valid_actions() if a > 0]
+
+
+def _best_fit(env) -> list[int]:
+    levels = _fitting_levels(env)
+    return [max(levels)] if levels else [0]
+
+
+def _worst_fit(env) -> list[int]:
+    levels = _fitting_levels(env)
+    return [min(levels)] if levels else [0]
+
+
+def _exact_fit_else_new(env) -> list[int]:
+    exact = env.unwrapped.capacity - env.unwrapped.item
+    return [exact] if exact in _fitting_levels(env) else [0]
+
+
+def _any_fit(env) -> list[int]:
+    return _fitting_levels(env) or [0]
+
+
+def _new_for_large(env) -> list[int]:
+    return [0] if env.unwrapped.item >= 6 else _best_fit(env)
+
+
+def _new_for_small(env) -> list[int]:
+    return [0] if env.unwrapped.item <= 2 else _best_fit(env)
+
+
+BINPACKING_RULES = (
+    TemplateRule(
+        "best_fit", "A fuller bag has less room left to waste, so topping it up closes gaps soonest.",
+        "Put the item into the fullest open bag that still has room for it; open a new bag only if none fits.",
+        _best_fit),
+    TemplateRule(
+        "exact_fit_else_new", "A bag filled exactly to capacity has zero waste.",
+        "If some bag has exactly the item's size left free, fill it; otherwise open a new bag.",
+        _exact_fit_else_new),
+    TemplateRule(
+        "worst_fit", "Bags with much free space can absorb the item without blocking later large items.",
+        "Put the item into the emptiest open bag that has room for it; open a new bag only if none fits.",
+        _worst_fit),
+    TemplateRule(
+        "any_fit", "Reusing open bags avoids the cost of new ones.",
+        "Put the item into any open bag where it fits; open a new bag only if none fits.",
+        _any_fit),
+    TemplateRule(
+        "new_for_large", "Large items fill most of a bag by themselves.",
+        "Give every item of size 6 or more its own new bag; put smaller items into the fullest bag where they fit.",
+        _new_for_large),
+    TemplateRule(
+        "new_for_small", "Small items are frequent, so they can start fresh bags that later items fill.",
+        "Open a new bag for every item of size 2; put larger items into the fullest bag where they fit.",
+        _new_for_small),
+    TemplateRule(
+        "always_new", "Keeping items apart keeps every bag easy to handle.",
+        "Open a new bag for every item.",
+        lambda env: [0]),
+)
+
+
+# ---- wearable devices --------------------------------------------------------------------------------
+
+
+def _patients(env, score: np.ndarray, highest: bool = True) -> list[int]:
+    """Give the device to the patient with the highest (or lowest) score, when budget allows."""
+    hold = env.unwrapped.num_patients
+    if env.unwrapped.budget_left <= 0:
+        return [hold]
+    return [int(np.argmax(score) if highest else np.argmin(score))]
+
+
+def _highest_risk_when_needed(env, danger: float = -0.2) -> list[int]:
+    risks = env.risks()
+    if env.unwrapped.budget_left <= 0 or risks.min() > danger:
+        return [env.unwrapped.num_patients]
+    return [int(np.argmin(risks))]
+
+
+def _any_at_risk(env) -> list[int]:
+    hold = env.unwrapped.num_patients
+    at_risk = [int(i) for i in np.flatnonzero(env.risks() < 0)]
+    return at_risk if env.unwrapped.budget_left > 0 and at_risk else [hold]
+
+
+WEARABLES_RULES = (
+    TemplateRule(
+        "highest_risk", "The reward charges each patient's current risk, so the riskiest patient gains most.",
+        "Give the device to the patient with the highest current risk penalty.",
+        lambda env: _patients(env, env.risks(), highest=False)),
+    TemplateRule(
+        "highest_risk_when_needed", "Budget is limited; spend it only when someone is clearly in danger.",
+        "Give the device to the highest-risk patient only if that patient's risk penalty exceeds 0.2; otherwise keep it.",
+        _highest_risk_when_needed),
+    TemplateRule(
+        "highest_temperature", "Fever is an early sign of infection after delivery.",
+        "Give the device to the patient with the highest temperature.",
+        lambda env: _patients(env, env.unwrapped.vitals[:, 0])),
+    TemplateRule(
+        "lowest_spo2", "Low oxygen saturation is an acute danger sign.",
+        "Give the device to the patient with the lowest SpO2.",
+        lambda env: _patients(env, env.unwrapped.vitals[:, 3], highest=False)),
+    TemplateRule(
+        "highest_pulse", "Tachycardia can signal haemorrhage.",
+        "Give the device to the patient with the highest pulse.",
+        lambda env: _patients(env, env.unwrapped.vitals[:, 1])),
+    TemplateRule(
+        "any_at_risk", "Any patient beyond a threshold may deteriorate.",
+        "Give the device to a patient who has at least one vital sign beyond its threshold.",
+        _any_at_risk),
+    TemplateRule(
+        "most_stable", "Stable patients respond best to monitoring and stay healthy.",
+        "Give the device to the patient with the lowest current risk penalty.",
+        lambda env: _patients(env, env.risks())),
+    TemplateRule(
+        "save_budget", "Devices are scarce and may be needed more later.",
+        "Keep the device unused this step.",
+        lambda env: [env.unwrapped.num_patients]),
+)
+
+LIBRARIES = {"binpacking": BINPACKING_RULES, "wearables": WEARABLES_RULES}
+
+
+class TemplateRuleSource(RuleSource):
+    """Rules from a fixed library (offline default): all of them (or ``num_rules`` sampled) each step,
+    in a shuffled order so the selector cannot rely on positions."""
+
+    def __init__(self, library: str, num_rules: int | None = None, shuffle: bool = True, seed: int = 0):
+        if library not in LIBRARIES:
+            raise ValueError(f"unknown rule library {library!r}; choose from {sorted(LIBRARIES)}")
+        self.library = LIBRARIES[library]
+        self.num_rules = num_rules or len(self.library)
+        if not 1 <= self.num_rules <= len(self.library):
+            raise ValueError(f"num_rules must be in [1, {len(self.library)}]")
+        self.shuffle = shuffle
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def rule_names(self) -> list[str]:
+        return [r.name for r in self.library]
+
+    def seed(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def generate(self, env: LanguageEnv) -> list[Rule]:
+        order = np.arange(len(self.library))
+        if self.shuffle:
+            order = self.rng.permutation(order)
+        return [self.library[i].instantiate(env) for i in order[: self.num_rules]]
+
+    def act(self, env: LanguageEnv, rule: Rule) -> Decision:
+        action = rule.preferred[0]
+        text = env.valid_actions()[action]
+        return Decision(action, f"I {text} because of the rule: {rule.rule} {rule.state_relevance}")

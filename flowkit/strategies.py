@@ -1,0 +1,132 @@
+"""DeepSpeed strategies: ZeRO-offload-aware on GPUs, and a CPU variant (gloo) that CI runs.
+
+Lightning's ``DeepSpeedStrategy`` takes the module's single optimizer — flowkit's policy and flow share
+one optimizer with two parameter groups (DESIGN.md §1), so nothing special is needed for that. Two gaps
+are filled here:
+
+* ZeRO optimizer offload refuses a plain ``torch.optim.Adam(W)``; :class:`FlowkitDeepSpeedStrategy`
+  rebuilds it as ``DeepSpeedCPUAdam`` with the same parameter groups and hyperparameters, so modules
+  stay strategy-agnostic.
+* Lightning refuses DeepSpeed without CUDA; :class:`CPUDeepSpeedStrategy` runs ZeRO 0–3 on CPU
+  processes (``devices=N`` on the CPU accelerator) over gloo with DeepSpeed's CPU accelerator.
+
+Use them in a config as::
+
+    trainer:
+      strategy:
+        class_path: flowkit.strategies.CPUDeepSpeedStrategy
+        init_args: {config: configs/deepspeed/zero2.json}
+
+or by the registered names ``deepspeed_cpu``, ``deepspeed_cpu_stage_2``, ``deepspeed_cpu_stage_3``,
+``deepspeed_cpu_stage_3_offload`` and ``deepspeed_stage_3_offload_cpuadam`` (GPU), once this module is
+imported (the ``flowkit`` CLI imports it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from torch.optim import Optimizer
+
+
+class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy; with ZeRO optimizer offload, Adam/AdamW become ``DeepSpeedCPUAdam``."""
+
+    def _init_optimizers(self) -> tuple[Optimizer, Any]:
+        optimizer, scheduler_config = super()._init_optimizers()
+        if not self._offloads_optimizer():
+            return optimizer, scheduler_config
+        offloaded = _as_cpu_adam(optimizer)
+        if scheduler_config is not None:
+            # The scheduler keeps a reference to the optimizer whose param_groups it steps.
+            scheduler_config.scheduler.optimizer = offloaded
+        return offloaded, scheduler_config
+
+    def _offloads_optimizer(self) -> bool:
+        offload = (self.config or {}).get("zero_optimization", {}).get("offload_optimizer") or {}
+        return offload.get("device", "none") in ("cpu", "nvme")
+
+
+class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
+    """DeepSpeed ZeRO on CPU processes: gloo process group, ``DS_ACCELERATOR=cpu``, fp32 or bf16."""
+
+    strategy_name = "deepspeed_cpu"
+
+    def setup_environment(self) -> None:
+        if not isinstance(self.accelerator, CPUAccelerator):
+            raise RuntimeError(
+                f"{type(self).__name__} runs on the CPU accelerator, got {type(self.accelerator).__name__};"
+                " on GPUs use flowkit.strategies.FlowkitDeepSpeedStrategy"
+            )
+        _use_deepspeed_cpu_accelerator()
+        # Lightning checks, and DeepSpeed reads, the device index as the local rank; CPU devices carry
+        # none by default (a CPU tensor ignores the index).
+        self.parallel_devices = [torch.device("cpu", index) for index in range(len(self.parallel_devices))]
+        # Skip DeepSpeedStrategy.setup_environment: its only addition is the CUDA check.
+        DDPStrategy.setup_environment(self)
+
+    def _get_process_group_backend(self) -> str:
+        # DeepSpeed's CPU accelerator would pick oneCCL, which is rarely installed.
+        return self._process_group_backend or "gloo"
+
+
+def _use_deepspeed_cpu_accelerator() -> None:
+    """Point DeepSpeed at its CPU accelerator, also for ranks this process launches."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+
+
+def _as_cpu_adam(optimizer: Optimizer) -> Optimizer:
+    """``DeepSpeedCPUAdam`` over ``optimizer``'s parameter groups (lr, betas, eps, weight decay kept)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        return optimizer
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise TypeError(
+            f"ZeRO optimizer offload needs DeepSpeedCPUAdam; flowkit converts Adam/AdamW, got {type(optimizer).__name__}"
+        )
+    groups = [dict(group) for group in optimizer.param_groups]
+    defaults = optimizer.defaults
+    return DeepSpeedCPUAdam(
+        groups,
+        lr=defaults["lr"],
+        betas=defaults["betas"],
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        adamw_mode=isinstance(optimizer, torch.optim.AdamW),
+    )
+
+
+def _register() -> None:
+    cpu = CPUDeepSpeedStrategy
+    entries = {
+        "deepspeed_cpu": (cpu, "DeepSpeed ZeRO stage 2 on CPU processes (gloo)", {}),
+        "deepspeed_cpu_stage_2": (cpu, "DeepSpeed ZeRO stage 2 on CPU processes (gloo)", {"stage": 2}),
+        "deepspeed_cpu_stage_3": (cpu, "DeepSpeed ZeRO stage 3 on CPU processes (gloo)", {"stage": 3}),
+        "deepspeed_cpu_stage_3_offload": (
+            cpu,
+            "DeepSpeed ZeRO stage 3 with optimizer offload (DeepSpeedCPUAdam) on CPU processes",
+            {"stage": 3, "offload_optimizer": True},
+        ),
+        "deepspeed_stage_3_offload_cpuadam": (
+            FlowkitDeepSpeedStrategy,
+            "DeepSpeed ZeRO stage 3 with optimizer offload; Adam/AdamW become DeepSpeedCPUAdam",
+            {"stage": 3, "offload_optimizer": True},
+        ),
+    }
+    for name, (cls, description, init_params) in entries.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, cls, description=description, **init_params)
+
+
+_register()

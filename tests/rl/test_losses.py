@@ -1,0 +1,63 @@
+import math
+
+import pytest
+import torch
+
+from flowkit.rl.losses import clipped_policy_loss, kl_penalty
+from flowkit.rl.metrics import pass_at_k
+from flowkit.rl.rejection import RolloutLatentBuffer, accept_rollouts
+
+
+def test_clipped_policy_loss_by_hand():
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios 1.5, 0.5, 1.1
+    adv = torch.tensor([[1.0, 1.0, -2.0]])
+    mask = torch.ones(1, 3)
+    loss, info = clipped_policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    # min(ρA, clip(ρ)A): 1.2 (clipped), 0.5 (unclipped is smaller), -2.2 (unclipped is smaller)
+    assert loss.item() == pytest.approx(-(1.2 + 0.5 - 2.2) / 3)
+    assert info["clip_fraction"].item() == pytest.approx(1 / 3)
+
+
+def test_clip_high_is_asymmetric_and_seq_mean_differs_from_token_mean():
+    old = torch.zeros(2, 2)
+    new = torch.log(torch.tensor([[1.5, 1.5], [1.5, 1.0]]))
+    adv = torch.ones(2, 2)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    token, _ = clipped_policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="token-mean")
+    assert token.item() == pytest.approx(-1.28)
+    seq, _ = clipped_policy_loss(new, old, adv * torch.tensor([[1.0], [2.0]]), mask, 0.2, 0.28, "seq-mean")
+    assert seq.item() == pytest.approx(-(1.28 + 2.56) / 2)
+
+
+def test_kl_penalty_zero_when_equal_and_positive_otherwise():
+    lp = torch.log(torch.tensor([[0.5, 0.25]]))
+    mask = torch.ones(1, 2)
+    assert kl_penalty(lp, lp, mask).item() == 0.0
+    ref = torch.log(torch.tensor([[0.25, 0.25]]))
+    expected = (0.5 - math.log(0.5) - 1) / 2
+    assert kl_penalty(lp, ref, mask).item() == pytest.approx(expected)
+
+
+def test_pass_at_k_by_hand():
+    values = pass_at_k(4, torch.tensor([0, 1, 4]), 2)
+    assert torch.allclose(values, torch.tensor([0.0, 1 - 3 / 6, 1.0]))
+
+
+def test_accept_rollouts_metrics():
+    correct = torch.tensor([True, False, True, False])
+    entropy = torch.tensor([0.1, 0.9, 0.8, 0.2])
+    assert accept_rollouts("correct", correct, entropy).tolist() == [True, False, True, False]
+    assert accept_rollouts("entropy", correct, entropy).tolist() == [False, True, True, False]
+    assert accept_rollouts("both", correct, entropy).tolist() == [False, False, True, False]
+
+
+def test_latent_buffer_pops_oldest_padded():
+    buffer = RolloutLatentBuffer()
+    latents = torch.arange(2 * 2 * 3 * 1, dtype=torch.float32).view(2, 2, 3, 1)
+    buffer.add(latents, torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]))
+    assert len(buffer) == 2
+    popped, mask = buffer.pop(2)
+    assert popped.shape == (2, 2, 3, 1) and len(buffer) == 0
+    assert mask.tolist() == [[0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]
+    assert torch.equal(popped[:, 0, :2], latents[:, 0, :2]) and torch.equal(popped[:, 0, 2], torch.zeros(2, 1))
