@@ -20,7 +20,7 @@ def native_extensions():
 
     cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    extra = {"cxx": ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++20"]}
+    extra = {"cxx": ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++20"]}
     kwargs = {"extra_compile_args": extra, "extra_link_args": ["-fopenmp"]}
     if use_cuda:
         extra["nvcc"] = ["-O3", "--use_fast_math", "-std=c++20"]

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
+from flowkit.checkpointing import fault_tolerance_defaults
+
 _SUBCOMMANDS: dict[str, Callable] = {}
 
 
@@ -60,6 +62,7 @@ class FlowkitCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("trainer_defaults", fault_tolerance_defaults())
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -72,6 +75,7 @@ class FlowkitCLI(LightningCLI):
 
 def _load_builtin_subcommands() -> None:
     import flowkit.commands  # noqa: F401  (registers flowkit's own subcommands)
+    import flowkit.strategies  # noqa: F401  (registers the deepspeed_cpu* strategy names)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ Run once from the repository root (a few minutes on 2 CPU cores)::
 
 Writes ``flowkit/assets/gridworld/{train,test}.jsonl`` (records ``{context, decisions, decision,
 explanation, kind, implied}``, see :mod:`flowkit.explain.gridworld`) and, under
-``flowkit/assets/explain_tiny/``, a character-level explanation LLM ``policy`` fine-tuned on
+``flowkit/assets/explain_tiny/``, a word-level explanation LLM ``policy`` fine-tuned on
 ``explanation_prompt(context) → explanation`` (a mix of informative, filler and misleading references, so
 it starts imperfect) and three proxy LLMs ``proxy0..2`` fine-tuned on ``proxy_prompt(context, s^{1:k}) →
 decision`` with the loss on the decision only. A proxy's label is the decision the reasoning implies
@@ -23,29 +23,20 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import processors
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig
 
 from flowkit.explain.gridworld import DECISIONS, make_records
 from flowkit.explain.prompts import explanation_prompt, proxy_prompt
 from flowkit.explain.proxy import decision_logits
 from flowkit.explain.sentences import split_sentences
-from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
+from flowkit.explain.tokenizer import word_tokenizer
+from flowkit.llm.tiny import tiny_qwen2
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "flowkit" / "assets" / "gridworld"
 MODELS = ROOT / "flowkit" / "assets" / "explain_tiny"
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:=?+-\n"
 POLICY_SHAPE = dict(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=256)
 PROXY_SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
-
-
-def build_tokenizer() -> PreTrainedTokenizerBase:
-    tokenizer = char_tokenizer(ALPHABET)
-    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", tokenizer.bos_token_id)])
-    tokenizer.padding_side = "left"  # batched generation continues right after each prompt
-    return tokenizer
 
 
 def sft_tensors(tokenizer, pairs: list[tuple[str, str]], eos: bool) -> tuple[torch.Tensor, ...]:
@@ -116,17 +107,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # the machine is shared; more threads only contend
 
     train, test = make_records(args.train, args.seed), make_records(args.test, args.seed + 1)
     write_jsonl(DATA / "train.jsonl", train)
     write_jsonl(DATA / "test.jsonl", test)
-    tokenizer = build_tokenizer()
+    tokenizer = word_tokenizer(
+        text for r in train + test
+        for text in (explanation_prompt(r["context"]), r["explanation"], proxy_prompt(r["context"], ""), *DECISIONS))
 
     policy = tiny_qwen2(len(tokenizer), **POLICY_SHAPE)
     pairs = [(explanation_prompt(r["context"]), r["explanation"]) for r in train]
     sft(policy, sft_tensors(tokenizer, pairs, eos=True), args.policy_steps, 64, 3e-3, args.seed, "policy")
-    policy.generation_config = GenerationConfig(max_new_tokens=64, do_sample=True, temperature=1.0,
+    policy.generation_config = GenerationConfig(max_new_tokens=24, do_sample=True, temperature=1.0,
                                                 pad_token_id=tokenizer.pad_token_id,
                                                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     policy.save_pretrained(MODELS / "policy")

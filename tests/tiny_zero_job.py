@@ -5,7 +5,9 @@ It is a script (not an in-process call) because Lightning relaunches the script 
 
 The stand-in module has the policy's shape: two sub-networks ("policy" and "flow") trained by ONE
 optimizer with two parameter groups of different learning rates. After fitting, every rank writes its
-full (gathered) weights to ``OUT/weights_rank{R}.pt``.
+full (gathered) weights to ``OUT/weights_rank{R}.pt``. With ``--save CKPT --resume-steps N`` it then
+builds a fresh module (other initial weights) and Trainer in the same process, resumes from CKPT up
+to N steps and writes ``OUT/resumed_rank{R}.pt``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from flowkit.strategies import CPUDeepSpeedStrategy
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
 DIM = 8
-SAMPLES = 32
+SAMPLES = 4
 
 
 def dataset() -> TensorDataset:
@@ -69,36 +71,45 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     parser.add_argument("--save", help="save a checkpoint here after fitting")
-    parser.add_argument("--resume", help="resume fitting from this checkpoint")
+    parser.add_argument("--resume-steps", type=int, help="then resume from --save up to this many steps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
 
     module = initial_module(args.optimizer)
+    trainer = fit(module, args, args.steps)
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    write_weights(module, trainer, out / f"weights_rank{trainer.global_rank}.pt")
+    if args.resume_steps:
+        seed_everything(99, verbose=False)
+        fresh = TwoGroupModule(optimizer=args.optimizer)
+        trainer = fit(fresh, args, args.resume_steps, ckpt_path=args.save)
+        write_weights(fresh, trainer, out / f"resumed_rank{trainer.global_rank}.pt")
+
+
+def fit(module: TwoGroupModule, args: argparse.Namespace, steps: int, ckpt_path: str | None = None) -> Trainer:
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=CPUDeepSpeedStrategy(config=str(CONFIGS / args.config)),
-        max_steps=args.steps,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    loader = DataLoader(dataset(), batch_size=args.batch_size, shuffle=False)
-    trainer.fit(module, loader, ckpt_path=args.resume)
-    if args.save:
-        trainer.save_checkpoint(args.save)
+    trainer.fit(module, DataLoader(dataset(), batch_size=args.batch_size, shuffle=False), ckpt_path=ckpt_path)
+    return trainer
 
+
+def write_weights(module: TwoGroupModule, trainer: Trainer, path: Path) -> None:
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         weights = {name: p.detach().clone() for name, p in module.named_parameters()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {"weights": weights, "global_step": trainer.global_step, "world_size": trainer.world_size},
-        out / f"weights_rank{trainer.global_rank}.pt",
-    )
+    torch.save({"weights": weights, "global_step": trainer.global_step, "world_size": trainer.world_size}, path)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from flowkit.explain.context import ContextEncoding
+from flowkit.kernels import flow_token_attention
 
 
 def time_encoding(t: Tensor, dim: int) -> Tensor:
@@ -81,8 +82,6 @@ class ExplanationFlow(nn.Module):
 
     def attend(self, tokens: Tensor, context: ContextEncoding, prefix_lengths: Tensor) -> Tensor:
         """h_{Attn, z_t}: the z_t flow token after joint attention with the frozen last layer (after o_proj)."""
-        from flowkit.kernels import flow_token_attention
-
         layer = context.last_layer
         dtype = context.keys.dtype
         hidden = layer.input_layernorm(tokens.to(dtype))

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flowkit.explain.prompts import proxy_prompt
+
 
 @torch.no_grad()
 def decision_logits(
@@ -57,3 +59,11 @@ def decision_logits(
 def rejection_mask(logits: Tensor, target: Tensor) -> Tensor:
     """Seed 000 §3.2: keep a sample when the proxy's argmax decision is the true one. ``[B]`` bool."""
     return logits.argmax(-1) == target
+
+
+def proxy_probabilities(proxies: Sequence[tuple[PreTrainedModel, PreTrainedTokenizerBase]], contexts: Sequence[str],
+                        reasonings: Sequence[str], decisions: Sequence[Sequence[str]], max_rows: int = 256) -> Tensor:
+    """softmax_a M_k(a | x^g) for every proxy k: ``[K_p, B, |A|]`` (the flow's targets z1, §3.2)."""
+    prompts = [proxy_prompt(c, r) for c, r in zip(contexts, reasonings, strict=True)]
+    return torch.stack([decision_logits(model, tokenizer, prompts, decisions, max_rows).softmax(-1)
+                        for model, tokenizer in proxies])

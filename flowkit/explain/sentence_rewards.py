@@ -100,18 +100,6 @@ def flow_sentence_rewards(flow: ExplanationFlow, context: ContextEncoding, prefi
                            true_logit_mean=true[rows, last].mean(-1), true_logit_std=true[rows, last].std(-1))
 
 
-def token_rewards(shape: tuple[int, int], prompt_lengths: Tensor, sentence_ends: list[list[int]], rewards: Tensor,
-                  sparse: Tensor, last_token: Tensor) -> Tensor:
-    """Dense rewards ``[B, S]``: r(s^k) at sentence k's last token, plus the sparse reward (§3.2: 1 when the
-    predicted decision is correct) at ``last_token`` (the explanation's final token)."""
-    out = torch.zeros(shape, device=rewards.device)
-    for row, ends in enumerate(sentence_ends):
-        for k, end in enumerate(ends):
-            out[row, int(prompt_lengths[row]) + end - 1] += rewards[row, k]
-    out[torch.arange(shape[0], device=out.device), last_token] += sparse
-    return out
-
-
 def flow_samples_per_prefix(flow: ExplanationFlow, backbone, input_ids: Tensor, attention_mask: Tensor,
                             prefix_lengths: Tensor, z0: Tensor, num_steps: int) -> Tensor:
     """The naive path: one backbone pass per (row, prefix) over the truncated sequence. Same output as

@@ -19,6 +19,13 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def forward_logits(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
+    """Logits of ``model`` over the batch's sequences, positioned as during generation."""
+    return model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids(batch.attention_mask)
+    ).logits
+
+
 def _response_mask(generated: Tensor, eos_token_id: int | None) -> Tensor:
     """1 on generated tokens up to and including the first EOS."""
     if eos_token_id is None:

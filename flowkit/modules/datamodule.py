@@ -23,8 +23,9 @@ def resolve_data_path(path: str) -> Path:
     return Path(path).expanduser()
 
 
-def _normalize(record: dict[str, Any], prompt_key: str, answer_key: str, solution_key: str | None) -> dict[str, str]:
-    row = {"prompt": str(record[prompt_key]), "answer": str(record[answer_key])}
+def _normalize(record: dict[str, Any], prompt_key: str, answer_key: str, solution_key: str | None,
+               template: str) -> dict[str, str]:
+    row = {"prompt": template.replace("{prompt}", str(record[prompt_key])), "answer": str(record[answer_key])}
     if solution_key is not None and solution_key in record:
         row["solution"] = str(record[solution_key])
     return row
@@ -71,6 +72,8 @@ class RolloutDataModule(L.LightningDataModule):
         eval_paths: extra named eval sets, e.g. ``{math500: ../shared/data/math_eval/math500.jsonl}``;
             rows use ``problem`` or ``prompt`` and ``answer``.
         prompt_key, answer_key, solution_key: field names in the training data.
+        prompt_template: how a prompt is shown to the policy; ``{prompt}`` is replaced by the record's
+            prompt (e.g. a chat template with a "put your final answer within \\boxed{}" instruction).
         batch_size: prompts per RL step (each is sampled ``n`` times by the policy).
         val_batch_size: prompts per validation batch.
         max_val_examples: cap on each eval set (``None`` for all).
@@ -86,6 +89,7 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         solution_key: str | None = "solution",
+        prompt_template: str = "{prompt}",
         batch_size: int = 8,
         val_batch_size: int = 64,
         max_val_examples: int | None = None,
@@ -95,6 +99,7 @@ class RolloutDataModule(L.LightningDataModule):
         super().__init__()
         self.train_path, self.val_path, self.eval_paths = train_path, val_path, dict(eval_paths or {})
         self.prompt_key, self.answer_key, self.solution_key = prompt_key, answer_key, solution_key
+        self.prompt_template = prompt_template
         self.batch_size, self.val_batch_size, self.max_val_examples = batch_size, val_batch_size, max_val_examples
         self.on_error, self.seed = on_error, seed
         self.train_records: list[dict[str, str]] = []
@@ -103,7 +108,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _load(self, path: str, prompt_key: str, answer_key: str, solution_key: str | None) -> list[dict[str, str]]:
         records = load_records(resolve_data_path(path), [prompt_key, answer_key], self.on_error)
-        return [_normalize(r, prompt_key, answer_key, solution_key) for r in records]
+        return [_normalize(r, prompt_key, answer_key, solution_key, self.prompt_template) for r in records]
 
     def _load_eval(self, path: str) -> list[dict[str, str]]:
         first = load_records(resolve_data_path(path), [], "raise")[:1]
@@ -115,7 +120,7 @@ class RolloutDataModule(L.LightningDataModule):
         if stage in (None, "fit") and not self.train_records:
             self.train_records = self._load(self.train_path, self.prompt_key, self.answer_key, self.solution_key)
         if not self.val_sets:
-            sources = ({"val": self.val_path} if self.val_path else {}) | self.eval_paths
+            sources = ({"heldout": self.val_path} if self.val_path else {}) | self.eval_paths
             self.val_sets = {name: self._load_eval(path) for name, path in sources.items()}
 
     @property

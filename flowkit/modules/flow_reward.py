@@ -10,7 +10,7 @@ import torch
 
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import encode_pairs, position_ids
+from flowkit.llm.rollout import encode_pairs, forward_logits
 from flowkit.rewards.flow_reward import FlowReward
 
 
@@ -51,8 +51,7 @@ class FlowRewardModule(L.LightningModule):
     def expert_latents(self, rows: dict[str, list[str]]):
         expert = encode_pairs(self.tokenizer, rows["prompt"], rows["solution"]).to(self.device)
         with torch.no_grad(), self.tap:
-            self.backbone(input_ids=expert.input_ids, attention_mask=expert.attention_mask,
-                          position_ids=position_ids(expert.attention_mask))
+            forward_logits(self.backbone, expert)
         return self.tap.latents, expert.response_mask
 
     def training_step(self, rows: dict[str, Any], batch_idx: int) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +17,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
-from flowkit.llm.rollout import RolloutEngine, encode_pairs, position_ids
+from flowkit.llm.rollout import RolloutEngine, encode_pairs, forward_logits
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rewards.grader import grade, outcome_reward
 from flowkit.rl.advantages import rlfr_advantages
@@ -114,38 +113,31 @@ class PolicyModule(L.LightningModule):
         self.skipped_steps = 0
         self.val_metrics = torch.nn.ModuleDict()
 
-    # ----------------------------------------------------------------------------------------- forward
-    def forward_logits(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> Tensor:
-        model = model or self.policy
-        return model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids(batch.attention_mask)
-        ).logits
-
     @torch.no_grad()
     def score_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
         """One no-grad forward: old log-probs, entropies and (if the reward model wants them) latents."""
         if self.tap is not None:
             with self.tap:
-                logits = self.forward_logits(batch)
+                logits = forward_logits(self.policy, batch)
             batch.latents = self.tap.latents
         else:
-            logits = self.forward_logits(batch)
+            logits = forward_logits(self.policy, batch)
         temperature = self.hparams.temperature or 1.0
         batch.old_logprobs = token_logprobs(logits, batch.input_ids, temperature)
         entropy = token_entropy(logits, temperature)
         batch.entropy = (entropy * batch.response_mask).sum(-1) / batch.response_mask.sum(-1).clamp(min=1)
         if self.reference is not None:
-            batch.ref_logprobs = token_logprobs(self.forward_logits(batch, self.reference), batch.input_ids, temperature)
+            batch.ref_logprobs = token_logprobs(forward_logits(self.reference, batch), batch.input_ids, temperature)
         self._logits_finite = bool(torch.isfinite(logits).all())
         return batch
 
     def grade_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
-        timeout = self.hparams.grader_timeout
-        batch.correct = torch.tensor([grade(r, a, timeout) for r, a in zip(batch.responses, batch.answers)], device=self.device)
+        scheme, timeout = self.hparams.outcome_reward, self.hparams.grader_timeout
         batch.outcome_rewards = torch.tensor(
-            [outcome_reward(r, a, self.hparams.outcome_reward, timeout) for r, a in zip(batch.responses, batch.answers)],
+            [outcome_reward(r, a, scheme, timeout) for r, a in zip(batch.responses, batch.answers)],
             device=self.device, dtype=torch.float32,
         )
+        batch.correct = batch.outcome_rewards == 1.0  # both schemes give 1 exactly for a correct answer
         return batch
 
     # ----------------------------------------------------------------------------------------- training
@@ -172,7 +164,7 @@ class PolicyModule(L.LightningModule):
             rows = next(batches)
             expert = encode_pairs(self.tokenizer, rows["prompt"], rows["solution"]).to(device)
             with torch.no_grad(), self.tap:
-                self.forward_logits(expert)
+                forward_logits(self.policy, expert)
             loss = reward.pretrain_loss(self.tap.latents, expert.response_mask, generator)
             optimizer.zero_grad()
             loss.backward()
@@ -234,7 +226,7 @@ class PolicyModule(L.LightningModule):
         for _ in range(hp.ppo_epochs):
             for chunk in rows.chunk(hp.num_minibatches):
                 mini = batch.select(chunk)
-                logprobs = token_logprobs(self.forward_logits(mini), mini.input_ids, hp.temperature or 1.0)
+                logprobs = token_logprobs(forward_logits(self.policy, mini), mini.input_ids, hp.temperature or 1.0)
                 loss, info = clipped_policy_loss(logprobs, mini.old_logprobs, mini.advantages, mini.response_mask,
                                                  hp.clip_low, hp.clip_high, hp.aggregation)
                 totals["train/policy_loss"].append(loss.detach())
@@ -261,7 +253,7 @@ class PolicyModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- validation
     def on_validation_epoch_start(self) -> None:
-        names = getattr(self.trainer.datamodule, "val_names", None) or ["val"]
+        names = getattr(self.trainer.datamodule, "val_names", None) or ["heldout"]
         k = self._val_k()
         for name in names:
             if name not in self.val_metrics:

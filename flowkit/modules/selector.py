@@ -95,12 +95,12 @@ class RuleEnvDataModule(LightningDataModule):
         self.episodes_done = 0
         self.recent_returns: list[float] = []
         self.explanation_file: Path | None = None
+        self.state_dim: int | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
 
     def _run_dir(self) -> Path:
-        trainer = self.trainer
-        return Path((trainer.log_dir if trainer else None) or (trainer.default_root_dir if trainer else "."))
+        return Path(self.trainer.log_dir or self.trainer.default_root_dir)
 
     def setup(self, stage: str | None = None) -> None:
         if self.agent is not None:
@@ -108,17 +108,14 @@ class RuleEnvDataModule(LightningDataModule):
         root = Path(self.trainer.default_root_dir) if self.trainer else Path(".")
         self.embeddings = EmbeddingCache(self.embedding_cache or root / "rule_embeddings.pt")
         self.agent = self.make_agent()
+        self.agent.env.reset(seed=0)
+        self.state_dim = self.agent.env.state_dim
         seed = int(torch.initial_seed()) % 2**31
         self.generator.manual_seed(seed)
         self._episode_seed = np.random.default_rng(seed)
 
     def make_agent(self) -> RuleAgent:
         return RuleAgent(make_env(self.env_name, **self.env_kwargs), self.source, self.judge, self.embeddings, self.max_rules)
-
-    @property
-    def state_dim(self) -> int:
-        self.agent.env.reset(seed=0)
-        return self.agent.env.state_dim
 
     @property
     def embed_dim(self) -> int:
@@ -207,6 +204,7 @@ class SelectorModule(LightningModule):
     actor's shape with target copies, auto-tuned temperature α, reward r̃ = r_env + c · r_rule.
 
     Networks are built in ``setup`` once the DataModule knows the state and embedding sizes.
+    ``torch_threads`` (default 1) is applied with ``torch.set_num_threads`` in ``setup`` and undone in ``teardown``.
     """
 
     def __init__(
@@ -224,6 +222,7 @@ class SelectorModule(LightningModule):
         reward_scale: float = 1.0,
         env_steps_per_update: int = 1,
         warmup_steps: int = 256,
+        torch_threads: int | None = 1,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -243,9 +242,15 @@ class SelectorModule(LightningModule):
         self.network_dims = (state_dim, embed_dim)
 
     def setup(self, stage: str) -> None:
-        dm = self.trainer.datamodule
-        dm.setup(stage)
+        self._threads_before = torch.get_num_threads()
+        if self.hparams.torch_threads:
+            # the networks are tiny (hidden 16): with more threads, synchronisation costs more than it saves
+            torch.set_num_threads(self.hparams.torch_threads)
+        dm = self.trainer.datamodule  # Lightning sets the DataModule up first
         self.build_networks(dm.state_dim, dm.embed_dim)
+
+    def teardown(self, stage: str) -> None:
+        torch.set_num_threads(self._threads_before)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["network_dims"] = self.network_dims

@@ -98,7 +98,10 @@ class HTTPChatBackend(ChatBackend):
             except (TimeoutError, socket.timeout) as err:
                 last_error = f"timed out after {self.timeout_s} s ({type(err).__name__})"
             except urllib.error.URLError as err:
-                last_error = f"connection failed: {err.reason}"
+                if isinstance(err.reason, (TimeoutError, socket.timeout)):
+                    last_error = f"timed out after {self.timeout_s} s (connect)"
+                else:
+                    last_error = f"connection failed: {err.reason}"
             if attempt < self.max_retries:
                 delay = self._delay(attempt, retry_after)
                 log.warning("%s: %s; retry %d/%d in %.2f s", self.url, last_error, attempt + 1, self.max_retries, delay)

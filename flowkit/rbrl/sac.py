@@ -17,8 +17,10 @@ from torch import Tensor, nn
 
 
 def _expect(probs: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """Σ_a π(a) values(a) over real rules; padded entries (π = 0, values may be ±inf) contribute 0."""
-    return torch.where(mask, probs * values, torch.zeros_like(values)).sum(-1)
+    """Σ_a π(a) values(a) over real rules; padded entries (π = 0, values may be ±inf) contribute 0.
+    The padding is zeroed before the product: 0 · inf would give NaN gradients through ``where``."""
+    zero = torch.zeros_like(values)
+    return (torch.where(mask, probs, zero) * torch.where(mask, values, zero)).sum(-1)
 
 
 def entropy(log_pi: Tensor, mask: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ class TemplateRule:
         preferred = tuple(self.preferred(env))
         valid = env.valid_actions()
         if not preferred or any(a not in valid for a in preferred):
-            raise AssertionError(f"template rule {self.name} proposed {preferred}, valid: {sorted(valid)}")
+            raise ValueError(f"template rule {self.name} proposed {preferred}; valid actions: {sorted(valid)}")
         if len(preferred) == 1:
             relevance = f"In the current state this means: {valid[preferred[0]]}."
         else:

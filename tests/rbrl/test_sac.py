@@ -59,3 +59,15 @@ def test_soft_update_is_polyak_average():
     torch.nn.init.zeros_(target.weight), torch.nn.init.ones_(source.weight)
     sac.soft_update(target, source, tau=0.1)
     torch.testing.assert_close(target.weight, torch.full((1, 2), 0.1))
+
+
+def test_padded_rules_give_finite_gradients():
+    logits = torch.randn(2, 4, requires_grad=True)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
+    log_pi = torch.log_softmax(logits.masked_fill(~mask, -INF), -1)
+    q = torch.randn(2, 4)
+    log_alpha = torch.zeros((), requires_grad=True)
+    loss = sac.actor_loss(log_pi, q, q, mask, 0.3) + sac.temperature_loss(log_alpha, log_pi, mask, 0.5)
+    loss = loss + sac.soft_q_target(torch.zeros(2), torch.zeros(2), log_pi, q, q, mask, 0.3, 0.9).sum()
+    loss.backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[~mask] == 0).all()

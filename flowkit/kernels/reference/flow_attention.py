@@ -19,10 +19,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
     ``x``: ``(..., heads, head_dim)``; ``positions``: ``x.shape[:-2]``.
     """
-    freqs = positions.unsqueeze(-1).float() * inv_freq.float()
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    freqs = positions.unsqueeze(-1).to(compute) * inv_freq.to(compute)
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
     cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
-    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+    return (x.to(compute) * cos + rotate_half(x.to(compute)) * sin).to(x.dtype)
 
 
 def project_flow_tokens(flow_hidden, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, flow_positions, inv_freq,
@@ -55,7 +56,8 @@ def attention_core(q, flow_k, flow_v, context_k, context_v, prefix_lengths):
     outside = torch.arange(num_context, device=q.device).view(1, 1, -1) >= prefix_lengths.unsqueeze(-1)
     ctx_scores = ctx_scores.masked_fill(outside.view(batch, steps, 1, 1, num_context), float("-inf"))
     flow_scores = torch.einsum("bsfhd,bsghd->bsfhg", q, f_k) * scale
-    probs = torch.softmax(torch.cat((ctx_scores, flow_scores), dim=-1).float(), dim=-1).to(q.dtype)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(torch.cat((ctx_scores, flow_scores), dim=-1).to(compute), dim=-1).to(q.dtype)
     ctx_probs, flow_probs = probs.split((num_context, num_flow), dim=-1)
     return torch.einsum("bsfhn,bhnd->bsfhd", ctx_probs, ctx_v) + torch.einsum("bsfhg,bsghd->bsfhd", flow_probs, f_v)
 

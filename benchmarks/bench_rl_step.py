@@ -1,0 +1,76 @@
+"""RL step time on the tiny policy with and without the flow reward, measured in one run.
+
+    python benchmarks/bench_rl_step.py [--steps 12] [--warmup 2]
+
+Both variants run the same PolicyModule on the same prompts (bundled tiny_adder, 8 prompts × 8 samples);
+the flow variant adds the latent tap, the flow reward (3 layer percentiles, T = {0.8}) and the online flow
+update (κ = 32). Prints median / p20 / p80 step time per variant and the ratio of medians, and appends
+rows to benchmarks/results/results.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import lightning as L
+import torch
+
+from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.rewards import FlowReward
+
+try:
+    from common import append_csv
+except ImportError:  # run from the repo root as a module
+    from benchmarks.common import append_csv
+
+
+class StepTimer(L.Callback):
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, *args):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def time_steps(reward_model, steps: int, warmup: int) -> list[float]:
+    L.seed_everything(0)
+    module = PolicyModule(reward_model=reward_model, num_samples=8, max_new_tokens=28, outcome_reward="binary", lr=3e-5,
+                          flow_lr=1e-3)
+    data = RolloutDataModule(val_path=None, batch_size=8)
+    timer = StepTimer()
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+                        limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    return timer.times[warmup:]
+
+
+def quantiles(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"median_ms": 1e3 * statistics.median(times), "p20_ms": 1e3 * pick(0.2), "p80_ms": 1e3 * pick(0.8)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    results = {
+        "grpo": quantiles(time_steps(None, args.steps, args.warmup)),
+        "grpo+flow": quantiles(time_steps(FlowReward(depth=2, kappa=32), args.steps, args.warmup)),
+    }
+    for name, stats in results.items():
+        print(f"{name:10s} median {stats['median_ms']:8.1f} ms  p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}")
+        append_csv({"benchmark": "rl_step", "impl": name, "size": "tiny_adder 8x8", "threads": torch.get_num_threads(), **stats})
+    ratio = results["grpo+flow"]["median_ms"] / results["grpo"]["median_ms"]
+    print(f"step time ratio (with flow / without): {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Draws one PNG per (benchmark, device, size) from benchmarks/results/results.csv: median time per implementation
+with p20–p80 error bars, latest run of each implementation. Usage: python benchmarks/plot.py [--csv X] [--out DIR]"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common import RESULTS_CSV  # noqa: E402
+
+
+def latest_rows(path: Path) -> dict:
+    """{(benchmark, device, dtype, size, mode): {implementation: row}} keeping the last row of each."""
+    groups: dict = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            key = (row["benchmark"], row["device"], row.get("dtype", ""), row["size"], row.get("mode") or "")
+            groups.setdefault(key, {})[row["implementation"]] = row
+    return groups
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--csv", default=str(RESULTS_CSV))
+    parser.add_argument("--out", default=str(Path(RESULTS_CSV).parent))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for (bench, device, dtype, size, mode), rows in latest_rows(Path(args.csv)).items():
+        names = list(rows)
+        median = [float(rows[n]["median_ms"]) for n in names]
+        low = [m - float(rows[n]["p20_ms"]) for m, n in zip(median, names)]
+        high = [float(rows[n]["p80_ms"]) - m for m, n in zip(median, names)]
+        fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(names), 3.2))
+        ax.bar(names, median, yerr=[low, high], capsize=4, color="tab:blue")
+        ax.set_ylabel("median ms (p20–p80)")
+        title = " ".join(filter(None, [bench, mode, device, dtype]))
+        ax.set_title(f"{title}\n{size}", fontsize=9)
+        fig.tight_layout()
+        name = "_".join(filter(None, [bench, mode, device, dtype, size])) + ".png"
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        print(out / name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Input builders shared by the kernel tests (plain functions, no fixtures, so the Triton subprocess reuses them)."""
+
+from __future__ import annotations
+
+import torch
+
+from flowkit.kernels import debias_weights
+
+
+def deviation_inputs(layers, steps, tokens, dim, dtype=torch.float32, seed=0, device="cpu"):
+    """x1 (P, N, d), timesteps/weights (T,), a mask with some tokens off, and v (P·T·N, d) requiring grad."""
+    gen = torch.Generator().manual_seed(seed)
+    x1 = torch.randn(layers, tokens, dim, generator=gen).to(device=device, dtype=dtype)
+    timesteps = torch.linspace(0.3, 0.9, steps) if steps > 1 else torch.tensor([0.8])
+    mask = torch.rand(tokens, generator=gen) > 0.3
+    mask[0] = True
+    v = torch.randn(layers * steps * tokens, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    return x1, timesteps.to(device), debias_weights(timesteps).to(device), mask.to(device), v
+
+
+def attention_inputs(batch, steps, heads, kv_heads, head_dim, context, num_flow=2, dtype=torch.float32, seed=0,
+                     bias=True, device="cpu"):
+    """Keyword arguments for ``flow_token_attention`` with random frozen weights and prefix lengths in [1, N]."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = heads * head_dim // 2 if heads * head_dim >= 32 else 32
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    prefix = torch.randint(1, context + 1, (batch, steps), generator=gen)
+    prefix[0, 0] = context
+    positions = prefix.unsqueeze(-1) + torch.arange(num_flow)
+    return dict(
+        flow_hidden=rand(batch, steps, num_flow, hidden).requires_grad_(),
+        q_weight=rand(heads * head_dim, hidden, scale=hidden ** -0.5),
+        k_weight=rand(kv_heads * head_dim, hidden, scale=hidden ** -0.5),
+        v_weight=rand(kv_heads * head_dim, hidden, scale=hidden ** -0.5),
+        q_bias=rand(heads * head_dim, scale=0.1) if bias else None,
+        k_bias=rand(kv_heads * head_dim, scale=0.1) if bias else None,
+        v_bias=rand(kv_heads * head_dim, scale=0.1) if bias else None,
+        context_k=rand(batch, kv_heads, context, head_dim),
+        context_v=rand(batch, kv_heads, context, head_dim),
+        prefix_lengths=prefix.to(device),
+        flow_positions=positions.to(device),
+        inv_freq=(1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)).to(device),
+        attention_scaling=1.0,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+    )
+
+
+def core_inputs(batch, steps, heads, kv_heads, head_dim, context, num_flow=2, dtype=torch.float64, seed=0):
+    """Inputs of the attention core op: q (B,S,F,H,dh), flow K/V (B,S,F,Hkv,dh), context K/V, prefix lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, steps, num_flow, heads, head_dim, generator=gen, dtype=dtype)
+    fk = torch.randn(batch, steps, num_flow, kv_heads, head_dim, generator=gen, dtype=dtype)
+    fv = torch.randn(batch, steps, num_flow, kv_heads, head_dim, generator=gen, dtype=dtype)
+    ck = torch.randn(batch, kv_heads, context, head_dim, generator=gen, dtype=dtype)
+    cv = torch.randn(batch, kv_heads, context, head_dim, generator=gen, dtype=dtype)
+    prefix = torch.randint(1, context + 1, (batch, steps), generator=gen)
+    return q, fk, fv, ck, cv, prefix

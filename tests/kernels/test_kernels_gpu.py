@@ -1,0 +1,90 @@
+"""CUDA checks (skipped without a GPU): native CUDA ops and compiled Triton vs the reference, opcheck, dispatch."""
+
+import pytest
+import torch
+
+from flowkit.kernels import available_backends, flow_noise, flow_token_attention, interpolate_latents, velocity_deviation
+from flowkit.kernels import backends
+from flowkit.kernels.reference import flow_attention as attention_reference
+from flowkit.kernels.reference import velocity_deviation as deviation_reference
+from kernel_cases import attention_inputs, core_inputs, deviation_inputs
+
+pytestmark = pytest.mark.gpu
+GPU_BACKENDS = ["native", "triton"]
+DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)]
+
+
+def require(backend):
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} is not available for CUDA tensors")
+
+
+def test_cuda_build_is_present():
+    assert backends.native_has("cuda"), "flowkit._C was built without CUDA kernels"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_noise_is_the_same_on_gpu(backend, monkeypatch):
+    require(backend)
+    monkeypatch.setenv("FLOWKIT_KERNELS", backend)
+    x_t = interpolate_latents(torch.randn(2, 9, 70, device="cuda"), torch.zeros(3, device="cuda"), seed=2 ** 31 + 1)
+    torch.testing.assert_close(x_t.view(2, 3, 9, 70).cpu(), flow_noise((2, 3, 9, 70), 2 ** 31 + 1), atol=5e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("shape", [(1, 1, 37, 64), (3, 4, 130, 64), (3, 4, 33, 1536)])
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_velocity_deviation_matches_reference(backend, shape, dtype, tol, monkeypatch):
+    require(backend)
+    x1, ts, w, mask, v = deviation_inputs(*shape, dtype=dtype, device="cuda")
+    expected = deviation_reference.velocity_deviation(v, x1, ts, w, 3, mask)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), v)
+    monkeypatch.setenv("FLOWKIT_KERNELS", backend)
+    scores = velocity_deviation(v, x1, ts, w, 3, mask)
+    (grad,) = torch.autograd.grad(scores.sum(), v)
+    torch.testing.assert_close(interpolate_latents(x1, ts, 3), deviation_reference.interpolate_latents(x1, ts, 3),
+                               atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(scores, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad, expected_grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("case", [(2, 3, 4, 4, 64, 37), (2, 5, 8, 2, 128, 300), (1, 4, 16, 4, 128, 1000)])
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_flow_attention_matches_reference(backend, case, dtype, tol, monkeypatch):
+    require(backend)
+    kwargs = attention_inputs(*case, dtype=dtype, device="cuda")
+    expected = attention_reference.flow_token_attention(**kwargs)
+    (expected_grad,) = torch.autograd.grad(expected.float().square().sum(), kwargs["flow_hidden"])
+    monkeypatch.setenv("FLOWKIT_KERNELS", backend)
+    out = flow_token_attention(**kwargs)
+    (grad,) = torch.autograd.grad(out.float().square().sum(), kwargs["flow_hidden"])
+    torch.testing.assert_close(out, expected, atol=tol * 2, rtol=tol * 2)
+    torch.testing.assert_close(grad, expected_grad, atol=tol * 10, rtol=tol * 10)
+
+
+def test_opcheck_cuda_and_triton_ops():
+    x1, ts, w, mask, v = deviation_inputs(2, 3, 6, 20, device="cuda")
+    v, mask = v.detach().requires_grad_(), mask.float()
+    q, fk, fv, ck, cv, prefix = (t.cuda() for t in core_inputs(2, 2, 4, 2, 16, 7, dtype=torch.float32))
+    q = q.requires_grad_()
+    if backends.native_has("cuda"):
+        torch.library.opcheck(torch.ops.flowkit.interpolate_latents.default, (x1, ts, 4))
+        torch.library.opcheck(torch.ops.flowkit.velocity_deviation.default, (v, x1, ts, w, 4, mask))
+        torch.library.opcheck(torch.ops.flowkit.flow_attention.default, (q, fk, fv, ck, cv, prefix))
+    if "triton" in available_backends("cuda"):
+        from flowkit.kernels.triton import flow_attention, velocity_deviation as triton_deviation
+
+        torch.library.opcheck(triton_deviation.velocity_deviation, (v, x1, ts, w, 4, mask))
+        torch.library.opcheck(flow_attention.flow_attention_core, (q, fk, fv, ck, cv, prefix))
+
+
+def test_native_cuda_gradcheck_float64():
+    if not backends.native_has("cuda"):
+        pytest.skip("no CUDA build")
+    x1, ts, w, mask, v = deviation_inputs(2, 2, 4, 5, dtype=torch.float64, device="cuda")
+    assert torch.autograd.gradcheck(lambda v: torch.ops.flowkit.velocity_deviation(v, x1, ts, w, 7, mask.double().float()), (v,))
+    q, fk, fv, ck, cv, prefix = (t.cuda() for t in core_inputs(2, 2, 4, 2, 8, 7))
+    q, fk, fv = (t.requires_grad_() for t in (q, fk, fv))
+    assert torch.autograd.gradcheck(
+        lambda q, fk, fv: torch.ops.flowkit.flow_attention(q, fk, fv, ck, cv, prefix)[0], (q, fk, fv), fast_mode=True)

@@ -1,0 +1,58 @@
+"""Triton kernels vs the reference under TRITON_INTERPRET=1 on CPU tensors (fp32 tight, fp16 loose).
+
+Not collected directly (no ``test_`` prefix): ``test_triton_interpreted.py`` runs this file in a subprocess with
+``TRITON_INTERPRET=1`` and ``FLOWKIT_KERNELS=triton``, because the variable must be set before Triton is imported
+and must not leak into the rest of the test session. ``opcheck`` of the Triton ops is in the GPU tests: its fake
+tensor pass cannot run interpreted kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+from flowkit.kernels import available_backends, flow_noise, flow_token_attention, interpolate_latents, velocity_deviation
+from flowkit.kernels.reference import flow_attention as attention_reference
+from flowkit.kernels.reference import velocity_deviation as deviation_reference
+from kernel_cases import attention_inputs, deviation_inputs
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in available_backends("cpu"),
+    reason="run through test_triton_interpreted.py (needs TRITON_INTERPRET=1 and triton)",
+)
+
+
+@pytest.fixture(autouse=True)
+def force_triton(monkeypatch):
+    monkeypatch.setenv("FLOWKIT_KERNELS", "triton")
+
+
+def test_prologue_regenerates_the_reference_noise():
+    x_t = interpolate_latents(torch.randn(2, 5, 33), torch.zeros(3), seed=2 ** 31 + 9)
+    torch.testing.assert_close(x_t.view(2, 3, 5, 33), flow_noise((2, 3, 5, 33), 2 ** 31 + 9), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layers, steps, tokens, dim", [(1, 1, 37, 64), (3, 4, 5, 64), (1, 4, 3, 1536)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_velocity_deviation_matches_reference(layers, steps, tokens, dim, dtype, tol):
+    x1, ts, w, mask, v = deviation_inputs(layers, steps, tokens, dim, dtype=dtype)
+    expected = deviation_reference.velocity_deviation(v, x1, ts, w, 3, mask)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), v)
+    scores = velocity_deviation(v, x1, ts, w, 3, mask)
+    (grad,) = torch.autograd.grad(scores.sum(), v)
+    torch.testing.assert_close(interpolate_latents(x1, ts, 3), deviation_reference.interpolate_latents(x1, ts, 3),
+                               atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(scores, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad, expected_grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", [(2, 2, 4, 4, 16, 37), (1, 3, 8, 2, 32, 70), (2, 1, 4, 1, 64, 9)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 2e-3)])
+def test_flow_attention_matches_reference(case, dtype, tol):
+    kwargs = attention_inputs(*case, dtype=dtype)
+    expected = attention_reference.flow_token_attention(**kwargs)
+    (expected_grad,) = torch.autograd.grad(expected.float().square().sum(), kwargs["flow_hidden"])
+    out = flow_token_attention(**kwargs)
+    (grad,) = torch.autograd.grad(out.float().square().sum(), kwargs["flow_hidden"])
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad, expected_grad, atol=tol * 5, rtol=tol * 5)

@@ -1,0 +1,81 @@
+"""PolicyModule end to end on the bundled tiny task (the README's main job, shortened where it can be)."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowkit.cli import FlowkitCLI, main
+from flowkit.llm.lora import LoraSettings
+from flowkit.modules import PolicyModule
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "rlfr_tiny.yaml")
+
+
+def run_fit(tmp_path: Path, *overrides: str) -> list[dict[str, str]]:
+    args = ["fit", "--config", CONFIG, "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.logger.init_args.save_dir", str(tmp_path), *overrides]
+    cli = FlowkitCLI(args=args)
+    with open(Path(cli.trainer.logger.log_dir) / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def column(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+def test_short_run_logs_every_metric_and_writes_artifacts(tmp_path):
+    rows = run_fit(tmp_path, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
+                   "--model.init_args.flow_pretrain_steps", "3", "--data.init_args.max_val_examples", "16",
+                   "--model.init_args.reward_model.init_args.kappa", "4")
+    logged = {k for r in rows for k, v in r.items() if v}
+    for key in ["train/outcome_reward", "train/accuracy", "flow/reward_mean", "flow/reward_nonzero_frac", "flow/loss",
+                "train/policy_loss", "train/clip_fraction", "train/entropy", "train/response_length",
+                "train/tokens_per_s", "val/heldout/pass@1", "val/heldout/pass@4"]:
+        assert key in logged, key
+    run_dir = next(tmp_path.glob("rlfr_tiny/version_*"))
+    for artifact in ["checkpoints/last.ckpt", "config.yaml", "metrics.csv", "export/flow.safetensors",
+                     "export/hf_policy/model.safetensors", "export/hf_policy/tokenizer.json"]:
+        assert (run_dir / artifact).is_file(), artifact
+
+    # `flowkit score` on the run's checkpoint: one reward per response token, written as JSONL and HTML.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "47+38=", "response": "7+8=15,4+3+1=8\\boxed{85}"}) + "\n"
+                     + json.dumps({"prompt": "12+13=", "response": "2+3=5,1+1=2\\boxed{25}"}) + "\n")
+    out, page = tmp_path / "scores.jsonl", tmp_path / "scores.html"
+    main(["score", "--config", CONFIG, "--ckpt_path", str(run_dir / "checkpoints/last.ckpt"),
+          "--input", str(pairs), "--output", str(out), "--html_output", str(page)])
+    scored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(scored) == 2
+    for row in scored:
+        assert "".join(row["tokens"][:-1]) == row["response"]  # characters, then <eos>
+        assert len(row["rewards"]) == len(row["tokens"]) == len(row["deviations"])
+        assert all(r <= 0 for r in row["rewards"]) and any(r < 0 for r in row["rewards"])
+    assert page.read_text().count("<span style") == sum(len(r["tokens"]) for r in scored)
+
+
+def test_lora_trains_only_adapters_in_the_policy_group(tmp_path):
+    module = PolicyModule(lora=LoraSettings(r=4, alpha=8))
+    groups = {g["name"]: g for g in module.configure_optimizers().param_groups}
+    assert set(groups) == {"policy"}
+    trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    paths = module.export_artifacts(tmp_path)
+    assert (paths["policy"] / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_rl_improves_outcome_reward(tmp_path):
+    """Convergence on the tiny task (fixed seed): the last 10 RL steps beat the first 10 clearly."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        rows = run_fit(tmp_path, "--trainer.limit_val_batches", "0")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    rewards = column(rows, "train/outcome_reward")
+    assert len(rewards) == 60
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.05, (first, last)

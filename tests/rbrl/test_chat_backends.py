@@ -1,0 +1,151 @@
+"""The HTTP backend against a real OpenAI-compatible server on loopback; the HF backend on a tiny model."""
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from flowkit.rbrl.backends import ChatBackendError, HFChatBackend, HTTPChatBackend
+
+SECRET = "sk-test-very-secret-0123456789"
+
+
+class ScriptedServer:
+    """Answers POST /v1/chat/completions with a scripted sequence of (status, body, delay_s)."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.requests: list[dict] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+                status, payload, delay = server.script.pop(0) if len(server.script) > 1 else server.script[0]
+                time.sleep(delay)
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client timed out and hung up
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def reply(text: str) -> dict:
+    return {"choices": [{"message": {"role": "assistant", "content": text}}]}
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _backend(server, **kw) -> HTTPChatBackend:
+    kw = {"api_key_env": "FLOWKIT_TEST_KEY", "timeout_s": 2.0, "max_retries": 2, "backoff_s": 0.01} | kw
+    return HTTPChatBackend(server.base_url, "test-model", **kw)
+
+
+def test_success_sends_key_from_env_and_openai_body(monkeypatch, caplog):
+    monkeypatch.setenv("FLOWKIT_TEST_KEY", SECRET)
+    caplog.set_level(logging.DEBUG)
+    with ScriptedServer([(200, reply("hello"), 0.0)]) as server:
+        assert _backend(server).complete(MESSAGES) == "hello"
+    request = server.requests[0]
+    assert request["path"] == "/v1/chat/completions" and request["auth"] == f"Bearer {SECRET}"
+    assert request["body"]["model"] == "test-model" and request["body"]["messages"] == MESSAGES
+    assert SECRET not in caplog.text
+
+
+def test_no_key_no_authorization_header(monkeypatch):
+    monkeypatch.delenv("FLOWKIT_TEST_KEY", raising=False)
+    with ScriptedServer([(200, reply("ok"), 0.0)]) as server:
+        _backend(server).complete(MESSAGES)
+    assert server.requests[0]["auth"] is None
+
+
+def test_429_and_500_are_retried_with_backoff_then_succeed(monkeypatch, caplog):
+    monkeypatch.setenv("FLOWKIT_TEST_KEY", SECRET)
+    caplog.set_level(logging.DEBUG)
+    script = [(429, {"error": "slow down"}, 0.0), (500, {"error": "boom"}, 0.0), (200, reply("finally"), 0.0)]
+    with ScriptedServer(script) as server:
+        assert _backend(server).complete(MESSAGES) == "finally"
+    assert len(server.requests) == 3
+    assert "HTTP 429" in caplog.text and "HTTP 500" in caplog.text and "retry 2/2" in caplog.text
+    assert SECRET not in caplog.text
+
+
+def test_retries_are_bounded_and_error_hides_key(monkeypatch, caplog):
+    monkeypatch.setenv("FLOWKIT_TEST_KEY", SECRET)
+    caplog.set_level(logging.DEBUG)
+    with ScriptedServer([(500, {"error": SECRET}, 0.0)]) as server:
+        with pytest.raises(ChatBackendError, match="gave up after 3 attempts") as err:
+            _backend(server).complete(MESSAGES)
+    assert len(server.requests) == 3
+    assert SECRET not in str(err.value) and SECRET not in caplog.text
+
+
+def test_client_errors_are_not_retried(monkeypatch):
+    monkeypatch.setenv("FLOWKIT_TEST_KEY", SECRET)
+    with ScriptedServer([(401, {"error": "bad key"}, 0.0)]) as server:
+        with pytest.raises(ChatBackendError, match="HTTP 401") as err:
+            _backend(server).complete(MESSAGES)
+    assert len(server.requests) == 1 and SECRET not in str(err.value)
+
+
+def test_timeouts_are_retried_then_fail(monkeypatch, caplog):
+    monkeypatch.setenv("FLOWKIT_TEST_KEY", SECRET)
+    with ScriptedServer([(200, reply("too late"), 1.0)]) as server:
+        start = time.monotonic()
+        with pytest.raises(ChatBackendError, match="timed out after 0.2 s"):
+            _backend(server, timeout_s=0.2, max_retries=1).complete(MESSAGES)
+        elapsed = time.monotonic() - start
+    assert len(server.requests) == 2 and elapsed < 1.5  # two 0.2 s attempts, not two full 1 s answers
+    assert SECRET not in caplog.text
+
+
+def test_malformed_response_is_an_error(monkeypatch):
+    with ScriptedServer([(200, {"unexpected": True}, 0.0)]) as server:
+        with pytest.raises(ChatBackendError, match="no choices"):
+            _backend(server).complete(MESSAGES)
+
+
+def test_hf_backend_generates_from_a_saved_tiny_model(tmp_path):
+    from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
+
+    tokenizer = char_tokenizer("abcdefghijklmnopqrstuvwxyz :{}[]\",.0123456789\n")
+    model = tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64, max_positions=4096)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    backend = HFChatBackend(str(tmp_path), max_new_tokens=6, temperature=1.0)
+    text = backend.complete([{"role": "user", "content": "write rules as json"}])
+    assert isinstance(text, str) and 0 < len(text) <= 6  # one character per token
+
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(tmp_path)
+    backend = HFChatBackend(str(tmp_path), max_new_tokens=4, temperature=0.0)
+    assert backend.tokenizer.chat_template and len(backend.complete([{"role": "user", "content": "hi"}])) <= 4
