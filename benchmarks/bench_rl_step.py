@@ -2,7 +2,7 @@
 
     python benchmarks/bench_rl_step.py [--steps 12] [--warmup 2]
 
-Both variants run the same PolicyModule on the same prompts (bundled tiny_adder, 8 prompts × 8 samples);
+Both variants run the same PolicyModule on the same prompts (bundled tiny_adder, 16 prompts × 8 samples, as configs/rlfr_tiny.yaml);
 the flow variant adds the latent tap, the flow reward (3 layer percentiles, T = {0.8}) and the online flow
 update (κ = 32). Prints median / p20 / p80 step time per variant and the ratio of medians, and appends
 rows to benchmarks/results/results.csv.
@@ -39,9 +39,9 @@ class StepTimer(L.Callback):
 
 def time_steps(reward_model, steps: int, warmup: int) -> list[float]:
     L.seed_everything(0)
-    module = PolicyModule(reward_model=reward_model, num_samples=8, max_new_tokens=28, outcome_reward="binary", lr=3e-5,
+    module = PolicyModule(reward_model=reward_model, num_samples=8, max_new_tokens=28, outcome_reward="binary", lr=5e-5,
                           flow_lr=1e-3)
-    data = RolloutDataModule(val_path=None, batch_size=8)
+    data = RolloutDataModule(val_path=None, batch_size=16)
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
@@ -67,7 +67,7 @@ def main() -> None:
     }
     for name, stats in results.items():
         print(f"{name:10s} median {stats['median_ms']:8.1f} ms  p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}")
-        append_csv({"benchmark": "rl_step", "impl": name, "size": "tiny_adder 8x8", "threads": torch.get_num_threads(), **stats})
+        append_csv({"benchmark": "rl_step", "impl": name, "size": "tiny_adder 16x8", "threads": torch.get_num_threads(), **stats})
     ratio = results["grpo+flow"]["median_ms"] / results["grpo"]["median_ms"]
     print(f"step time ratio (with flow / without): {ratio:.2f}")
 

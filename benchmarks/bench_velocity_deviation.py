@@ -92,13 +92,14 @@ def inputs(layers, steps, tokens, dim, device):
     return x1, timesteps, debias_weights(timesteps), mask
 
 
-def implementations(device: str, skip_compile: bool) -> list[str]:
+def implementations(device: str, wanted: str | None) -> list[str]:
+    """The requested implementations (default all) that run on ``device``."""
     from flowkit.kernels import available_backends
 
-    found = ["naive"] + ([] if skip_compile else ["naive_compiled"]) + ["reference"]
     available = available_backends(device)
+    found = ["naive", "naive_compiled", "reference"]
     found += [b for b in ("native", "triton") if b in available and (b != "triton" or device == "cuda")]
-    return found
+    return [impl for impl in found if wanted is None or impl in wanted.split(",")]
 
 
 def run_case(name, impl, fn, size, device, reps, warmup, bytes_moved, csv_path, extra=None):
@@ -143,7 +144,8 @@ def main(argv=None):
     parser.add_argument("--train", action="store_true", help="also time forward+backward of the flow loss")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--impls", default=None,
+                        help="comma-separated subset of naive,naive_compiled,reference,native,triton (default: all)")
     parser.add_argument("--epilogue", action="store_true", help="also time the epilogue alone vs copy bandwidth")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--csv", default=None)
@@ -152,8 +154,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device, P, T = args.device, args.layers, args.steps
-    impls = implementations(device, args.skip_compile)
-    compiled_loop = None if args.skip_compile else torch.compile(naive_loop)
+    impls = implementations(device, args.impls)
+    compiled_loop = torch.compile(naive_loop) if "naive_compiled" in impls else None
 
     for size in filter(None, args.sizes.split(",")):
         N, D = map(int, size.split("x"))

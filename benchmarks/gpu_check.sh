@@ -24,17 +24,37 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); assert torch.cuda.is_available()" || exit 1
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
 export TORCHINDUCTOR_CACHE_DIR="$OUT/.inductor" TRITON_CACHE_DIR="$OUT/.triton"
-step build 170 python setup.py build_ext --inplace -q
+step build 150 python setup.py build_ext --inplace -q
 step cuda-registered 20 python -c "
 import flowkit.kernels.backends as b
 assert b.native_has('cuda'), 'flowkit._C has no CUDA kernels'
 print('backends for cuda:', b.available_backends('cuda'))"
-step gpu-tests 110 python -m pytest tests/kernels -m gpu -q -p no:cacheprovider
-step bench-velocity-deviation 90 python benchmarks/bench_velocity_deviation.py --device cuda \
+step gpu-tests 90 python -m pytest tests/kernels -m gpu -q -p no:cacheprovider
+step bench-velocity-deviation 140 python benchmarks/bench_velocity_deviation.py --device cuda \
   --sizes 8192x1536,32768x4096 --path-sizes 1024x512,8192x1536 --train --epilogue --reps 20 --csv "$CSV"
-step bench-flow-attention 40 python benchmarks/bench_flow_attention.py --device cuda --csv "$CSV"
-step bench-flow-attention-bwd 30 python benchmarks/bench_flow_attention.py --device cuda --backward --reps 5 --csv "$CSV"
+step bench-flow-attention 35 python benchmarks/bench_flow_attention.py --device cuda --csv "$CSV"
+step bench-flow-attention-bwd 25 python benchmarks/bench_flow_attention.py --device cuda --backward --reps 5 --csv "$CSV"
 step plot 15 python benchmarks/plot.py --csv "$CSV" --out "$OUT"
+
+# ---- DeepSpeed bf16 (issue 6; added by the fault-tolerance engineer, separate from the kernel checks) ----
+# The tiny RLFR config for 3 steps under GPU DeepSpeed ZeRO-2 in bf16, then the sharded checkpoint exported.
+# The GPU image lacks deepspeed: carry its wheel and pure-Python deps in build/wheels (run with
+# carry=["build/wheels"]; fill it with `pip download --no-deps -d build/wheels deepspeed==0.19.8 hjson
+# py-cpuinfo einops`); msgpack must already be installed there.
+if ! python -c "import deepspeed" 2>/dev/null; then
+  step deepspeed-install 45 python -m pip install -q --no-deps --no-index --find-links build/wheels \
+    deepspeed hjson py-cpuinfo einops
+fi
+DS_RUN="$OUT/deepspeed"
+step deepspeed-bf16-fit 100 flowkit fit --config configs/rlfr_tiny.yaml --trainer.accelerator gpu \
+  --trainer.devices 1 --trainer.precision bf16-mixed --trainer.max_steps 3 --trainer.enable_progress_bar false \
+  --trainer.strategy flowkit.strategies.FlowkitDeepSpeedStrategy \
+  --trainer.strategy.config configs/deepspeed/zero2.json --model.init_args.flow_pretrain_steps 10 \
+  --trainer.default_root_dir "$DS_RUN" --trainer.logger.init_args.save_dir "$DS_RUN/runs"
+step deepspeed-export 45 flowkit export --config configs/rlfr_tiny.yaml \
+  --checkpoint "$DS_RUN/runs/rlfr_tiny/version_0/checkpoints/last.ckpt" --out "$DS_RUN/export"
+# ---- end of the DeepSpeed block ----
+
 rm -rf "$OUT/.inductor" "$OUT/.triton"
 echo "gpu_check finished with status $status; log $LOG, CSV $CSV"
 exit $status

@@ -16,12 +16,14 @@ from common import RESULTS_CSV  # noqa: E402
 
 
 def latest_rows(path: Path) -> dict:
-    """{(benchmark, device, dtype, size, mode): {implementation: row}} keeping the last row of each."""
+    """{(benchmark, device, dtype, size, mode): {implementation: row}} keeping the last timed row of each."""
     groups: dict = {}
     with path.open(newline="") as f:
         for row in csv.DictReader(f):
-            key = (row["benchmark"], row["device"], row.get("dtype", ""), row["size"], row.get("mode") or "")
-            groups.setdefault(key, {})[row["implementation"]] = row
+            if not row.get("median_ms"):  # e.g. the copy-bandwidth reference rows
+                continue
+            key = tuple(row.get(k) or "" for k in ("benchmark", "device", "dtype", "size", "mode"))
+            groups.setdefault(key, {})[row.get("implementation") or row.get("impl") or "?"] = row
     return groups
 
 

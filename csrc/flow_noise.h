@@ -8,7 +8,7 @@
 #ifdef __CUDACC__
 #define FLOWKIT_HD __host__ __device__ __forceinline__
 #else
-#define FLOWKIT_HD inline
+#define FLOWKIT_HD inline __attribute__((always_inline))  // so target_clones copies get vector code
 #endif
 
 namespace flowkit {

@@ -107,7 +107,11 @@ class RNGStateCheckpoint(L.Callback):
         self._pending: dict[str, Any] | None = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        states = trainer.strategy.all_gather_object(rng_states()) if trainer.world_size > 1 else [rng_states()]
+        states = [rng_states()]
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            # Rank 0 may be the only writer, so it keeps every rank's states.
+            states = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, rng_states())
         checkpoint[RNG_KEY] = states
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -82,4 +83,28 @@ def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.utils._pytree")
     _load_builtin_subcommands()
-    FlowkitCLI(args=args)
+    try:
+        FlowkitCLI(args=args)
+    except Exception as err:
+        cause = _input_error(err)
+        if cause is None:
+            raise
+        sys.exit(f"error: {cause}")
+
+
+def _input_error(err: BaseException) -> BaseException | None:
+    """The bad-input error (bad model path, bad data record) behind ``err``, if any.
+
+    jsonargparse and Lightning wrap exceptions raised while building or fitting the module; the user
+    should see flowkit's one-line message, not that chain.
+    """
+    from flowkit.data.records import RecordError
+    from flowkit.llm.backbone import BackboneError
+
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, (BackboneError, RecordError)):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None

@@ -24,9 +24,11 @@ imported (the ``flowkit`` CLI imports it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
@@ -45,6 +47,14 @@ class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
             # The scheduler keeps a reference to the optimizer whose param_groups it steps.
             scheduler_config.scheduler.optimizer = offloaded
         return offloaded, scheduler_config
+
+    def _auto_select_batch_size(self) -> int:
+        # Only DeepSpeed's throughput logging reads it. Lightning takes it from the loader's batch
+        # sampler, which a loader of whole batches (flowkit's prompt stream: batch_size=None) lacks.
+        loader = self.lightning_module.trainer.fit_loop._data_source
+        if loader.is_defined() and getattr(loader.dataloader(), "batch_sampler", None) is None:
+            return 1
+        return super()._auto_select_batch_size()
 
     def _offloads_optimizer(self) -> bool:
         offload = (self.config or {}).get("zero_optimization", {}).get("offload_optimizer") or {}
@@ -72,6 +82,20 @@ class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
     def _get_process_group_backend(self) -> str:
         # DeepSpeed's CPU accelerator would pick oneCCL, which is rarely installed.
         return self._process_group_backend or "gloo"
+
+
+def full_parameters(trainer: "L.Trainer", module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """A context in which ``module``'s parameters are whole: under ZeRO-3 each rank holds only shards.
+
+    Under ZeRO-3 this gathers every parameter on every rank (read-only) — a collective, so all ranks must
+    enter it; elsewhere it does nothing.
+    """
+    strategy = trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy) and strategy.config and strategy.zero_stage_3:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(module.parameters()))
+    return contextlib.nullcontext()
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -121,7 +121,8 @@ def main() -> None:
     sft(policy, sft_tensors(tokenizer, pairs, eos=True), args.policy_steps, 64, 3e-3, args.seed, "policy")
     policy.generation_config = GenerationConfig(max_new_tokens=24, do_sample=True, temperature=1.0,
                                                 pad_token_id=tokenizer.pad_token_id,
-                                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+                                                eos_token_id=tokenizer.eos_token_id,
+                                                bos_token_id=tokenizer.bos_token_id)
     policy.save_pretrained(MODELS / "policy")
     tokenizer.save_pretrained(MODELS / "policy")
 

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import processors
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from flowkit.data.arithmetic import ALPHABET, encode_example, write_splits
@@ -32,14 +31,8 @@ MAX_NEW_TOKENS = 32  # the longest response, 99+99, is 27 tokens including <eos>
 
 
 def build_tokenizer() -> PreTrainedTokenizerBase:
-    tokenizer = char_tokenizer(ALPHABET)
     # <bos> is added by the tokenizer itself, so `tokenizer(prompt)` is the policy's prompt everywhere.
-    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", tokenizer.bos_token_id)]
-    )
-    # Batched generation continues right after each prompt; init_kwargs is what save_pretrained writes.
-    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
-    return tokenizer
+    return char_tokenizer(ALPHABET, add_bos=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:

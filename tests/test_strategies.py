@@ -6,7 +6,9 @@ and a DeepSpeed process group lives as long as its process. Results are compared
 training written in plain PyTorch.
 """
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
+from safetensors.torch import load_file
 
+import rlfr_run
 import tiny_zero_job
 from flowkit.commands.export import consolidated_state_dict
 from flowkit.strategies import CPUDeepSpeedStrategy, FlowkitDeepSpeedStrategy, _as_cpu_adam
@@ -141,3 +145,76 @@ def test_offload_turns_adamw_into_cpu_adam_with_same_groups():
     assert converted.adam_w_mode
     with pytest.raises(TypeError, match="converts Adam/AdamW"):
         _as_cpu_adam(torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tiny RLFR job (PolicyModule: policy + flow groups in one optimizer) under DeepSpeed, via the CLI.
+
+
+def zero_config(tmp_path: Path, stage: int) -> Path:
+    """The shipped config; for ZeRO-3 every parameter is partitioned (DeepSpeed keeps parameters under
+    1e5 elements whole by default, which is all of the tiny model)."""
+    config = json.loads((ROOT / "configs" / "deepspeed" / f"zero{stage}.json").read_text())
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp_path / f"zero{stage}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def run_rlfr(tmp_path: Path, stage: int, devices: int = 1) -> list[dict[str, torch.Tensor]]:
+    rlfr_run.run(tmp_path, 2, "--trainer.devices", str(devices),
+                 "--trainer.strategy", "flowkit.strategies.CPUDeepSpeedStrategy",
+                 "--trainer.strategy.config", str(zero_config(tmp_path, stage)),
+                 "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"))
+    return [load_file(str(tmp_path / "weights" / f"rank{rank}.safetensors")) for rank in range(devices)]
+
+
+def end_weights(snapshot: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(f"end/{prefix}"): v for k, v in snapshot.items() if k.startswith(f"end/{prefix}")}
+
+
+def assert_policy_and_flow_changed(snapshot: dict[str, torch.Tensor]) -> None:
+    for prefix in ("policy.", "reward_model."):
+        names = [k.removeprefix("start/") for k in snapshot if k.startswith(f"start/{prefix}")]
+        assert names, prefix
+        assert any(not torch.equal(snapshot[f"start/{n}"], snapshot[f"end/{n}"]) for n in names), f"{prefix} unchanged"
+
+
+def assert_exported(directory: Path, snapshot: dict[str, torch.Tensor]) -> None:
+    """hf_policy/ and flow.safetensors hold exactly the trained weights (whole, not ZeRO-3 shards)."""
+    flow = load_file(str(directory / "flow.safetensors"))
+    assert_weights_close(flow, end_weights(snapshot, "reward_model.field."))
+    policy = {}
+    for shard in (directory / "hf_policy").glob("*.safetensors"):
+        policy |= load_file(str(shard))
+    expected = end_weights(snapshot, "policy.")
+    assert policy and set(policy) <= set(expected)
+    assert_weights_close(policy, {k: expected[k] for k in policy})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_rlfr_trains_under_zero_in_one_process(tmp_path, stage):
+    (snapshot,) = run_rlfr(tmp_path, stage)
+    assert_policy_and_flow_changed(snapshot)
+    version = rlfr_run.version_dirs(tmp_path)[-1]
+    assert_exported(version / "export", snapshot)  # the ExportArtifacts callback at the end of fit
+    if stage == 3:
+        # The documented command turns the sharded checkpoint into the same artifacts.
+        out = tmp_path / "exported"
+        result = subprocess.run(
+            [shutil.which("flowkit") or "flowkit", "export", "--config", str(rlfr_run.CONFIG),
+             "--checkpoint", str(version / "checkpoints" / "last.ckpt"), "--out", str(out)],
+            env=rlfr_run.env(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert_exported(out, snapshot)
+
+
+@pytest.mark.slow
+def test_rlfr_zero2_two_processes_keep_ranks_identical(tmp_path):
+    rank0, rank1 = run_rlfr(tmp_path, 2, devices=2)
+    assert_policy_and_flow_changed(rank0)
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name

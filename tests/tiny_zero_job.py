@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
-from flowkit.strategies import CPUDeepSpeedStrategy
+from flowkit.strategies import CPUDeepSpeedStrategy, full_parameters
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
 DIM = 8
@@ -105,9 +105,7 @@ def fit(module: TwoGroupModule, args: argparse.Namespace, steps: int, ckpt_path:
 
 
 def write_weights(module: TwoGroupModule, trainer: Trainer, path: Path) -> None:
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+    with full_parameters(trainer, module):
         weights = {name: p.detach().clone() for name, p in module.named_parameters()}
     torch.save({"weights": weights, "global_step": trainer.global_step, "world_size": trainer.world_size}, path)
 

@@ -98,7 +98,8 @@ def implied_decision(step: Step, kind: str) -> str | None:
     return None
 
 
-def make_records(num: int, seed: int, size: int = 6, kinds: tuple[float, float, float] = (0.5, 0.25, 0.25)) -> list[dict]:
+def make_records(num: int, seed: int, size: int = 6,
+                 kinds: tuple[float, float, float] = (0.5, 0.25, 0.25)) -> list[dict]:
     """``num`` records ``{context, decisions, decision, explanation, kind, implied}`` from fresh episodes."""
     rng = random.Random(seed)
     records = []

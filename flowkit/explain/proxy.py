@@ -37,6 +37,8 @@ def decision_logits(
         prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         for candidate in candidates:
             candidate_ids = tokenizer(" " + candidate, add_special_tokens=False)["input_ids"]
+            if not candidate_ids:
+                raise ValueError(f"decision {candidate!r} encodes to no tokens; its mean logit is undefined")
             rows.append(prompt_ids + candidate_ids)
             spans.append((len(prompt_ids), len(prompt_ids) + len(candidate_ids)))
     per_forward = max(width, max_rows // width * width)
@@ -57,7 +59,9 @@ def decision_logits(
 
 
 def rejection_mask(logits: Tensor, target: Tensor) -> Tensor:
-    """Seed 000 §3.2: keep a sample when the proxy's argmax decision is the true one. ``[B]`` bool."""
+    """Seed 000 §3.2: keep a sample when the proxy's argmax decision is the true one.
+
+    ``logits`` [..., B, |A|], ``target`` [B] → bool [..., B]."""
     return logits.argmax(-1) == target
 
 

@@ -29,7 +29,9 @@ class ScalarEmbedder(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(frequencies, width), nn.SiLU(), nn.Linear(width, width))
 
     def forward(self, values: Tensor) -> Tensor:
-        return self.mlp(sinusoidal_embedding(values, self.frequencies).to(self.mlp[0].weight.dtype))
+        # Stacked batches repeat a handful of (t, ℓ) values over many rows: embed each distinct value once.
+        distinct, inverse = values.unique(return_inverse=True)
+        return self.mlp(sinusoidal_embedding(distinct, self.frequencies).to(self.mlp[0].weight.dtype))[inverse]
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:

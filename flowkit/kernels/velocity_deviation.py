@@ -20,9 +20,10 @@ def debias_weights(timesteps: torch.Tensor) -> torch.Tensor:
     return t / (1 - t)
 
 
-def _vector(values: torch.Tensor, length: int, device: torch.device, name: str) -> torch.Tensor:
+def _vector(values, device: torch.device, name: str, length: int | None = None) -> torch.Tensor:
+    """A contiguous float32 vector on ``device`` (the layout every implementation reads)."""
     values = torch.as_tensor(values, device=device).to(torch.float32).reshape(-1).contiguous()
-    if values.numel() != length:
+    if length is not None and values.numel() != length:
         raise ValueError(f"{name} has {values.numel()} entries, expected {length}")
     return values
 
@@ -40,7 +41,7 @@ def interpolate_latents(x1: torch.Tensor, timesteps: torch.Tensor, seed: int) ->
     """
     if x1.dim() != 3:
         raise ValueError(f"x1 must be (P, N, d), got {tuple(x1.shape)}")
-    timesteps = _vector(timesteps, torch.as_tensor(timesteps).numel(), x1.device, "timesteps")
+    timesteps = _vector(timesteps, x1.device, "timesteps")
     x1 = x1.detach()
     backend = select_backend(x1.device)
     if backend == "reference":
@@ -74,9 +75,9 @@ def velocity_deviation(
     if x1.dim() != 3 or v.dim() != 2:
         raise ValueError("expected v (P*T*N, d) and x1 (P, N, d)")
     num_layers, num_tokens, dim = x1.shape
-    timesteps = _vector(timesteps, torch.as_tensor(timesteps).numel(), v.device, "timesteps")
-    weights = _vector(weights, timesteps.numel(), v.device, "weights")
-    mask = _vector(mask, num_tokens, v.device, "mask")
+    timesteps = _vector(timesteps, v.device, "timesteps")
+    weights = _vector(weights, v.device, "weights", timesteps.numel())
+    mask = _vector(mask, v.device, "mask", num_tokens)
     if v.shape != (num_layers * timesteps.numel() * num_tokens, dim):
         raise ValueError(f"v has shape {tuple(v.shape)}, expected {(num_layers * timesteps.numel() * num_tokens, dim)}")
     x1 = x1.detach().to(v.dtype)

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 
-def char_tokenizer(alphabet: Iterable[str]) -> PreTrainedTokenizerFast:
+def char_tokenizer(alphabet: Iterable[str], add_bos: bool = False) -> PreTrainedTokenizerFast:
     """A WordLevel tokenizer with one token per character of ``alphabet`` plus pad/bos/eos/unk.
 
     Characters are split individually, so decoding ``tokenizer.decode(tokenizer.encode(s))`` returns ``s``
-    for any ``s`` over the alphabet (spaces included if listed).
+    for any ``s`` over the alphabet (spaces included if listed). With ``add_bos`` the tokenizer prepends
+    ``<bos>`` itself and pads on the left, so ``tokenizer(prompt)`` is a complete generation prompt.
     """
     chars = sorted(set(alphabet))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -23,9 +24,13 @@ def char_tokenizer(alphabet: Iterable[str]) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
+        clean_up_tokenization_spaces=False, padding_side="left" if add_bos else "right",
     )
 
 

@@ -39,18 +39,21 @@ class PromptStream(IterableDataset):
     """Endless prompt batches: batch ``i`` is a pure function of ``(seed, i)``.
 
     Epochs are reshuffled with ``seed + epoch``; iteration starts at ``start_index`` so a resumed run
-    continues with exactly the batch the interrupted run would have drawn next.
+    continues with exactly the batch the interrupted run would have drawn next. With ``world_size``
+    ranks, rank ``r`` draws batch ``i·world_size + r`` of that sequence at step ``i`` (disjoint data).
     """
 
-    def __init__(self, records: list[dict[str, str]], batch_size: int, seed: int):
+    def __init__(self, records: list[dict[str, str]], batch_size: int, seed: int, rank: int = 0,
+                 world_size: int = 1):
         if len(records) < batch_size:
             raise ValueError(f"{len(records)} training prompts cannot fill a batch of {batch_size}")
         self.records, self.batch_size, self.seed = records, batch_size, seed
+        self.rank, self.world_size = rank, world_size
         self.start_index = 0
 
     def batch(self, index: int) -> dict[str, Any]:
         per_epoch = len(self.records) // self.batch_size
-        epoch, offset = divmod(index, per_epoch)
+        epoch, offset = divmod(index * self.world_size + self.rank, per_epoch)
         order = list(range(len(self.records)))
         random.Random(self.seed + epoch).shuffle(order)
         rows = [self.records[i] for i in order[offset * self.batch_size:(offset + 1) * self.batch_size]]
@@ -128,7 +131,8 @@ class RolloutDataModule(L.LightningDataModule):
         return list(self.val_sets)
 
     def train_dataloader(self) -> DataLoader:
-        stream = PromptStream(self.train_records, self.batch_size, self.seed)
+        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        stream = PromptStream(self.train_records, self.batch_size, self.seed, rank, world_size)
         stream.start_index = self.next_index
         return DataLoader(stream, batch_size=None)
 

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import math
-import random
 from typing import Any, Literal
 
 import lightning as L
@@ -24,10 +22,10 @@ from flowkit.batch import RolloutBatch
 from flowkit.data.records import load_records
 from flowkit.explain.context import encode_context
 from flowkit.explain.prompts import explanation_prompt
-from flowkit.explain.proxy import proxy_probabilities
+from flowkit.explain.proxy import proxy_probabilities, rejection_mask
 from flowkit.explain.reward_model import ExplanationInputs, FlowRewardModel, explanation_inputs, place_token_rewards
 from flowkit.explain.sentence_rewards import sentence_rewards_from_probs
-from flowkit.llm.backbone import load_backbone
+from flowkit.explain.tokenizer import load_model_and_tokenizer
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.llm.rollout import RolloutEngine, encode_pairs, forward_logits
 from flowkit.modules.datamodule import resolve_data_path
@@ -56,7 +54,8 @@ def _rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class ExplanationDataModule(L.LightningDataModule):
     """Decision records for explanation training; ``bundled:gridworld/...`` is the toy task."""
 
-    def __init__(self, train_path: str = "bundled:gridworld/train.jsonl", test_path: str = "bundled:gridworld/test.jsonl",
+    def __init__(self, train_path: str = "bundled:gridworld/train.jsonl",
+                 test_path: str = "bundled:gridworld/test.jsonl",
                  num_train: int | None = None, num_test: int | None = None, batch_size: int = 12, seed: int = 0):
         super().__init__()
         self.save_hyperparameters()
@@ -89,7 +88,7 @@ class ExplanationDataModule(L.LightningDataModule):
 def load_proxies(paths: list[str], dtype: str, trust_remote_code: bool) -> tuple[torch.nn.ModuleList, list]:
     models, tokenizers = torch.nn.ModuleList(), []
     for path in paths:
-        model, tokenizer = load_backbone(path, dtype, trust_remote_code)
+        model, tokenizer = load_model_and_tokenizer(path, dtype, trust_remote_code)
         models.append(model.requires_grad_(False).eval())
         tokenizers.append(tokenizer)
     return models, tokenizers
@@ -114,7 +113,7 @@ class ExplanationRewardModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         proxies = proxies or [f"bundled:explain_tiny/proxy{i}" for i in range(3)]
-        self.backbone, self.tokenizer = load_backbone(backbone, dtype, trust_remote_code)
+        self.backbone, self.tokenizer = load_model_and_tokenizer(backbone, dtype, trust_remote_code)
         self.backbone.requires_grad_(False).eval()
         self.proxies, self.proxy_tokenizers = load_proxies(proxies, dtype, trust_remote_code)
         self.reward_model = FlowRewardModel(num_decisions, self.backbone.config.hidden_size, sigma, ode_steps,
@@ -133,7 +132,7 @@ class ExplanationRewardModule(L.LightningModule):
     def training_step(self, rows: list[dict[str, Any]], batch_idx: int) -> Tensor:
         context, probs = self._encode(rows)
         decisions = decision_tensor(rows, self.device)
-        kept = probs.argmax(-1) == decisions  # [K_p, B]
+        kept = rejection_mask(probs, decisions)  # [K_p, B]
         proxy_index, row_index = kept.nonzero(as_tuple=True)
         self.log("train/acceptance", kept.float().mean(), batch_size=len(rows))
         if len(row_index) == 0:
@@ -146,7 +145,7 @@ class ExplanationRewardModule(L.LightningModule):
         context, probs = self._encode(rows)
         decisions = decision_tensor(rows, self.device)
         predicted = self.reward_model.predict(context).argmax(-1)
-        positive = probs[0].argmax(-1) == decisions
+        positive = rejection_mask(probs[0], decisions)
         for kind, rows_of_kind in (("positive", positive), ("negative", ~positive)):
             if rows_of_kind.any():
                 self.accuracy[kind].update(predicted[rows_of_kind], decisions[rows_of_kind])
@@ -215,12 +214,12 @@ class ExplanationPolicyModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.policy, self.tokenizer = load_backbone(policy, dtype, trust_remote_code)
+        self.policy, self.tokenizer = load_model_and_tokenizer(policy, dtype, trust_remote_code)
         if lora is not None:
             self.policy = apply_lora(self.policy, lora)
             self.flow_backbone = None  # encode_context disables the adapters: the frozen base reads
         else:
-            self.flow_backbone, _ = load_backbone(policy, dtype, trust_remote_code)
+            self.flow_backbone, _ = load_model_and_tokenizer(policy, dtype, trust_remote_code)
             self.flow_backbone.requires_grad_(False).eval()
         proxies = proxies or [f"bundled:explain_tiny/proxy{i}" for i in range(3)]
         self.proxies, self.proxy_tokenizers = load_proxies(proxies, dtype, trust_remote_code)
@@ -283,7 +282,7 @@ class ExplanationPolicyModule(L.LightningModule):
             batch = self._explain(rows, hp.explanations_per_context, hp.temperature)
             probs = self._proxy_probs(rows, batch.responses, hp.explanations_per_context)
             decisions = decision_tensor(rows, self.device, hp.explanations_per_context)
-            kept = probs.argmax(-1) == decisions
+            kept = rejection_mask(probs, decisions)
         self.log("round/acceptance", kept.float().mean())
         self.log("round/index", float(self.current_epoch // hp.policy_epochs_per_round))
         if hp.reward != "proxy":
@@ -303,8 +302,8 @@ class ExplanationPolicyModule(L.LightningModule):
         for _ in range(hp.flow_epochs_per_round):
             order = torch.randperm(len(row_index), generator=self.generator).to(row_index.device)
             for chunk in order.split(hp.flow_batch_size):
-                loss = self.reward_model.loss(context.select(row_index[chunk]), probs[proxy_index[chunk], row_index[chunk]],
-                                              self.generator)
+                rows, proxies = row_index[chunk], proxy_index[chunk]
+                loss = self.reward_model.loss(context.select(rows), probs[proxies, rows], self.generator)
                 self.manual_backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -326,7 +325,7 @@ class ExplanationPolicyModule(L.LightningModule):
             inputs = explanation_inputs(batch, self.tokenizer)
             context = encode_context(self._flow_backbone, inputs.input_ids, inputs.attention_mask)
             predicted = self.reward_model.predict(context, self.generator).argmax(-1)
-        positive = probs[0].argmax(-1) == decisions
+        positive = rejection_mask(probs[0], decisions)
         for kind, mask in (("positive", positive), ("negative", ~positive)):
             metric = self.accuracy[kind]
             if mask.any():

@@ -22,7 +22,7 @@ from flowkit.rewards.base import TokenRewardModel
 from flowkit.rewards.grader import grade, outcome_reward
 from flowkit.rl.advantages import rlfr_advantages
 from flowkit.rl.logprobs import token_entropy, token_logprobs
-from flowkit.rl.losses import Aggregation, clipped_policy_loss, kl_penalty, masked_aggregate
+from flowkit.rl.losses import Aggregation, clipped_policy_loss, kl_penalty
 from flowkit.rl.metrics import pass_at_k
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,12 @@ class PolicyModule(L.LightningModule):
         log.warning("skipping RL step %d: non-finite %s (%d skipped so far)", self.global_step, ", ".join(bad), self.skipped_steps)
         self.log("train/skipped_steps", float(self.skipped_steps))
         return False
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["skipped_steps"] = self.skipped_steps  # a resumed run keeps counting
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
 
     def policy_updates(self, batch: RolloutBatch, reward_loss: Tensor | None) -> dict[str, Tensor]:
         """μ epochs × minibatches of clipped-surrogate steps; ``reward_loss`` joins the first backward."""

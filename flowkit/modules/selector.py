@@ -226,7 +226,6 @@ class SelectorModule(LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.automatic_optimization = False
         self.actor: RuleAttentionNetwork | None = None
 
     def build_networks(self, state_dim: int, embed_dim: int) -> None:
@@ -260,11 +259,15 @@ class SelectorModule(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        return [
-            torch.optim.Adam(self.actor.parameters(), lr=hp.lr),
-            torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=hp.lr),
-            torch.optim.Adam([self.log_alpha], lr=hp.alpha_lr or hp.lr),
-        ]
+        # foreach: one fused update per group instead of a Python loop per tensor (tiny nets)
+        return torch.optim.Adam(
+            [
+                {"params": self.actor.parameters()},
+                {"params": [*self.q1.parameters(), *self.q2.parameters()]},
+                {"params": [self.log_alpha], "lr": hp.alpha_lr or hp.lr},
+            ],
+            lr=hp.lr, foreach=True,
+        )
 
     # ---- acting -------------------------------------------------------------------------------------
 
@@ -291,12 +294,14 @@ class SelectorModule(LightningModule):
         dm = self.trainer.datamodule
         dm.collect(self._uniform_rule, self.hparams.warmup_steps)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Collect, then one SAC update. The three losses touch disjoint parameters (the actor loss
+        sees detached Q values, the temperature loss a detached policy, the critic target no graph),
+        so one backward of their sum and one Adam step equal three separate updates."""
         hp = self.hparams
         dm = self.trainer.datamodule
         for episode_return in dm.collect(self.sample_rule, hp.env_steps_per_update):
             dm.recent_returns = (dm.recent_returns + [episode_return])[-20:]
-        actor_opt, critic_opt, alpha_opt = self.optimizers()
         alpha = self.log_alpha.exp().detach()
         reward = hp.reward_scale * (batch["env_reward"] + hp.rule_reward_coef * batch["rule_reward"])
 
@@ -311,30 +316,23 @@ class SelectorModule(LightningModule):
         q1 = self.q1(batch["state"], batch["rules"], batch["mask"])
         q2 = self.q2(batch["state"], batch["rules"], batch["mask"])
         critic_loss = sac.critic_loss(q1, q2, batch["action"], target)
-        critic_opt.zero_grad()
-        self.manual_backward(critic_loss)
-        critic_opt.step()
-
         log_pi = masked_log_softmax(self.actor(batch["state"], batch["rules"], batch["mask"]), batch["mask"])
-        actor_loss = sac.actor_loss(log_pi, q1.detach(), q2.detach(), batch["mask"], alpha)
-        actor_opt.zero_grad()
-        self.manual_backward(actor_loss)
-        actor_opt.step()
-
+        actor_loss = sac.actor_loss(log_pi, q1, q2, batch["mask"], alpha)
         alpha_loss = sac.temperature_loss(self.log_alpha, log_pi.detach(), batch["mask"], hp.target_entropy_ratio)
-        alpha_opt.zero_grad()
-        self.manual_backward(alpha_loss)
-        alpha_opt.step()
 
-        sac.soft_update(self.q1_target, self.q1, hp.tau)
-        sac.soft_update(self.q2_target, self.q2, hp.tau)
-        metrics = {
-            "critic_loss": critic_loss, "actor_loss": actor_loss, "alpha": alpha,
-            "entropy": sac.entropy(log_pi.detach(), batch["mask"]).mean(),
-        }
-        if dm.recent_returns:
-            metrics["episode_return"] = float(np.mean(dm.recent_returns))
-        self.log_dict(metrics, prog_bar=True)
+        if (batch_idx + 1) % self.trainer.log_every_n_steps == 0:  # when Lightning writes logs; self.log is costly
+            metrics = {
+                "critic_loss": critic_loss, "actor_loss": actor_loss, "alpha": alpha,
+                "entropy": sac.entropy(log_pi.detach(), batch["mask"]).mean(),
+            }
+            if dm.recent_returns:
+                metrics["episode_return"] = float(np.mean(dm.recent_returns))
+            self.log_dict(metrics, prog_bar=True)
+        return critic_loss + actor_loss + alpha_loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        sac.soft_update(self.q1_target, self.q1, self.hparams.tau)
+        sac.soft_update(self.q2_target, self.q2, self.hparams.tau)
 
     def on_fit_end(self) -> None:
         dm = self.trainer.datamodule

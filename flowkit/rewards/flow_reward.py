@@ -29,7 +29,7 @@ class FlowReward(TokenRewardModel):
         noise_draws: noise draws averaged per reward (variance reduction; the official code uses 1).
         seed: base seed of the reward noise; step s uses ``seed + 1000·s`` so rewards are reproducible.
         rejection_metric: which rollouts train the flow online (correct | entropy | both).
-        kappa: a flow update happens once at least κ accepted rollouts are buffered.
+        kappa: a flow update happens once at least κ accepted rollouts are buffered; it uses all of them.
         online_update: set False to freeze the flow during RL (ablation).
         pretrain_timesteps: logit-normal timesteps drawn per offline-pretraining batch.
         weights: optional safetensors file of a pretrained velocity field to start from.
@@ -97,21 +97,23 @@ class FlowReward(TokenRewardModel):
         nonzero = (rewards != 0).float().sum() / scored.float().sum().clamp(min=1)
         self._metrics = {"flow/deviation_mean": float(scores[scored].mean()) if scored.any() else 0.0,
                          "flow/reward_mean": float(rewards[scored].mean()) if scored.any() else 0.0,
-                         "flow/reward_nonzero_frac": float(nonzero)}
+                         "flow/reward_nonzero_frac": float(nonzero),
+                         "flow/loss": float("nan")}  # NaN on steps without a flow update
         return rewards
 
     def update_loss(self, batch: RolloutBatch, step: int) -> Tensor | None:
-        """Alg. 1: buffer the accepted rollouts; once κ are buffered, the flow loss (eq. 4) on κ of them."""
+        """Alg. 1: buffer the accepted rollouts; once ≥ κ are buffered, the flow loss (eq. 4) on all of them."""
         if not self.online_update:
             return None
         accepted = accept_rollouts(self.rejection_metric, batch.correct, batch.entropy)
         if accepted.any():
             self.buffer.add(batch.latents[:, accepted], batch.response_mask[accepted])
-        self._metrics["flow/buffer_size"] = float(len(self.buffer))
         self._metrics["flow/accepted_frac"] = float(accepted.float().mean())
         if len(self.buffer) < self.kappa:
+            self._metrics["flow/buffer_size"] = float(len(self.buffer))
             return None
-        latents, mask = self.buffer.pop(self.kappa)
+        latents, mask = self.buffer.pop(len(self.buffer))  # one flow step consumes every buffered rollout
+        self._metrics["flow/buffer_size"] = float(len(self.buffer))
         device = batch.latents.device
         timesteps = torch.tensor(self.timesteps, device=device)
         loss = flow_matching_loss(self._require_field(), latents.to(device), mask.to(device), self.layer_positions,

@@ -7,6 +7,15 @@ from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:=?+-[]!\n"
 
 
+@pytest.fixture(autouse=True)
+def single_thread():
+    """These tensors are tiny: one intra-op thread is faster than two fighting over loaded CI cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return char_tokenizer(ALPHABET)

@@ -1,7 +1,9 @@
+import pytest
 import torch
 
 from flowkit.explain.prompts import proxy_prompt
 from flowkit.explain.proxy import decision_logits, rejection_mask
+from flowkit.explain.tokenizer import word_tokenizer
 
 
 def test_proxy_logits_equal_manual_per_decision_computation_in_one_forward(backbone, tokenizer, decisions):
@@ -39,3 +41,9 @@ def test_rows_split_across_forwards_keep_examples_whole(backbone, tokenizer, dec
 def test_rejection_keeps_argmax_equal_to_true_decision():
     logits = torch.tensor([[0.1, 2.0, 0.0], [3.0, 1.0, 0.0]])
     assert rejection_mask(logits, torch.tensor([1, 1])).tolist() == [True, False]
+
+
+def test_a_decision_without_tokens_is_an_error(backbone):
+    words = word_tokenizer(["Given x a"])  # drops whitespace, so the empty decision has no tokens
+    with pytest.raises(ValueError, match="no tokens"):
+        decision_logits(backbone, words, ["Given x"], ["a", ""])

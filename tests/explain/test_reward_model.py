@@ -20,7 +20,8 @@ def test_explanation_inputs_left_align_rows_and_find_sentences(tokenizer):
         real = batch.input_ids[b][batch.attention_mask[b].bool()]
         assert torch.equal(inputs.input_ids[b, : len(real)], real)
         assert torch.equal(batch.input_ids[b, inputs.positions[b]], real)
-    assert inputs.sentence_ends[0] == [len("goal is 1 east, 2 north."), len("goal is 1 east, 2 north. y gap is larger.")]
+    first, both = "goal is 1 east, 2 north.", "goal is 1 east, 2 north. y gap is larger."
+    assert inputs.sentence_ends[0] == [len(first), len(both)]
     assert inputs.sentence_ends[1] == [len("it moved before")]  # the unterminated fragment is one sentence
 
 

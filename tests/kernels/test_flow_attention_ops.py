@@ -115,4 +115,4 @@ def test_native_core_gradcheck_and_opcheck():
     torch.library.opcheck(torch.ops.flowkit.flow_attention.default, (q, fk, fv, ck, cv, prefix))
     out, lse = torch.ops.flowkit.flow_attention(q, fk, fv, ck, cv, prefix)
     torch.library.opcheck(torch.ops.flowkit.flow_attention_backward.default,
-                          (torch.randn_like(out), q.detach(), fk.detach(), fv.detach(), ck, cv, prefix, out.detach(), lse))
+                          (torch.randn_like(out), q.detach(), fk.detach(), fv.detach(), ck, cv, prefix, out.detach(), lse.detach()))

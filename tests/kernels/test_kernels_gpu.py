@@ -11,7 +11,7 @@ from kernel_cases import attention_inputs, core_inputs, deviation_inputs
 
 pytestmark = pytest.mark.gpu
 GPU_BACKENDS = ["native", "triton"]
-DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)]
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]  # fp16 is covered on CPU (C++ and interpreted Triton)
 
 
 def require(backend):
@@ -83,7 +83,7 @@ def test_native_cuda_gradcheck_float64():
     if not backends.native_has("cuda"):
         pytest.skip("no CUDA build")
     x1, ts, w, mask, v = deviation_inputs(2, 2, 4, 5, dtype=torch.float64, device="cuda")
-    assert torch.autograd.gradcheck(lambda v: torch.ops.flowkit.velocity_deviation(v, x1, ts, w, 7, mask.double().float()), (v,))
+    assert torch.autograd.gradcheck(lambda v: torch.ops.flowkit.velocity_deviation(v, x1, ts, w, 7, mask.float()), (v,))
     q, fk, fv, ck, cv, prefix = (t.cuda() for t in core_inputs(2, 2, 4, 2, 8, 7))
     q, fk, fv = (t.requires_grad_() for t in (q, fk, fv))
     assert torch.autograd.gradcheck(

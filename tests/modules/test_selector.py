@@ -24,6 +24,20 @@ def test_configs_validate(name, capsys):
     assert printed["data"]["init_args"]["rules"]["class_path"] == "flowkit.rbrl.templates.TemplateRuleSource"
 
 
+def test_llm_rule_source_and_judge_config_validate(capsys):
+    backend = {"class_path": "flowkit.rbrl.backends.HTTPChatBackend",
+               "init_args": {"base_url": "http://127.0.0.1:8000/v1", "model": "local", "api_key_env": "MY_KEY"}}
+    rules = {"class_path": "flowkit.rbrl.llm_source.LLMRuleSource", "init_args": {"backend": backend, "num_rules": 5}}
+    judge = {"class_path": "flowkit.rbrl.judges.LLMJudge", "init_args": {"backend": backend}}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "rbrl_wearables.yaml"), "--data.init_args.rules", json.dumps(rules),
+              "--data.init_args.judge", json.dumps(judge), "--print_config"])
+    assert exit_info.value.code == 0
+    data = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
+    assert data["rules"]["init_args"]["backend"]["init_args"]["api_key_env"] == "MY_KEY"
+    assert data["judge"]["class_path"] == "flowkit.rbrl.judges.LLMJudge"
+
+
 def test_policy_over_a_variable_rule_set_sums_to_one():
     model = SelectorModule(hidden=8)
     model.build_networks(state_dim=4, embed_dim=6)

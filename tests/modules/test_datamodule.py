@@ -1,0 +1,33 @@
+import json
+
+import pytest
+
+from flowkit.data.records import RecordError
+from flowkit.modules.datamodule import PromptStream, RolloutDataModule
+
+
+def test_prompt_stream_is_a_function_of_seed_and_index():
+    records = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
+    stream = PromptStream(records, batch_size=4, seed=3)
+    first = [b["prompt"] for _, b in zip(range(5), iter(stream))]
+    # two batches per epoch: epoch 0 is a permutation prefix, and resuming at index 3 replays batch 3
+    assert len(set(first[0] + first[1])) == 8
+    stream.start_index = 3
+    assert next(iter(stream))["prompt"] == first[3]
+    assert PromptStream(records, 4, seed=4).batch(0)["prompt"] != first[0]
+
+
+def test_eval_sets_accept_problem_field_and_template(tmp_path, shared_data):
+    data = RolloutDataModule(val_path=None, eval_paths={"math500": str(shared_data / "math_eval" / "math500.jsonl")},
+                             prompt_template="Q: {prompt}\nA:", max_val_examples=5)
+    data.setup("validate")
+    rows = data.val_sets["math500"]
+    assert len(rows) == 5 and rows[0]["prompt"].startswith("Q: ") and rows[0]["prompt"].endswith("\nA:")
+    assert "\\boxed" not in rows[0]["prompt"] and rows[0]["answer"]
+
+
+def test_bad_training_file_names_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n{not json\n")
+    with pytest.raises(RecordError, match=r"train.jsonl:2: malformed JSON"):
+        RolloutDataModule(train_path=str(path), val_path=None).setup("fit")

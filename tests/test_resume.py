@@ -1,0 +1,104 @@
+"""Exact resume of the tiny RLFR job after a hard kill, and a clean stop on SIGTERM.
+
+Everything a step depends on must come back from the checkpoint: policy, flow, optimizer moments,
+the flow's rejection-sampling buffer, the RNG states (sampling draws from torch's), the prompt
+stream's position, and the step counter that seeds the flow noise. The comparison is bitwise
+(CPU, ``deterministic: true``).
+"""
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlfr_run
+
+STEPS, KILL_AFTER = 4, 2
+COMPARED = ["train/outcome_reward", "train/policy_loss", "train/entropy", "flow/loss", "flow/buffer_size",
+            "flow/deviation_mean", "flow/reward_mean"]
+
+
+def checkpoint_override(root: Path) -> Path:
+    """A checkpoint every 2 steps into root/ckpt (the config saves every 20)."""
+    path = root / "override.yaml"
+    path.write_text(
+        "trainer:\n"
+        "  deterministic: true\n"
+        "  callbacks:\n"
+        "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+        f"      init_args: {{dirpath: {root / 'ckpt'}, save_last: true, save_top_k: 0, every_n_train_steps: 2}}\n"
+    )
+    return path
+
+
+def last_checkpoint(root: Path) -> dict:
+    return torch.load(root / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+
+
+def kill_after_checkpoint(root: Path) -> int:
+    root.mkdir(parents=True)
+    args = rlfr_run.command(root, STEPS, "--config", str(checkpoint_override(root)))
+    process = subprocess.Popen(args, env=rlfr_run.env(), cwd=root, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (root / "ckpt" / "last.ckpt").exists():
+        if process.poll() is not None:
+            pytest.fail(f"run ended before its first checkpoint:\n{process.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("no checkpoint within 300 s")
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    return process.returncode
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir()
+    rlfr_run.run(straight, STEPS, "--config", str(checkpoint_override(straight)))
+
+    assert kill_after_checkpoint(killed) == -signal.SIGKILL
+    interrupted = last_checkpoint(killed)
+    assert interrupted["global_step"] == KILL_AFTER
+    assert "rng_states" in interrupted and interrupted["RolloutDataModule"]["next_index"] == KILL_AFTER
+    assert len(interrupted["state_dict"]["reward_model._extra_state"]["buffer"]["latents"]) > 0
+
+    rlfr_run.run(killed, STEPS, "--config", str(checkpoint_override(killed)), "--ckpt_path", "last")
+
+    expected, actual = last_checkpoint(straight), last_checkpoint(killed)
+    assert actual["global_step"] == expected["global_step"] == STEPS
+    assert actual["state_dict"].keys() == expected["state_dict"].keys()
+    for name, tensor in expected["state_dict"].items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(actual["state_dict"][name], tensor), name
+    assert_same_nested(actual["state_dict"]["reward_model._extra_state"],
+                       expected["state_dict"]["reward_model._extra_state"])
+    assert_same_nested(actual["optimizer_states"], expected["optimizer_states"])
+
+    straight_metrics = rlfr_run.metrics(rlfr_run.version_dirs(straight)[-1])
+    resumed_metrics = rlfr_run.metrics(rlfr_run.version_dirs(killed)[-1])
+    resumed_steps = sorted(resumed_metrics)
+    assert resumed_steps and resumed_steps[0] >= KILL_AFTER - 1
+    for step in resumed_steps:
+        for key in COMPARED:
+            assert resumed_metrics[step].get(key) == straight_metrics[step].get(key), (step, key)
+
+
+def assert_same_nested(actual, expected, where: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_same_nested(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same_nested(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, where
