@@ -20,8 +20,13 @@ from flowkit.explain.context import encode_context
 from flowkit.explain.flow_net import ExplanationFlow
 from flowkit.explain.gridworld import make_records
 from flowkit.explain.prompts import explanation_prompt
-from flowkit.explain.sentence_rewards import flow_samples, flow_samples_per_prefix, prefix_table, sentence_token_ends
-from flowkit.explain.tokenizer import load_model_and_tokenizer
+from flowkit.explain.sentence_rewards import (
+    flow_samples,
+    flow_samples_per_prefix,
+    prefix_table,
+    sentence_token_ends,
+)
+from flowkit.llm.backbone import load_backbone
 
 try:
     from common import append_csv, measure, timestamp
@@ -57,7 +62,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
-    backbone, tokenizer = load_model_and_tokenizer("bundled:explain_tiny/policy")
+    backbone, tokenizer = load_backbone("bundled:explain_tiny/policy")
     backbone.eval().requires_grad_(False)
     flow = ExplanationFlow(4, backbone.config.hidden_size, time_dim=32, projector_dim=128).eval()
     print(f"{'K':>3} {'tokens':>6} {'one-pass ms':>12} {'per-prefix ms':>14} {'ratio':>6}")

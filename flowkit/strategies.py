@@ -17,7 +17,7 @@ Use them in a config as::
         class_path: flowkit.strategies.CPUDeepSpeedStrategy
         init_args: {config: configs/deepspeed/zero2.json}
 
-or by the registered names ``deepspeed_cpu``, ``deepspeed_cpu_stage_2``, ``deepspeed_cpu_stage_3``,
+or by the registered names ``deepspeed_cpu_stage_2``, ``deepspeed_cpu_stage_3``,
 ``deepspeed_cpu_stage_3_offload`` and ``deepspeed_stage_3_offload_cpuadam`` (GPU), once this module is
 imported (the ``flowkit`` CLI imports it).
 """
@@ -63,8 +63,6 @@ class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
 
 class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
     """DeepSpeed ZeRO on CPU processes: gloo process group, ``DS_ACCELERATOR=cpu``, fp32 or bf16."""
-
-    strategy_name = "deepspeed_cpu"
 
     def setup_environment(self) -> None:
         if not isinstance(self.accelerator, CPUAccelerator):
@@ -134,7 +132,6 @@ def _as_cpu_adam(optimizer: Optimizer) -> Optimizer:
 def _register() -> None:
     cpu = CPUDeepSpeedStrategy
     entries = {
-        "deepspeed_cpu": (cpu, "DeepSpeed ZeRO stage 2 on CPU processes (gloo)", {}),
         "deepspeed_cpu_stage_2": (cpu, "DeepSpeed ZeRO stage 2 on CPU processes (gloo)", {"stage": 2}),
         "deepspeed_cpu_stage_3": (cpu, "DeepSpeed ZeRO stage 3 on CPU processes (gloo)", {"stage": 3}),
         "deepspeed_cpu_stage_3_offload": (

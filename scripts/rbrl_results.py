@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,16 +26,18 @@ DEFAULT_CONFIGS = ["configs/rbrl_binpacking.yaml", "configs/rbrl_wearables.yaml"
 
 def run(config: str, seed: int, root: Path) -> dict:
     run_dir = root / Path(config).stem / f"seed{seed}"
+    start = time.monotonic()
     flowkit_main(["fit", "--config", config, "--seed_everything", str(seed), "--trainer.default_root_dir", str(run_dir)])
+    seconds = time.monotonic() - start
     newest = max(run_dir.glob("lightning_logs/version_*/results.json"), key=lambda p: p.stat().st_mtime)
-    return json.loads(newest.read_text())
+    return json.loads(newest.read_text()) | {"fit_seconds": seconds}
 
 
 def table(name: str, runs: dict[int, dict]) -> str:
     seeds = sorted(runs)
     trained = np.array([np.mean(runs[s]["trained selector"]) for s in seeds])
     first = runs[seeds[0]]
-    baselines = {k: np.array(v) for k, v in first.items() if k not in ("trained selector", "eval_seeds")}
+    baselines = {k: np.array(v) for k, v in first.items() if k not in ("trained selector", "eval_seeds", "fit_seconds")}
     random_mean = baselines["random rule"].mean()
     rows = [(f"trained selector ({len(seeds)} training seeds)", trained.mean(), trained.std(ddof=1), trained)]
     rows += [(f"{k} ({len(v)} eval seeds)", v.mean(), v.std(ddof=1), v) for k, v in baselines.items()]
@@ -46,6 +49,7 @@ def table(name: str, runs: dict[int, dict]) -> str:
         lines.append(f"{label:48s} {mean:9.2f} {std:7.2f}   " + " ".join(f"{v:.2f}" for v in values))
     wins = int((trained > random_mean).sum())
     lines.append(f"trained selector beats random rule choice in {wins}/{len(seeds)} training seeds")
+    lines.append("wall-clock seconds per fit: " + ", ".join(f"{runs[s]['fit_seconds']:.0f}" for s in seeds))
     return "\n".join(lines)
 
 

@@ -17,6 +17,10 @@ OFFLINE_OVERRIDES = {
                                        "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"],
     "rlfr_qwen_offline.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                                "--model.init_args.dtype", "float32"],
+    "explain_llama.yaml": CPU_OVERRIDES + ["--model.init_args.policy", "bundled:explain_tiny/policy",
+                                           "--model.init_args.proxies",
+                                           "[bundled:explain_tiny/proxy0, bundled:explain_tiny/proxy1, bundled:explain_tiny/proxy2]",
+                                           "--model.init_args.dtype", "float32"],
 }
 
 

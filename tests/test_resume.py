@@ -22,20 +22,24 @@ COMPARED = ["train/outcome_reward", "train/policy_loss", "train/entropy", "flow/
 
 
 def checkpoint_override(root: Path) -> Path:
-    """A checkpoint every 2 steps into root/ckpt (the config saves every 20)."""
+    """A checkpoint every 2 steps (the config saves every 20), in the config's checkpoint directory."""
     path = root / "override.yaml"
     path.write_text(
         "trainer:\n"
         "  deterministic: true\n"
         "  callbacks:\n"
         "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
-        f"      init_args: {{dirpath: {root / 'ckpt'}, save_last: true, save_top_k: 0, every_n_train_steps: 2}}\n"
+        "      init_args: {dirpath: runs/rlfr_tiny/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 2}\n"
     )
     return path
 
 
+def last_path(root: Path) -> Path:
+    return root / "runs" / "rlfr_tiny" / "checkpoints" / "last.ckpt"  # runs are started in root
+
+
 def last_checkpoint(root: Path) -> dict:
-    return torch.load(root / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    return torch.load(last_path(root), map_location="cpu", weights_only=True)
 
 
 def kill_after_checkpoint(root: Path) -> int:
@@ -44,7 +48,7 @@ def kill_after_checkpoint(root: Path) -> int:
     process = subprocess.Popen(args, env=rlfr_run.env(), cwd=root, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not (root / "ckpt" / "last.ckpt").exists():
+    while not last_path(root).exists():
         if process.poll() is not None:
             pytest.fail(f"run ended before its first checkpoint:\n{process.stderr.read()[-3000:]}")
         if time.monotonic() > deadline:
@@ -66,6 +70,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     interrupted = last_checkpoint(killed)
     assert interrupted["global_step"] == KILL_AFTER
     assert "rng_states" in interrupted and interrupted["RolloutDataModule"]["next_index"] == KILL_AFTER
+    assert interrupted["skipped_steps"] == 0
     assert len(interrupted["state_dict"]["reward_model._extra_state"]["buffer"]["latents"]) > 0
 
     rlfr_run.run(killed, STEPS, "--config", str(checkpoint_override(killed)), "--ckpt_path", "last")

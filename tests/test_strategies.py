@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import rlfr_run
 import tiny_zero_job
-from flowkit.commands.export import consolidated_state_dict
+from flowkit.commands.export import consolidated_state_dict, load_trained_weights
 from flowkit.strategies import CPUDeepSpeedStrategy, FlowkitDeepSpeedStrategy, _as_cpu_adam
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,10 +162,13 @@ def zero_config(tmp_path: Path, stage: int) -> Path:
     return path
 
 
+def deepspeed_args(tmp_path: Path, stage: int, devices: int = 1) -> list[str]:
+    return ["--trainer.devices", str(devices), "--trainer.strategy", "flowkit.strategies.CPUDeepSpeedStrategy",
+            "--trainer.strategy.config", str(zero_config(tmp_path, stage))]
+
+
 def run_rlfr(tmp_path: Path, stage: int, devices: int = 1) -> list[dict[str, torch.Tensor]]:
-    rlfr_run.run(tmp_path, 2, "--trainer.devices", str(devices),
-                 "--trainer.strategy", "flowkit.strategies.CPUDeepSpeedStrategy",
-                 "--trainer.strategy.config", str(zero_config(tmp_path, stage)),
+    rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, stage, devices),
                  "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"))
     return [load_file(str(tmp_path / "weights" / f"rank{rank}.safetensors")) for rank in range(devices)]
 
@@ -195,7 +198,7 @@ def assert_exported(directory: Path, snapshot: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_rlfr_trains_under_zero_in_one_process(tmp_path, stage):
+def test_rlfr_trains_saves_and_resumes_under_zero_in_one_process(tmp_path, stage):
     (snapshot,) = run_rlfr(tmp_path, stage)
     assert_policy_and_flow_changed(snapshot)
     version = rlfr_run.version_dirs(tmp_path)[-1]
@@ -205,11 +208,14 @@ def test_rlfr_trains_under_zero_in_one_process(tmp_path, stage):
         out = tmp_path / "exported"
         result = subprocess.run(
             [shutil.which("flowkit") or "flowkit", "export", "--config", str(rlfr_run.CONFIG),
-             "--checkpoint", str(version / "checkpoints" / "last.ckpt"), "--out", str(out)],
+             "--checkpoint", str(tmp_path / "runs" / "rlfr_tiny" / "checkpoints" / "last.ckpt"), "--out", str(out)],
             env=rlfr_run.env(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert_exported(out, snapshot)
+    # `--ckpt_path last` finds the (sharded) DeepSpeed checkpoint and continues at step 2.
+    rlfr_run.run(tmp_path, 3, *deepspeed_args(tmp_path, stage), "--ckpt_path", "last")
+    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [2]
 
 
 @pytest.mark.slow
@@ -218,3 +224,19 @@ def test_rlfr_zero2_two_processes_keep_ranks_identical(tmp_path):
     assert_policy_and_flow_changed(rank0)
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
+
+
+def test_export_reads_plain_checkpoints_and_names_bad_paths(tmp_path):
+    module = tiny_zero_job.initial_module("sgd")
+    torch.save({"state_dict": module.state_dict(), "global_step": 3}, tmp_path / "plain.ckpt")
+    fresh = tiny_zero_job.TwoGroupModule()
+    load_trained_weights(fresh, tmp_path / "plain.ckpt")
+    assert_weights_close(dict(fresh.named_parameters()), dict(module.named_parameters()))
+
+    torch.save({"state_dict": {k: v for k, v in module.state_dict().items() if k != "flow.bias"}}, tmp_path / "part.ckpt")
+    with pytest.raises(KeyError, match="no weights for 1 trainable parameter"):
+        load_trained_weights(fresh, tmp_path / "part.ckpt")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        consolidated_state_dict(tmp_path / "missing.ckpt")
+    with pytest.raises(FileNotFoundError, match="not a DeepSpeed checkpoint"):
+        consolidated_state_dict(tmp_path)

@@ -3,15 +3,10 @@ punctuation mark, so tiny-model sequences stay short (the paper's prompts are lo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-from flowkit.llm.backbone import load_backbone, resolve_backbone_path
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 _PIECES = Regex(r"[+-]?\d+(?:\.\d+)?|[A-Za-z]+|[^A-Za-z\d\s]")
@@ -40,14 +35,3 @@ def word_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
                                                        special_tokens=[("<bos>", vocab["<bos>"])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
                                    unk_token="<unk>", padding_side="left")
-
-
-def load_model_and_tokenizer(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False):
-    """:func:`flowkit.llm.backbone.load_backbone`, but a tokenizer saved as a plain ``TokenizersBackend``
-    (like :func:`word_tokenizer`) is loaded as saved: ``AutoTokenizer`` would swap in the architecture's
-    own class (``Qwen2Tokenizer``), whose byte-level pipeline does not match the saved word-level one."""
-    model, tokenizer = load_backbone(name_or_path, dtype, trust_remote_code)
-    config = Path(resolve_backbone_path(name_or_path)) / "tokenizer_config.json"
-    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") == "TokenizersBackend":
-        tokenizer = TokenizersBackend.from_pretrained(config.parent)
-    return model, tokenizer

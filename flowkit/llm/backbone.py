@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -62,10 +70,23 @@ def load_backbone(
         raise BackboneError(
             f"{path!r} is not a causal LM (config type {config.model_type!r}): {str(err).splitlines()[0]}"
         ) from None
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(path, trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer saved at ``path``.
+
+    A tokenizer saved as a plain ``TokenizersBackend`` (the tiny char/word tokenizers) is loaded as saved:
+    ``AutoTokenizer`` would swap in the architecture's own class (``Qwen2Tokenizer``), whose byte-level
+    pipeline does not match the saved one (it drops spaces, for instance).
+    """
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") == "TokenizersBackend":
+        return TokenizersBackend.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:

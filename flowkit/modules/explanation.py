@@ -23,9 +23,14 @@ from flowkit.data.records import load_records
 from flowkit.explain.context import encode_context
 from flowkit.explain.prompts import explanation_prompt
 from flowkit.explain.proxy import proxy_probabilities, rejection_mask
-from flowkit.explain.reward_model import ExplanationInputs, FlowRewardModel, explanation_inputs, place_token_rewards
+from flowkit.explain.reward_model import (
+    ExplanationInputs,
+    FlowRewardModel,
+    explanation_inputs,
+    place_token_rewards,
+)
 from flowkit.explain.sentence_rewards import sentence_rewards_from_probs
-from flowkit.explain.tokenizer import load_model_and_tokenizer
+from flowkit.llm.backbone import load_backbone
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.llm.rollout import RolloutEngine, encode_pairs, forward_logits
 from flowkit.modules.datamodule import resolve_data_path
@@ -88,7 +93,7 @@ class ExplanationDataModule(L.LightningDataModule):
 def load_proxies(paths: list[str], dtype: str, trust_remote_code: bool) -> tuple[torch.nn.ModuleList, list]:
     models, tokenizers = torch.nn.ModuleList(), []
     for path in paths:
-        model, tokenizer = load_model_and_tokenizer(path, dtype, trust_remote_code)
+        model, tokenizer = load_backbone(path, dtype, trust_remote_code)
         models.append(model.requires_grad_(False).eval())
         tokenizers.append(tokenizer)
     return models, tokenizers
@@ -113,7 +118,7 @@ class ExplanationRewardModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         proxies = proxies or [f"bundled:explain_tiny/proxy{i}" for i in range(3)]
-        self.backbone, self.tokenizer = load_model_and_tokenizer(backbone, dtype, trust_remote_code)
+        self.backbone, self.tokenizer = load_backbone(backbone, dtype, trust_remote_code)
         self.backbone.requires_grad_(False).eval()
         self.proxies, self.proxy_tokenizers = load_proxies(proxies, dtype, trust_remote_code)
         self.reward_model = FlowRewardModel(num_decisions, self.backbone.config.hidden_size, sigma, ode_steps,
@@ -214,12 +219,12 @@ class ExplanationPolicyModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.policy, self.tokenizer = load_model_and_tokenizer(policy, dtype, trust_remote_code)
+        self.policy, self.tokenizer = load_backbone(policy, dtype, trust_remote_code)
         if lora is not None:
             self.policy = apply_lora(self.policy, lora)
             self.flow_backbone = None  # encode_context disables the adapters: the frozen base reads
         else:
-            self.flow_backbone, _ = load_model_and_tokenizer(policy, dtype, trust_remote_code)
+            self.flow_backbone, _ = load_backbone(policy, dtype, trust_remote_code)
             self.flow_backbone.requires_grad_(False).eval()
         proxies = proxies or [f"bundled:explain_tiny/proxy{i}" for i in range(3)]
         self.proxies, self.proxy_tokenizers = load_proxies(proxies, dtype, trust_remote_code)

@@ -1,4 +1,5 @@
-from flowkit.explain.tokenizer import load_model_and_tokenizer, word_tokenizer
+from flowkit.explain.tokenizer import word_tokenizer
+from flowkit.llm.backbone import load_backbone
 from flowkit.llm.tiny import tiny_qwen2
 
 TEXTS = ["Given d=+3,-2 a=east; d=+1,-1 a=?. Please analyze.", "goal is 1 east, 2 north. dist is 1.4.", "north"]
@@ -18,7 +19,7 @@ def test_saved_word_tokenizer_loads_back_unchanged_next_to_a_qwen2_model(tmp_pat
     tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                intermediate_size=32).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    _, loaded = load_model_and_tokenizer(str(tmp_path))
+    _, loaded = load_backbone(str(tmp_path))
     text = "goal is 1 east, 2 north. dist is 1.4."
     assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert loaded.decode(loaded(text, add_special_tokens=False)["input_ids"]) == text

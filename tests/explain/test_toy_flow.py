@@ -9,8 +9,7 @@ from flowkit.explain.gridworld import DECISIONS
 from flowkit.explain.prompts import explanation_prompt
 from flowkit.explain.proxy import proxy_probabilities
 from flowkit.explain.reward_model import FlowRewardModel, explanation_inputs
-from flowkit.explain.tokenizer import load_model_and_tokenizer
-from flowkit.llm.backbone import ASSETS
+from flowkit.llm.backbone import ASSETS, load_backbone
 from flowkit.llm.rollout import encode_pairs
 
 
@@ -30,8 +29,8 @@ def _encode(backbone, tokenizer, proxy, rows):
 
 def test_trained_flow_beats_chance_on_heldout_positives():
     torch.manual_seed(0)
-    backbone, tokenizer = load_model_and_tokenizer("bundled:explain_tiny/policy")
-    proxy = load_model_and_tokenizer("bundled:explain_tiny/proxy0")
+    backbone, tokenizer = load_backbone("bundled:explain_tiny/policy")
+    proxy = load_backbone("bundled:explain_tiny/proxy0")
     backbone.eval().requires_grad_(False)
     proxy[0].eval()
     train_context, train_probs, train_decisions = _encode(backbone, tokenizer, proxy, _records("train", 384))

@@ -23,13 +23,13 @@ def test_pretrained_flow_scores_expert_latents_below_shuffled():
     model.eval()
     data = RolloutDataModule(val_path=None)
     data.setup("fit")
-    reward = FlowReward(depth=2, seed=0)
+    reward = FlowReward(depth=2, seed=0, pretrain_timesteps=2)
     tap = LatentTap(model, reward.percentiles)
     reward.bind(model.config.hidden_size, tap.layer_positions)
     optimizer = torch.optim.AdamW(reward.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
-    batches = data.expert_batches(64, seed=0)
-    for _ in range(150):
+    batches = data.expert_batches(32, seed=0)
+    for _ in range(100):
         rows = next(batches)
         loss = reward.pretrain_loss(*expert_latents(model, tap, tokenizer, rows["prompt"], rows["solution"]), generator)
         optimizer.zero_grad()
