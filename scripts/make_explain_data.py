@@ -30,6 +30,7 @@ from flowkit.explain.prompts import explanation_prompt, proxy_prompt
 from flowkit.explain.proxy import decision_logits
 from flowkit.explain.sentences import split_sentences
 from flowkit.explain.tokenizer import word_tokenizer
+from flowkit.llm.sft import completion_tensors
 from flowkit.llm.tiny import tiny_qwen2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,24 +38,6 @@ DATA = ROOT / "flowkit" / "assets" / "gridworld"
 MODELS = ROOT / "flowkit" / "assets" / "explain_tiny"
 POLICY_SHAPE = dict(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=256)
 PROXY_SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
-
-
-def sft_tensors(tokenizer, pairs: list[tuple[str, str]], eos: bool) -> tuple[torch.Tensor, ...]:
-    """Right-padded ids, mask and labels (-100 on the prompt and padding) for (prompt, completion) pairs."""
-    rows = []
-    for prompt, completion in pairs:
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-        rows.append((prompt_ids + completion_ids + ([tokenizer.eos_token_id] if eos else []), len(prompt_ids)))
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    labels = torch.full((len(rows), width), -100)
-    for row, (ids, prompt_len) in enumerate(rows):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
-        mask[row, :len(ids)] = 1
-        labels[row, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
-    return input_ids, mask, labels
 
 
 def sft(model, tensors, steps: int, batch_size: int, lr: float, seed: int, name: str) -> None:
@@ -118,7 +101,7 @@ def main() -> None:
 
     policy = tiny_qwen2(len(tokenizer), **POLICY_SHAPE)
     pairs = [(explanation_prompt(r["context"]), r["explanation"]) for r in train]
-    sft(policy, sft_tensors(tokenizer, pairs, eos=True), args.policy_steps, 64, 3e-3, args.seed, "policy")
+    sft(policy, completion_tensors(tokenizer, pairs, append_eos=True), args.policy_steps, 64, 3e-3, args.seed, "policy")
     policy.generation_config = GenerationConfig(max_new_tokens=24, do_sample=True, temperature=1.0,
                                                 pad_token_id=tokenizer.pad_token_id,
                                                 eos_token_id=tokenizer.eos_token_id,
@@ -130,7 +113,7 @@ def main() -> None:
         seed = args.seed + 100 + index
         torch.manual_seed(seed)
         proxy = tiny_qwen2(len(tokenizer), **PROXY_SHAPE)
-        tensors = sft_tensors(tokenizer, proxy_pairs(train, seed, noise=0.1), eos=False)
+        tensors = completion_tensors(tokenizer, proxy_pairs(train, seed, noise=0.1), append_eos=False)
         sft(proxy, tensors, args.proxy_steps, 64, 3e-3, seed, f"proxy{index}")
         proxy.save_pretrained(MODELS / f"proxy{index}")
         tokenizer.save_pretrained(MODELS / f"proxy{index}")

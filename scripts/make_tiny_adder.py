@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from flowkit.data.arithmetic import ALPHABET, encode_example, write_splits
+from flowkit.data.arithmetic import ALPHABET, write_splits
+from flowkit.llm.sft import completion_tensors
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 from flowkit.rewards.grader import extract_boxed
 
@@ -38,20 +39,6 @@ def build_tokenizer() -> PreTrainedTokenizerBase:
 def read_jsonl(path: Path) -> list[dict]:
     with path.open() as f:
         return [json.loads(line) for line in f]
-
-
-def sft_tensors(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on prompt and padding)."""
-    encoded = [encode_example(tokenizer, ex["prompt"], ex["solution"]) for ex in examples]
-    width = max(len(ids) for ids, _ in encoded)
-    input_ids = torch.full((len(encoded), width), tokenizer.pad_token_id)
-    attention = torch.zeros((len(encoded), width), dtype=torch.long)
-    labels = torch.full((len(encoded), width), -100)
-    for row, (ids, prompt_len) in enumerate(encoded):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
-        attention[row, :len(ids)] = 1
-        labels[row, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
-    return input_ids, attention, labels
 
 
 @torch.no_grad()
@@ -101,7 +88,7 @@ def main() -> None:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         max_new_tokens=MAX_NEW_TOKENS,
     )
-    input_ids, attention, labels = sft_tensors(tokenizer, splits["train"])
+    input_ids, attention, labels = completion_tensors(tokenizer, [(ex["prompt"], ex["solution"]) for ex in splits["train"]])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     order = torch.Generator().manual_seed(args.seed)
     perm, cursor = torch.randperm(len(input_ids), generator=order), 0

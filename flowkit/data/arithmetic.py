@@ -12,8 +12,9 @@ a post-processor that prepends ``<bos>``, so ``tokenizer(prompt)`` already yield
     <bos> p r o m p t | s o l u t i o n <eos>
     \\---- prompt ----/ \\--- response ---/
 
-:func:`encode_example` builds exactly this sequence; the response (solution + ``<eos>``) is what
-the loss, the latents and the rewards cover.
+:func:`flowkit.llm.sft.completion_tensors` (SFT) and :func:`flowkit.llm.rollout.encode_pairs` (RL, flow
+pretraining) build exactly this sequence; the response (solution + ``<eos>``) is what the loss, the latents
+and the rewards cover.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-
-from transformers import PreTrainedTokenizerBase
 
 OPERANDS = range(10, 100)
 SPLIT_SIZES = {"test": 500, "val": 500}
@@ -68,16 +67,3 @@ def write_splits(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
         with paths[name].open("w") as f:
             f.writelines(json.dumps(ex) + "\n" for ex in examples)
     return paths
-
-
-def encode_example(tokenizer: PreTrainedTokenizerBase, prompt: str, solution: str) -> tuple[list[int], int]:
-    """Token ids of ``<bos> prompt solution <eos>`` and the prompt length (``<bos>`` included).
-
-    The prompt part equals ``tokenizer(prompt).input_ids`` (the tokenizer adds ``<bos>``), so a
-    sequence built here lines up token for token with an RL rollout generated after that prompt.
-    """
-    prompt_ids = tokenizer(prompt).input_ids
-    if not prompt_ids or prompt_ids[0] != tokenizer.bos_token_id:
-        raise ValueError("tokenizer(prompt) must start with <bos>; use the bundled tiny_adder tokenizer")
-    response_ids = tokenizer(solution, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    return prompt_ids + response_ids, len(prompt_ids)

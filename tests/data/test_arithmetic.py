@@ -5,9 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowkit.data.arithmetic import ALPHABET, encode_example, generate_splits, make_example, write_splits
+from flowkit.data.arithmetic import (
+    ALPHABET,
+    generate_splits,
+    make_example,
+    write_splits,
+)
 from flowkit.llm.backbone import ASSETS, load_backbone
-from flowkit.llm.tiny import char_tokenizer
+from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.sft import completion_tensors
 from flowkit.rewards.grader import extract_boxed
 
 STEPS = re.compile(r"(\d)\+(\d)=(\d+),(\d)\+(\d)(\+1)?=(\d+)\\boxed\{(\d+)\}")
@@ -73,20 +79,20 @@ def tiny_adder():
     return load_backbone("bundled:tiny_adder")
 
 
-def test_bundled_tokenizer_layout(tiny_adder):
+def test_bundled_tokenizer_layout_is_shared_by_sft_and_rl(tiny_adder):
     _, tokenizer = tiny_adder
     ex = make_example(47, 38)
-    ids, prompt_len = encode_example(tokenizer, ex["prompt"], ex["solution"])
+    input_ids, attention_mask, labels = completion_tensors(tokenizer, [(ex["prompt"], ex["solution"])])
+    ids = input_ids[0].tolist()
+    prompt_len = 1 + len(ex["prompt"])
     assert ids[:prompt_len] == tokenizer(ex["prompt"]).input_ids
-    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id and prompt_len == 1 + len(ex["prompt"])
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(ids) == "<bos>" + ex["prompt"] + ex["solution"] + "<eos>"
+    assert (labels[0, :prompt_len] == -100).all() and labels[0, prompt_len:].tolist() == ids[prompt_len:]
+    rollout = encode_pairs(tokenizer, [ex["prompt"]], [ex["solution"]])
+    assert rollout.input_ids[0].tolist() == ids and rollout.response_mask[0, prompt_len:].all()
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
     assert tokenizer.padding_side == "left"
-
-
-def test_encode_example_needs_a_bos_adding_tokenizer():
-    with pytest.raises(ValueError, match="<bos>"):
-        encode_example(char_tokenizer(ALPHABET), "47+38=", "7+8=15,4+3+1=8\\boxed{85}")
 
 
 def test_bundled_policy_is_competent_but_imperfect(tiny_adder):
