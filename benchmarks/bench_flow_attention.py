@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_csv, measure, timestamp  # noqa: E402
+from common import append_csv, measure, timestamp
 
-from flowkit.kernels import available_backends, flow_token_attention  # noqa: E402
-from flowkit.kernels.reference import flow_attention as reference  # noqa: E402
+from flowkit.kernels import available_backends, flow_token_attention
+from flowkit.kernels.reference import flow_attention as reference
 
 CPU_SIZES = "2,16,8,2,64,512,512;1,8,8,8,64,1024,512"
 GPU_SIZES = "4,64,32,8,128,2048,4096;8,32,28,4,128,4096,3584;2,128,32,32,128,1024,4096"
@@ -53,7 +53,7 @@ def sdpa_attention(flow_hidden, q_weight, k_weight, v_weight, q_bias, k_bias, v_
     """Same result via SDPA on keys [context (N), flow (F)] per evaluation, masked to the prefix."""
     q, k, v = reference.project_flow_tokens(flow_hidden, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias,
                                             flow_positions, inv_freq, attention_scaling, num_heads, num_kv_heads)
-    batch, steps, num_flow, _, head_dim = q.shape
+    batch, steps, num_flow = q.shape[:3]
     context = context_k.shape[2]
     keys = torch.cat((context_k.unsqueeze(1).expand(-1, steps, -1, -1, -1), k.permute(0, 1, 3, 2, 4)), dim=3)
     values = torch.cat((context_v.unsqueeze(1).expand(-1, steps, -1, -1, -1), v.permute(0, 1, 3, 2, 4)), dim=3)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -20,10 +22,8 @@ import torch
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.rewards import FlowReward
 
-try:
-    from common import append_csv
-except ImportError:  # run from the repo root as a module
-    from benchmarks.common import append_csv
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_csv, timestamp  # noqa: E402
 
 
 class StepTimer(L.Callback):
@@ -67,7 +67,8 @@ def main() -> None:
     }
     for name, stats in results.items():
         print(f"{name:10s} median {stats['median_ms']:8.1f} ms  p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}")
-        append_csv({"benchmark": "rl_step", "impl": name, "size": "tiny_adder 16x8", "threads": torch.get_num_threads(), **stats})
+        append_csv(None, {"timestamp": timestamp(), "benchmark": "rl_step", "implementation": name, "device": "cpu",
+                          "size": "tiny_adder 16x8", "threads": torch.get_num_threads(), **stats})
     ratio = results["grpo+flow"]["median_ms"] / results["grpo"]["median_ms"]
     print(f"step time ratio (with flow / without): {ratio:.2f}")
 

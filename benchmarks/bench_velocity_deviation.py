@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_csv, measure, timestamp  # noqa: E402
+from common import append_csv, measure, timestamp
 
-from flowkit.kernels import debias_weights, interpolate_latents, velocity_deviation  # noqa: E402
-from flowkit.kernels.reference import velocity_deviation as reference  # noqa: E402
+from flowkit.kernels import debias_weights, interpolate_latents, velocity_deviation
+from flowkit.kernels.reference import velocity_deviation as reference
 
 SEED = 1234
 
@@ -166,11 +166,11 @@ def main(argv=None):
         results = {}
         for impl in impls:
             if impl == "naive":
-                fn = lambda: naive_loop(x1, ts_list, w_list, mask)  # noqa: E731
+                fn = lambda: naive_loop(x1, ts_list, w_list, mask)
             elif impl == "naive_compiled":
-                fn = lambda: compiled_loop(x1, ts_list, w_list, mask)  # noqa: E731
+                fn = lambda: compiled_loop(x1, ts_list, w_list, mask)
             else:
-                fn = lambda impl=impl: fused(x1, ts, w, mask, impl)  # noqa: E731
+                fn = lambda impl=impl: fused(x1, ts, w, mask, impl)
             with torch.no_grad():
                 results[impl] = run_case("fused_ops", impl, fn, label, device, args.reps, args.warmup, bytes_moved, args.csv)
         report_ratios("prologue+epilogue", results, ["naive", "naive_compiled", "reference"])
@@ -183,7 +183,7 @@ def main(argv=None):
                                       size=label, gbps=copy, timestamp=timestamp()))
             print(f"device-to-device copy: {copy:.1f} GB/s")
             for impl in [i for i in impls if i in ("reference", "native", "triton")]:
-                fn = lambda impl=impl: (reference.velocity_deviation if impl == "reference" else velocity_deviation)(  # noqa: E731
+                fn = lambda impl=impl: (reference.velocity_deviation if impl == "reference" else velocity_deviation)(
                     v, x1, ts, w, SEED, mask)
                 with torch.no_grad():
                     stats = run_case("epilogue", impl, fn, label, device, args.reps, args.warmup, epilogue_bytes, args.csv)

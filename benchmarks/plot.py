@@ -10,9 +10,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from common import RESULTS_CSV  # noqa: E402
+import matplotlib.pyplot as plt
+from common import RESULTS_CSV
 
 
 def latest_rows(path: Path) -> dict:

@@ -31,7 +31,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    StrategyRegistry,
+)
 from torch.optim import Optimizer
 
 
@@ -66,7 +70,7 @@ class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
 
     def setup_environment(self) -> None:
         if not isinstance(self.accelerator, CPUAccelerator):
-            raise RuntimeError(
+            raise TypeError(
                 f"{type(self).__name__} runs on the CPU accelerator, got {type(self.accelerator).__name__};"
                 " on GPUs use flowkit.strategies.FlowkitDeepSpeedStrategy"
             )
@@ -82,7 +86,7 @@ class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
         return self._process_group_backend or "gloo"
 
 
-def full_parameters(trainer: "L.Trainer", module: torch.nn.Module) -> contextlib.AbstractContextManager:
+def full_parameters(trainer: L.Trainer, module: torch.nn.Module) -> contextlib.AbstractContextManager:
     """A context in which ``module``'s parameters are whole: under ZeRO-3 each rank holds only shards.
 
     Under ZeRO-3 this gathers every parameter on every rank (read-only) — a collective, so all ranks must

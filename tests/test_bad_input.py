@@ -101,7 +101,7 @@ def test_model_that_is_not_a_causal_lm_is_one_line(in_tmp, capsys):
 def test_bad_training_record_is_one_line_naming_file_and_line(in_tmp, capsys, line, problem):
     data = in_tmp / "train.jsonl"
     good = json.dumps({"prompt": "12+34=", "answer": "46", "solution": "2+4=6,1+3=4\\boxed{46}"})
-    data.write_text("\n".join([good] * 9 + [line] + [good] * 9) + "\n")
+    data.write_text("\n".join([good] * 9 + [line] + [good] * 20) + "\n")
     message = one_line_error(fit_args("--data.init_args.train_path", str(data), "--trainer.max_steps", "0"), capsys)
     assert message.startswith(f"error: {data}:10: {problem}")
 
@@ -109,11 +109,11 @@ def test_bad_training_record_is_one_line_naming_file_and_line(in_tmp, capsys, li
 def test_skip_policy_from_the_config_drops_and_counts_bad_records(in_tmp, caplog):
     data = in_tmp / "train.jsonl"
     good = json.dumps({"prompt": "12+34=", "answer": "46", "solution": "2+4=6,1+3=4\\boxed{46}"})
-    data.write_bytes(("\n".join([good] * 9 + ["{oops"]) + "\n").encode() + b'{"prompt": "\xff", "answer": "1"}\n')
+    data.write_bytes(("\n".join([good] * 20 + ["{oops"]) + "\n").encode() + b'{"prompt": "\xff", "answer": "1"}\n')
     with caplog.at_level(logging.WARNING, logger="flowkit.data.records"):
         main(fit_args("--data.init_args.train_path", str(data), "--data.init_args.on_error", "skip",
                       "--trainer.max_steps", "0"))
-    assert f"{data}: skipped 2 bad record(s) of 11" in caplog.text
+    assert f"{data}: skipped 2 bad record(s) of 22" in caplog.text
 
 
 def test_missing_data_path_lists_nearby_files(in_tmp, capsys):

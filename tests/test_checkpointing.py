@@ -11,9 +11,13 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from flowkit.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint, RNGStateCheckpoint
+from flowkit.checkpointing import (
+    AtomicCheckpointIO,
+    PreemptionCheckpoint,
+    RNGStateCheckpoint,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import rlfr_run
 import torch
 
-import rlfr_run
-
 STEPS, KILL_AFTER = 4, 2
+# About 8 of the 16 rollouts per step pass the entropy criterion: the flow's first update comes at step 2,
+# right after the checkpoint, from rollouts buffered before it.
+KAPPA = ["--model.init_args.reward_model.init_args.kappa", "20"]
 COMPARED = ["train/outcome_reward", "train/policy_loss", "train/entropy", "flow/loss", "flow/buffer_size",
             "flow/deviation_mean", "flow/reward_mean"]
 
@@ -44,7 +46,7 @@ def last_checkpoint(root: Path) -> dict:
 
 def kill_after_checkpoint(root: Path) -> int:
     root.mkdir(parents=True)
-    args = rlfr_run.command(root, STEPS, "--config", str(checkpoint_override(root)))
+    args = rlfr_run.command(root, STEPS, *KAPPA, "--config", str(checkpoint_override(root)))
     process = subprocess.Popen(args, env=rlfr_run.env(), cwd=root, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -64,7 +66,7 @@ def kill_after_checkpoint(root: Path) -> int:
 def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir()
-    rlfr_run.run(straight, STEPS, "--config", str(checkpoint_override(straight)))
+    rlfr_run.run(straight, STEPS, *KAPPA, "--config", str(checkpoint_override(straight)))
 
     assert kill_after_checkpoint(killed) == -signal.SIGKILL
     interrupted = last_checkpoint(killed)
@@ -73,7 +75,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     assert interrupted["skipped_steps"] == 0
     assert len(interrupted["state_dict"]["reward_model._extra_state"]["buffer"]["latents"]) > 0
 
-    rlfr_run.run(killed, STEPS, "--config", str(checkpoint_override(killed)), "--ckpt_path", "last")
+    rlfr_run.run(killed, STEPS, *KAPPA, "--config", str(checkpoint_override(killed)), "--ckpt_path", "last")
 
     expected, actual = last_checkpoint(straight), last_checkpoint(killed)
     assert actual["global_step"] == expected["global_step"] == STEPS
@@ -88,7 +90,8 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     straight_metrics = rlfr_run.metrics(rlfr_run.version_dirs(straight)[-1])
     resumed_metrics = rlfr_run.metrics(rlfr_run.version_dirs(killed)[-1])
     resumed_steps = sorted(resumed_metrics)
-    assert resumed_steps and resumed_steps[0] >= KILL_AFTER - 1
+    assert resumed_steps == list(range(KILL_AFTER, STEPS))
+    assert any("flow/loss" in straight_metrics[step] for step in resumed_steps)  # the restored buffer is used
     for step in resumed_steps:
         for key in COMPARED:
             assert resumed_metrics[step].get(key) == straight_metrics[step].get(key), (step, key)

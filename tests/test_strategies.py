@@ -14,14 +14,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import rlfr_run
+import tiny_zero_job
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from safetensors.torch import load_file
 
-import rlfr_run
-import tiny_zero_job
 from flowkit.commands.export import consolidated_state_dict, load_trained_weights
-from flowkit.strategies import CPUDeepSpeedStrategy, FlowkitDeepSpeedStrategy, _as_cpu_adam
+from flowkit.strategies import (
+    CPUDeepSpeedStrategy,
+    FlowkitDeepSpeedStrategy,
+    _as_cpu_adam,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = Path(tiny_zero_job.__file__)
@@ -31,7 +35,7 @@ def run_job(tmp_path: Path, name: str, *args: str) -> Path:
     out = tmp_path / name
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
     result = subprocess.run([sys.executable, str(JOB), "--out", str(out), *args], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -59,8 +63,8 @@ def load(out: Path, kind: str, rank: int = 0) -> dict:
 
 def assert_weights_close(actual: dict, expected: dict) -> None:
     assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], msg=lambda m: f"{name}: {m}")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def assert_both_groups_moved(weights: dict) -> None:
@@ -120,7 +124,7 @@ def test_cpu_strategy_refuses_other_accelerators():
     from lightning.pytorch.accelerators import CUDAAccelerator
 
     strategy = CPUDeepSpeedStrategy(stage=2, accelerator=CUDAAccelerator())
-    with pytest.raises(RuntimeError, match="runs on the CPU accelerator"):
+    with pytest.raises(TypeError, match="runs on the CPU accelerator"):
         strategy.setup_environment()
 
 
@@ -137,7 +141,7 @@ def test_offload_turns_adamw_into_cpu_adam_with_same_groups():
     optimizer = module.configure_optimizers()
     try:
         converted = _as_cpu_adam(optimizer)
-    except Exception as err:  # the op is JIT-compiled; without a compiler there is nothing to test
+    except (ImportError, OSError, RuntimeError) as err:  # the op is JIT-compiled: needs a C++ compiler
         pytest.skip(f"DeepSpeedCPUAdam is not buildable here: {err}")
     assert type(converted).__name__ == "DeepSpeedCPUAdam"
     assert [g["lr"] for g in converted.param_groups] == [0.05, 0.1]
@@ -209,7 +213,7 @@ def test_rlfr_trains_saves_and_resumes_under_zero_in_one_process(tmp_path, stage
         result = subprocess.run(
             [shutil.which("flowkit") or "flowkit", "export", "--config", str(rlfr_run.CONFIG),
              "--checkpoint", str(tmp_path / "runs" / "rlfr_tiny" / "checkpoints" / "last.ckpt"), "--out", str(out)],
-            env=rlfr_run.env(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            env=rlfr_run.env(), cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert_exported(out, snapshot)

@@ -27,7 +27,9 @@ def consolidated_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     if checkpoint.is_dir():
         if not (checkpoint / "latest").is_file():
             raise FileNotFoundError(f"{checkpoint}: a directory but not a DeepSpeed checkpoint (no 'latest' file)")
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils.zero_to_fp32 import (
+            get_fp32_state_dict_from_zero_checkpoint,
+        )
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
         # Checkpoints of Lightning < 2.1 wrapped the module in `_forward_module`.

@@ -29,7 +29,7 @@ def warn_once(message: str) -> None:
 def native_loaded() -> bool:
     """True when ``flowkit._C`` imports (it registers the ``torch.ops.flowkit`` kernels); also registers fakes/autograd."""
     try:
-        from . import native  # noqa: F401  (registers fake + autograd for the native ops)
+        from . import native
     except ImportError:
         return False
     return native.LOADED

@@ -153,11 +153,12 @@ class RuleEnvDataModule(LightningDataModule):
         # a terminal transition's next state is never evaluated (done = 1); reuse s̃_t to keep shapes valid
         following = obs if done else next_obs
         next_rules, next_mask = pad_rules(following.embeddings, self.max_rules)
-        return dict(
-            state=obs.state, rules=rules, mask=mask, action=torch.tensor(chosen), env_reward=torch.tensor(env_reward),
-            rule_reward=torch.tensor(rule_reward), done=torch.tensor(float(done)), next_state=following.state,
-            next_rules=next_rules, next_mask=next_mask,
-        )
+        return {
+            "state": obs.state, "rules": rules, "mask": mask, "action": torch.tensor(chosen),
+            "env_reward": torch.tensor(env_reward), "rule_reward": torch.tensor(rule_reward),
+            "done": torch.tensor(float(done)), "next_state": following.state, "next_rules": next_rules,
+            "next_mask": next_mask,
+        }
 
     def _log_record(self, record: StepRecord) -> None:
         if not self.log_explanations or self.trainer is None:
@@ -232,7 +233,7 @@ class SelectorModule(LightningModule):
         if self.actor is not None:
             return
         hp = self.hparams
-        make = lambda: RuleAttentionNetwork(state_dim, embed_dim, hp.hidden, hp.num_layers, hp.heads)  # noqa: E731
+        make = lambda: RuleAttentionNetwork(state_dim, embed_dim, hp.hidden, hp.num_layers, hp.heads)
         self.actor, self.q1, self.q2 = make(), make(), make()
         self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
         for p in (*self.q1_target.parameters(), *self.q2_target.parameters()):

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import random
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -95,10 +94,10 @@ class HTTPChatBackend(ChatBackend):
                     raise ChatBackendError(f"{self.url}: HTTP {err.code} {err.reason}") from None
                 last_error = f"HTTP {err.code} {err.reason}"
                 retry_after = err.headers.get("Retry-After")
-            except (TimeoutError, socket.timeout) as err:
+            except TimeoutError as err:
                 last_error = f"timed out after {self.timeout_s} s ({type(err).__name__})"
             except urllib.error.URLError as err:
-                if isinstance(err.reason, (TimeoutError, socket.timeout)):
+                if isinstance(err.reason, TimeoutError):
                     last_error = f"timed out after {self.timeout_s} s (connect)"
                 else:
                     last_error = f"connection failed: {err.reason}"

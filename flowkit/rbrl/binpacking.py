@@ -14,6 +14,8 @@ item is discarded.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import gymnasium as gym
 import numpy as np
 
@@ -21,7 +23,7 @@ from flowkit.rbrl.language import LanguageEnv
 
 
 class BinPackingEnv(gym.Env):
-    metadata = {"render_modes": []}
+    metadata: ClassVar[dict] = {"render_modes": []}
 
     def __init__(
         self,

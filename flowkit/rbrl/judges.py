@@ -36,14 +36,20 @@ class ConsistencyJudge(Judge):
 
 QUESTIONS = (
     # ER1: without the action
-    "{prompt}\n\nRule: {rule}\n\nWithout knowing the chosen action, is this rule sufficient to determine the "
-    "optimal action in the current state? Answer yes or no.",
+    (
+        "{prompt}\n\nRule: {rule}\n\nWithout knowing the chosen action, is this rule sufficient to determine the "
+        "optimal action in the current state? Answer yes or no."
+    ),
     # ER2
-    "{prompt}\n\nRule: {rule}\nBackground: {background}\nState relevance: {relevance}\n\nDoes the rule contain "
-    "enough detail about its applicability to the current state? Answer yes or no.",
+    (
+        "{prompt}\n\nRule: {rule}\nBackground: {background}\nState relevance: {relevance}\n\nDoes the rule contain "
+        "enough detail about its applicability to the current state? Answer yes or no."
+    ),
     # ER3: with the action
-    "{prompt}\n\nRule: {rule}\nChosen action: {action}\n\nIs the rule compatible with the chosen action? "
-    "Answer yes or no.",
+    (
+        "{prompt}\n\nRule: {rule}\nChosen action: {action}\n\nIs the rule compatible with the chosen action? "
+        "Answer yes or no."
+    ),
 )
 
 
@@ -68,8 +74,8 @@ class LLMJudge(Judge):
         return 0.0
 
     def score(self, env: LanguageEnv, rule: Rule, decision: Decision) -> float:
-        fields = dict(
-            prompt=env.prompt(), rule=rule.rule, background=rule.background, relevance=rule.state_relevance,
-            action=env.valid_actions().get(decision.action, str(decision.action)),
-        )
+        fields = {
+            "prompt": env.prompt(), "rule": rule.rule, "background": rule.background,
+            "relevance": rule.state_relevance, "action": env.valid_actions().get(decision.action, str(decision.action)),
+        }
         return sum(self._yes(q.format(**fields)) for q in QUESTIONS) / len(QUESTIONS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from flowkit.rbrl.language import LanguageEnv
 from flowkit.rbrl.rules import Rule
 

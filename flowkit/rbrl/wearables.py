@@ -20,6 +20,8 @@ Actions: ``i < num_patients`` gives the device to patient i; ``num_patients`` ke
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import gymnasium as gym
 import numpy as np
 
@@ -43,7 +45,7 @@ def patient_penalty(vitals: np.ndarray) -> np.ndarray:
 
 
 class WearablesEnv(gym.Env):
-    metadata = {"render_modes": []}
+    metadata: ClassVar[dict] = {"render_modes": []}
 
     def __init__(
         self,

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from kernel_cases import attention_inputs, core_inputs
 
 from flowkit.kernels import available_backends, flow_token_attention
 from flowkit.kernels.reference import flow_attention as reference
 from flowkit.llm.tiny import tiny_qwen2
-from kernel_cases import attention_inputs, core_inputs
 
 NATIVE = "native" in available_backends("cpu")
 needs_native = pytest.mark.skipif(not NATIVE, reason="flowkit._C is not built")

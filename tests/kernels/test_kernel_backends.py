@@ -4,9 +4,9 @@ import warnings
 
 import pytest
 import torch
+from kernel_cases import deviation_inputs
 
 from flowkit.kernels import available_backends, backends, velocity_deviation
-from kernel_cases import deviation_inputs
 
 
 def test_reference_is_always_available_and_last():

@@ -2,12 +2,18 @@
 
 import pytest
 import torch
+from kernel_cases import attention_inputs, core_inputs, deviation_inputs
 
-from flowkit.kernels import available_backends, flow_noise, flow_token_attention, interpolate_latents, velocity_deviation
-from flowkit.kernels import backends
+from flowkit.kernels import (
+    available_backends,
+    backends,
+    flow_noise,
+    flow_token_attention,
+    interpolate_latents,
+    velocity_deviation,
+)
 from flowkit.kernels.reference import flow_attention as attention_reference
 from flowkit.kernels.reference import velocity_deviation as deviation_reference
-from kernel_cases import attention_inputs, core_inputs, deviation_inputs
 
 pytestmark = pytest.mark.gpu
 GPU_BACKENDS = ["native", "triton"]
@@ -73,7 +79,8 @@ def test_opcheck_cuda_and_triton_ops():
         torch.library.opcheck(torch.ops.flowkit.velocity_deviation.default, (v, x1, ts, w, 4, mask))
         torch.library.opcheck(torch.ops.flowkit.flow_attention.default, (q, fk, fv, ck, cv, prefix))
     if "triton" in available_backends("cuda"):
-        from flowkit.kernels.triton import flow_attention, velocity_deviation as triton_deviation
+        from flowkit.kernels.triton import flow_attention
+        from flowkit.kernels.triton import velocity_deviation as triton_deviation
 
         torch.library.opcheck(triton_deviation.velocity_deviation, (v, x1, ts, w, 4, mask))
         torch.library.opcheck(flow_attention.flow_attention_core, (q, fk, fv, ck, cv, prefix))

@@ -2,10 +2,16 @@
 
 import pytest
 import torch
-
-from flowkit.kernels import available_backends, debias_weights, flow_noise, interpolate_latents, velocity_deviation
-from flowkit.kernels.reference import velocity_deviation as reference
 from kernel_cases import deviation_inputs
+
+from flowkit.kernels import (
+    available_backends,
+    debias_weights,
+    flow_noise,
+    interpolate_latents,
+    velocity_deviation,
+)
+from flowkit.kernels.reference import velocity_deviation as reference
 
 NATIVE = "native" in available_backends("cpu")
 needs_native = pytest.mark.skipif(not NATIVE, reason="flowkit._C is not built")

@@ -10,11 +10,17 @@ import os
 
 import pytest
 import torch
+from kernel_cases import attention_inputs, deviation_inputs
 
-from flowkit.kernels import available_backends, flow_noise, flow_token_attention, interpolate_latents, velocity_deviation
+from flowkit.kernels import (
+    available_backends,
+    flow_noise,
+    flow_token_attention,
+    interpolate_latents,
+    velocity_deviation,
+)
 from flowkit.kernels.reference import flow_attention as attention_reference
 from flowkit.kernels.reference import velocity_deviation as deviation_reference
-from kernel_cases import attention_inputs, deviation_inputs
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in available_backends("cpu"),

@@ -101,18 +101,18 @@ def test_429_and_500_are_retried_with_backoff_then_succeed(monkeypatch, caplog):
 def test_retries_are_bounded_and_error_hides_key(monkeypatch, caplog):
     monkeypatch.setenv("FLOWKIT_TEST_KEY", SECRET)
     caplog.set_level(logging.DEBUG)
-    with ScriptedServer([(500, {"error": SECRET}, 0.0)]) as server:
-        with pytest.raises(ChatBackendError, match="gave up after 3 attempts") as err:
-            _backend(server).complete(MESSAGES)
+    with ScriptedServer([(500, {"error": SECRET}, 0.0)]) as server, \
+            pytest.raises(ChatBackendError, match="gave up after 3 attempts") as err:
+        _backend(server).complete(MESSAGES)
     assert len(server.requests) == 3
     assert SECRET not in str(err.value) and SECRET not in caplog.text
 
 
 def test_client_errors_are_not_retried(monkeypatch):
     monkeypatch.setenv("FLOWKIT_TEST_KEY", SECRET)
-    with ScriptedServer([(401, {"error": "bad key"}, 0.0)]) as server:
-        with pytest.raises(ChatBackendError, match="HTTP 401") as err:
-            _backend(server).complete(MESSAGES)
+    with ScriptedServer([(401, {"error": "bad key"}, 0.0)]) as server, \
+            pytest.raises(ChatBackendError, match="HTTP 401") as err:
+        _backend(server).complete(MESSAGES)
     assert len(server.requests) == 1 and SECRET not in str(err.value)
 
 
@@ -128,9 +128,8 @@ def test_timeouts_are_retried_then_fail(monkeypatch, caplog):
 
 
 def test_malformed_response_is_an_error(monkeypatch):
-    with ScriptedServer([(200, {"unexpected": True}, 0.0)]) as server:
-        with pytest.raises(ChatBackendError, match="no choices"):
-            _backend(server).complete(MESSAGES)
+    with ScriptedServer([(200, {"unexpected": True}, 0.0)]) as server, pytest.raises(ChatBackendError, match="no choices"):
+        _backend(server).complete(MESSAGES)
 
 
 def test_hf_backend_generates_from_a_saved_tiny_model(tmp_path):

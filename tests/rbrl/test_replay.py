@@ -6,9 +6,9 @@ from flowkit.rbrl.replay import FIELDS, ReplayBuffer, pad_rules
 
 def _transition(i: float, n_rules: int = 2):
     rules, mask = pad_rules(torch.full((n_rules, 3), i), 4)
-    return dict(state=torch.tensor([i]), rules=rules, mask=mask, action=torch.tensor(1), env_reward=torch.tensor(i),
-                rule_reward=torch.tensor(0.5), done=torch.tensor(0.0), next_state=torch.tensor([i + 1]),
-                next_rules=rules, next_mask=mask)
+    return {"state": torch.tensor([i]), "rules": rules, "mask": mask, "action": torch.tensor(1),
+            "env_reward": torch.tensor(i), "rule_reward": torch.tensor(0.5), "done": torch.tensor(0.0),
+            "next_state": torch.tensor([i + 1]), "next_rules": rules, "next_mask": mask}
 
 
 def test_pad_rules():

@@ -24,7 +24,7 @@ def stacked_noise(x1: torch.Tensor, num_timesteps: int, seed: int) -> torch.Tens
 
 def interpolate_latents(x1: torch.Tensor, timesteps: torch.Tensor, seed: int) -> torch.Tensor:
     """x_t = t·x1 + (1 − t)·ε for all (p, t, n), rows ordered p-major, shape ``(P·T·N, d)`` (RLFR §3, t = 1 is data)."""
-    num_layers, num_tokens, dim = x1.shape
+    dim = x1.shape[-1]
     compute = opmath_dtype(x1.dtype)
     noise = stacked_noise(x1, timesteps.numel(), seed).to(compute)
     t = timesteps.to(device=x1.device, dtype=torch.float32).to(compute).view(1, -1, 1, 1)

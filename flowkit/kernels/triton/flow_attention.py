@@ -138,7 +138,7 @@ def _launch_meta(q: torch.Tensor, flow_k: torch.Tensor) -> dict:
 
 
 def _shape_args(q: torch.Tensor, flow_k: torch.Tensor, context_k: torch.Tensor) -> tuple:
-    batch, steps, num_flow, num_heads, head_dim = q.shape
+    _, steps, num_flow, num_heads, head_dim = q.shape
     num_kv_heads = flow_k.shape[3]
     return (1.0 / math.sqrt(head_dim), steps, num_flow, num_heads, num_kv_heads, context_k.shape[2], head_dim,
             num_heads // num_kv_heads)

@@ -49,9 +49,9 @@ def _deviation_kernel(v_ptr, x1_ptr, w_ptr, mask_ptr, score_ptr, k0, k1, num_lay
     token_ok = tokens < num_tokens
     keep = tl.load(mask_ptr + tokens, mask=token_ok, other=0.0)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for p in range(0, num_layers):
+    for p in range(num_layers):
         x_rows = (p * num_tokens + tokens).to(tl.int64) * dim
-        for t in range(0, num_steps):
+        for t in range(num_steps):
             v_rows = ((p * num_steps + t) * num_tokens + tokens).to(tl.int64) * dim
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for start in range(0, dim, BLOCK_D):
