@@ -20,7 +20,7 @@ def test_configs_validate(name, capsys):
         main(["fit", "--config", str(CONFIGS / name), "--print_config"])
     assert exit_info.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["class_path"] == "flowkit.modules.selector.SelectorModule"
+    assert printed["model"]["class_path"] == "flowkit.modules.SelectorModule"
     assert printed["data"]["init_args"]["rules"]["class_path"] == "flowkit.rbrl.templates.TemplateRuleSource"
 
 
