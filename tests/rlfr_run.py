@@ -27,8 +27,10 @@ TINY = [
 
 
 def env() -> dict[str, str]:
+    """The subprocess environment: tests/ importable, DeepSpeed on CPU, one thread per process (runs
+    with 2 ranks share 2 cores; oversubscribed OpenMP threads spin and slow a step down many times)."""
     paths = [str(ROOT / "tests"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "DS_ACCELERATOR": "cpu"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
 def command(root: Path, steps: int, *extra: str, subcommand: str = "fit") -> list[str]:

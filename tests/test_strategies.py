@@ -7,7 +7,6 @@ training written in plain PyTorch.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -33,8 +32,7 @@ JOB = Path(tiny_zero_job.__file__)
 
 def run_job(tmp_path: Path, name: str, *args: str) -> Path:
     out = tmp_path / name
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
-    result = subprocess.run([sys.executable, str(JOB), "--out", str(out), *args], env=env, cwd=tmp_path,
+    result = subprocess.run([sys.executable, str(JOB), "--out", str(out), *args], env=rlfr_run.env(), cwd=tmp_path,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
@@ -207,27 +205,32 @@ def test_rlfr_trains_saves_and_resumes_under_zero_in_one_process(tmp_path, stage
     assert_policy_and_flow_changed(snapshot)
     version = rlfr_run.version_dirs(tmp_path)[-1]
     assert_exported(version / "export", snapshot)  # the ExportArtifacts callback at the end of fit
-    if stage == 3:
-        # The documented command turns the sharded checkpoint into the same artifacts.
-        out = tmp_path / "exported"
-        result = subprocess.run(
-            [shutil.which("flowkit") or "flowkit", "export", "--config", str(rlfr_run.CONFIG),
-             "--checkpoint", str(tmp_path / "runs" / "rlfr_tiny" / "checkpoints" / "last.ckpt"), "--out", str(out)],
-            env=rlfr_run.env(), cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert_exported(out, snapshot)
     # `--ckpt_path last` finds the (sharded) DeepSpeed checkpoint and continues at step 2.
     rlfr_run.run(tmp_path, 3, *deepspeed_args(tmp_path, stage), "--ckpt_path", "last")
     assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [2]
 
 
 @pytest.mark.slow
-def test_rlfr_zero2_two_processes_keep_ranks_identical(tmp_path):
-    rank0, rank1 = run_rlfr(tmp_path, 2, devices=2)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_rlfr_two_processes_keep_ranks_identical(tmp_path, stage):
+    """Each rank draws its own prompts (and ZeRO-3 shards the weights), yet both end with the same weights."""
+    rank0, rank1 = run_rlfr(tmp_path, stage, devices=2)
     assert_policy_and_flow_changed(rank0)
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
+    assert_exported(rlfr_run.version_dirs(tmp_path)[-1] / "export", rank0)  # ExportArtifacts on 2 ranks
+    if stage == 3:
+        # The documented command turns the 2-rank sharded checkpoint into the trained artifacts.
+        checkpoint = tmp_path / "runs" / "rlfr_tiny" / "checkpoints" / "last.ckpt"
+        assert len(list((checkpoint / "checkpoint").glob("zero_pp_rank_*_optim_states.pt"))) == 2
+        out = tmp_path / "exported"
+        result = subprocess.run(
+            [shutil.which("flowkit") or "flowkit", "export", "--config", str(rlfr_run.CONFIG),
+             "--checkpoint", str(checkpoint), "--out", str(out)],
+            env=rlfr_run.env(), cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert_exported(out, rank0)
 
 
 def test_export_reads_plain_checkpoints_and_names_bad_paths(tmp_path):

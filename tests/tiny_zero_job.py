@@ -13,7 +13,6 @@ to N steps and writes ``OUT/resumed_rank{R}.pt``.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -111,5 +110,4 @@ def write_weights(module: TwoGroupModule, trainer: Trainer, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     main()

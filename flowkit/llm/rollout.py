@@ -26,6 +26,13 @@ def forward_logits(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
     ).logits
 
 
+def _zero3_partitioned(model: torch.nn.Module) -> bool:
+    """DeepSpeed ZeRO-3 shards parameters (marking them with ``ds_id``) and gathers them in every forward,
+    a collective: with several ranks, all must keep stepping until every rank's generation is done."""
+    multi_rank = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return multi_rank and any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def _response_mask(generated: Tensor, eos_token_id: int | None) -> Tensor:
     """1 on generated tokens up to and including the first EOS."""
     if eos_token_id is None:
@@ -70,6 +77,7 @@ class RolloutEngine:
             num_return_sequences=n,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
+            synced_gpus=_zero3_partitioned(self.model),
             **sampling,
         )
         self.model.train(was_training)
