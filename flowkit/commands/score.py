@@ -6,18 +6,12 @@ import html
 import json
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
+from flowkit.checkpointing import load_trained_weights
 from flowkit.cli import subcommand
 from flowkit.data.records import load_records
 from flowkit.llm.rollout import encode_pairs
-
-
-def load_module_weights(model: torch.nn.Module, ckpt_path: str) -> None:
-    """Load a Lightning checkpoint's ``state_dict`` (tensors only: ``weights_only=True``)."""
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    model.load_state_dict(checkpoint["state_dict"])
 
 
 def render_html(rows: list[dict], title: str = "flowkit flow rewards") -> str:
@@ -45,7 +39,7 @@ def score(
     input: str,
     output: str = "flow_scores.jsonl",
     html_output: str | None = "flow_scores.html",
-    ckpt_path: str | None = None,
+    checkpoint: str | None = None,
     batch_size: int = 16,
     step: int = 0,
 ):
@@ -55,15 +49,16 @@ def score(
         input: JSONL (or parquet) with ``prompt`` and ``response`` fields.
         output: where to write one JSON object per pair: tokens, flow rewards r_k, deviations R_CFM.
         html_output: where to write the colour-coded page (``null`` to skip).
-        ckpt_path: a Lightning checkpoint of the PolicyModule (policy + flow); default: the config's weights.
+        checkpoint: a Lightning checkpoint of the PolicyModule (``.ckpt`` file or DeepSpeed ZeRO directory);
+            default: the config's weights.
         batch_size: pairs per forward.
         step: the noise step (rewards use seed + 1000·step, as in training).
     """
     reward = getattr(model, "reward_model", None)
     if reward is None or not hasattr(reward, "deviation_scores"):
         raise SystemExit("flowkit score needs a PolicyModule whose reward_model is a FlowReward")
-    if ckpt_path:
-        load_module_weights(model, ckpt_path)
+    if checkpoint:
+        load_trained_weights(model, checkpoint)
     records = load_records(input, ["prompt", "response"])
     model.eval()
     rows = []

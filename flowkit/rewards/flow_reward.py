@@ -17,6 +17,21 @@ from flowkit.rl.rejection import Metric, RolloutLatentBuffer, accept_rollouts
 from flowkit.rl.rewards import flow_token_rewards
 
 
+def _fewest_buffered_across_ranks(count: int) -> int:
+    """The smallest buffer size over all ranks, so every rank takes (or skips) the flow step together.
+
+    Under DDP / ZeRO the flow step runs collectives; ranks accept different numbers of rollouts (e.g. by
+    correctness), and a step taken by some ranks only would desynchronise them.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return count
+    fewest = torch.tensor(count, dtype=torch.long)
+    if torch.distributed.get_backend() == "nccl":
+        fewest = fewest.cuda()
+    torch.distributed.all_reduce(fewest, op=torch.distributed.ReduceOp.MIN)
+    return int(fewest)
+
+
 class FlowReward(TokenRewardModel):
     """Dense reward r_k = −β·𝕀[r̂_k > η]·r̂_k from the debiased deviation R_CFM (eq. 7, 10).
 
@@ -109,7 +124,7 @@ class FlowReward(TokenRewardModel):
         if accepted.any():
             self.buffer.add(batch.latents[:, accepted], batch.response_mask[accepted])
         self._metrics["flow/accepted_frac"] = float(accepted.float().mean())
-        if len(self.buffer) < self.kappa:
+        if _fewest_buffered_across_ranks(len(self.buffer)) < self.kappa:
             self._metrics["flow/buffer_size"] = float(len(self.buffer))
             return None
         latents, mask = self.buffer.pop(len(self.buffer))  # one flow step consumes every buffered rollout

@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "rlfr_tiny.yaml")
 
 
-def run_fit(tmp_path: Path, *overrides: str) -> list[dict[str, str]]:
-    args = ["fit", "--config", CONFIG, "--trainer.default_root_dir", str(tmp_path),
-            "--trainer.logger.init_args.save_dir", str(tmp_path), *overrides]
-    cli = FlowkitCLI(args=args)
+def run_fit(tmp_path: Path, monkeypatch, *overrides: str) -> list[dict[str, str]]:
+    """`flowkit fit` on the tiny config inside ``tmp_path`` (its runs/ paths are relative to the working dir)."""
+    monkeypatch.chdir(tmp_path)
+    cli = FlowkitCLI(args=["fit", "--config", CONFIG, *overrides])
     with open(Path(cli.trainer.logger.log_dir) / "metrics.csv") as f:
         return list(csv.DictReader(f))
 
@@ -27,8 +27,8 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key)]
 
 
-def test_short_run_logs_every_metric_and_writes_artifacts(tmp_path):
-    rows = run_fit(tmp_path, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
+def test_short_run_logs_every_metric_and_writes_artifacts(tmp_path, monkeypatch):
+    rows = run_fit(tmp_path, monkeypatch, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
                    "--model.init_args.flow_pretrain_steps", "3", "--data.init_args.max_val_examples", "16",
                    "--model.init_args.reward_model.init_args.kappa", "4")
     logged = {k for r in rows for k, v in r.items() if v}
@@ -36,8 +36,10 @@ def test_short_run_logs_every_metric_and_writes_artifacts(tmp_path):
                 "train/policy_loss", "train/clip_fraction", "train/entropy", "train/response_length",
                 "train/tokens_per_s", "val/heldout/pass@1", "val/heldout/pass@4"]:
         assert key in logged, key
-    run_dir = next(tmp_path.glob("rlfr_tiny/version_*"))
-    for artifact in ["checkpoints/last.ckpt", "config.yaml", "metrics.csv", "export/flow.safetensors",
+    run_dir = next(tmp_path.glob("runs/rlfr_tiny/version_*"))
+    ckpt = tmp_path / "runs/rlfr_tiny/checkpoints/last.ckpt"
+    assert ckpt.is_file()
+    for artifact in ["config.yaml", "metrics.csv", "export/flow.safetensors",
                      "export/hf_policy/model.safetensors", "export/hf_policy/tokenizer.json"]:
         assert (run_dir / artifact).is_file(), artifact
 
@@ -46,7 +48,7 @@ def test_short_run_logs_every_metric_and_writes_artifacts(tmp_path):
     pairs.write_text(json.dumps({"prompt": "47+38=", "response": "7+8=15,4+3+1=8\\boxed{85}"}) + "\n"
                      + json.dumps({"prompt": "12+13=", "response": "2+3=5,1+1=2\\boxed{25}"}) + "\n")
     out, page = tmp_path / "scores.jsonl", tmp_path / "scores.html"
-    main(["score", "--config", CONFIG, "--ckpt_path", str(run_dir / "checkpoints/last.ckpt"),
+    main(["score", "--config", CONFIG, "--checkpoint", str(ckpt),
           "--input", str(pairs), "--output", str(out), "--html_output", str(page)])
     scored = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(scored) == 2
@@ -68,11 +70,11 @@ def test_lora_trains_only_adapters_in_the_policy_group(tmp_path):
 
 
 @pytest.mark.slow
-def test_rl_improves_outcome_reward(tmp_path):
+def test_rl_improves_outcome_reward(tmp_path, monkeypatch):
     """Convergence on the tiny task (fixed seed): the last 10 RL steps beat the first 10 clearly."""
     torch.use_deterministic_algorithms(True)
     try:
-        rows = run_fit(tmp_path, "--trainer.limit_val_batches", "0")
+        rows = run_fit(tmp_path, monkeypatch, "--trainer.limit_val_batches", "0")
     finally:
         torch.use_deterministic_algorithms(False)
     rewards = column(rows, "train/outcome_reward")
