@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from safetensors.torch import load_file
 
-from flowkit.commands.export import consolidated_state_dict, load_trained_weights
+from flowkit.checkpointing import consolidated_state_dict, load_trained_weights
 from flowkit.strategies import (
     CPUDeepSpeedStrategy,
     FlowkitDeepSpeedStrategy,
