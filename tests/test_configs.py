@@ -45,3 +45,12 @@ def test_config_instantiates_on_cpu(config, tmp_path, monkeypatch):
     args = ["--config", str(config), "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)]
     cli = FlowkitCLI(run=False, args=args + OFFLINE_OVERRIDES.get(config.name, []))
     assert cli.model is not None and cli.trainer is not None
+
+
+def test_help_lists_flowkit_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    for name in ["fit", "validate", "score", "export", "explain-rules"]:
+        assert name in printed
