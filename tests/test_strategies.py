@@ -169,9 +169,10 @@ def deepspeed_args(tmp_path: Path, stage: int, devices: int = 1) -> list[str]:
             "--trainer.strategy.config", str(zero_config(tmp_path, stage))]
 
 
-def run_rlfr(tmp_path: Path, stage: int, devices: int = 1) -> list[dict[str, torch.Tensor]]:
+def run_rlfr(tmp_path: Path, stage: int, devices: int = 1, *extra: str) -> list[dict[str, torch.Tensor]]:
     rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, stage, devices),
-                 "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"))
+                 "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"),
+                 *extra)
     return [load_file(str(tmp_path / "weights" / f"rank{rank}.safetensors")) for rank in range(devices)]
 
 
@@ -247,3 +248,14 @@ def test_export_reads_plain_checkpoints_and_names_bad_paths(tmp_path):
         consolidated_state_dict(tmp_path / "missing.ckpt")
     with pytest.raises(FileNotFoundError, match="not a DeepSpeed checkpoint"):
         consolidated_state_dict(tmp_path)
+
+
+@pytest.mark.slow
+def test_rlfr_zero3_two_processes_with_correctness_rejection(tmp_path):
+    """Ranks accept different numbers of correct rollouts; the flow step is still taken by all ranks together
+    (the smallest buffer decides), so ZeRO-3's collectives stay in step and the ranks end identical."""
+    rank0, rank1 = run_rlfr(tmp_path, 3, 2, "--model.init_args.reward_model.init_args.rejection_metric", "correct",
+                            "--model.init_args.reward_model.init_args.kappa", "3")
+    assert_policy_and_flow_changed(rank0)
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
