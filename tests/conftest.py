@@ -30,3 +30,12 @@ def shared_data() -> Path:
     if not path.is_dir():
         pytest.skip("../shared/data is not present")
     return path
+
+
+@pytest.fixture
+def single_thread():
+    """One intra-op thread for tests on tiny tensors: faster than two threads fighting over loaded CI cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

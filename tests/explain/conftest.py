@@ -8,12 +8,8 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:=?+-[]!\n"
 
 
 @pytest.fixture(autouse=True)
-def single_thread():
-    """These tensors are tiny: one intra-op thread is faster than two fighting over loaded CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _tiny_tensors_use_one_thread(single_thread):
+    """Every explain test runs with the root conftest's ``single_thread``."""
 
 
 @pytest.fixture(scope="session")

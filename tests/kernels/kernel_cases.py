@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flowkit.kernels import debias_weights
+from flowkit.kernels import debias_weights, interpolate_latents, velocity_deviation
+from flowkit.kernels.reference import velocity_deviation as deviation_reference
 
 
 def deviation_inputs(layers, steps, tokens, dim, dtype=torch.float32, seed=0, device="cpu"):
@@ -59,3 +60,15 @@ def core_inputs(batch, steps, heads, kv_heads, head_dim, context, num_flow=2, dt
     cv = torch.randn(batch, kv_heads, context, head_dim, generator=gen, dtype=dtype)
     prefix = torch.randint(1, context + 1, (batch, steps), generator=gen)
     return q, fk, fv, ck, cv, prefix
+
+
+def assert_deviation_ops_match_reference(x1, ts, w, mask, v, tol):
+    """The dispatched prologue, epilogue and epilogue gradient equal the reference (seed 3)."""
+    expected = deviation_reference.velocity_deviation(v, x1, ts, w, 3, mask)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), v)
+    scores = velocity_deviation(v, x1, ts, w, 3, mask)
+    (grad,) = torch.autograd.grad(scores.sum(), v)
+    torch.testing.assert_close(interpolate_latents(x1, ts, 3), deviation_reference.interpolate_latents(x1, ts, 3),
+                               atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(scores, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad, expected_grad, atol=tol, rtol=tol)

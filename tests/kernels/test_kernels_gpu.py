@@ -2,7 +2,12 @@
 
 import pytest
 import torch
-from kernel_cases import attention_inputs, core_inputs, deviation_inputs
+from kernel_cases import (
+    assert_deviation_ops_match_reference,
+    attention_inputs,
+    core_inputs,
+    deviation_inputs,
+)
 
 from flowkit.kernels import (
     available_backends,
@@ -10,10 +15,8 @@ from flowkit.kernels import (
     flow_noise,
     flow_token_attention,
     interpolate_latents,
-    velocity_deviation,
 )
 from flowkit.kernels.reference import flow_attention as attention_reference
-from flowkit.kernels.reference import velocity_deviation as deviation_reference
 
 pytestmark = pytest.mark.gpu
 GPU_BACKENDS = ["native", "triton"]
@@ -43,15 +46,8 @@ def test_noise_is_the_same_on_gpu(backend, monkeypatch):
 def test_velocity_deviation_matches_reference(backend, shape, dtype, tol, monkeypatch):
     require(backend)
     x1, ts, w, mask, v = deviation_inputs(*shape, dtype=dtype, device="cuda")
-    expected = deviation_reference.velocity_deviation(v, x1, ts, w, 3, mask)
-    (expected_grad,) = torch.autograd.grad(expected.sum(), v)
     monkeypatch.setenv("FLOWKIT_KERNELS", backend)
-    scores = velocity_deviation(v, x1, ts, w, 3, mask)
-    (grad,) = torch.autograd.grad(scores.sum(), v)
-    torch.testing.assert_close(interpolate_latents(x1, ts, 3), deviation_reference.interpolate_latents(x1, ts, 3),
-                               atol=tol * 10, rtol=tol)
-    torch.testing.assert_close(scores, expected, atol=tol, rtol=tol)
-    torch.testing.assert_close(grad, expected_grad, atol=tol, rtol=tol)
+    assert_deviation_ops_match_reference(x1, ts, w, mask, v, tol)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

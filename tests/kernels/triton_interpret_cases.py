@@ -10,17 +10,19 @@ import os
 
 import pytest
 import torch
-from kernel_cases import attention_inputs, deviation_inputs
+from kernel_cases import (
+    assert_deviation_ops_match_reference,
+    attention_inputs,
+    deviation_inputs,
+)
 
 from flowkit.kernels import (
     available_backends,
     flow_noise,
     flow_token_attention,
     interpolate_latents,
-    velocity_deviation,
 )
 from flowkit.kernels.reference import flow_attention as attention_reference
-from flowkit.kernels.reference import velocity_deviation as deviation_reference
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in available_backends("cpu"),
@@ -41,15 +43,7 @@ def test_prologue_regenerates_the_reference_noise():
 @pytest.mark.parametrize("layers, steps, tokens, dim", [(1, 1, 37, 64), (3, 4, 5, 64), (1, 4, 3, 1536)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_velocity_deviation_matches_reference(layers, steps, tokens, dim, dtype, tol):
-    x1, ts, w, mask, v = deviation_inputs(layers, steps, tokens, dim, dtype=dtype)
-    expected = deviation_reference.velocity_deviation(v, x1, ts, w, 3, mask)
-    (expected_grad,) = torch.autograd.grad(expected.sum(), v)
-    scores = velocity_deviation(v, x1, ts, w, 3, mask)
-    (grad,) = torch.autograd.grad(scores.sum(), v)
-    torch.testing.assert_close(interpolate_latents(x1, ts, 3), deviation_reference.interpolate_latents(x1, ts, 3),
-                               atol=tol * 10, rtol=tol)
-    torch.testing.assert_close(scores, expected, atol=tol, rtol=tol)
-    torch.testing.assert_close(grad, expected_grad, atol=tol, rtol=tol)
+    assert_deviation_ops_match_reference(*deviation_inputs(layers, steps, tokens, dim, dtype=dtype), tol)
 
 
 @pytest.mark.parametrize("case", [(2, 2, 4, 4, 16, 37), (1, 3, 8, 2, 32, 70), (2, 1, 4, 1, 64, 9)])

@@ -7,17 +7,14 @@ import torch
 
 from flowkit.llm.lora import LoraSettings
 from flowkit.modules.explanation import (
-    ExplanationDataModule, ExplanationPolicyModule, ExplanationRewardModule, normalize_record, whitened,
+    ExplanationDataModule,
+    ExplanationPolicyModule,
+    ExplanationRewardModule,
+    normalize_record,
+    whitened,
 )
 
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny models: one intra-op thread is faster than two fighting over loaded CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_records_accept_decision_by_label_or_index(tmp_path):
