@@ -3,11 +3,14 @@
 Part 1 ("fused"): everything except the velocity network — x_t for all (percentile, timestep) pairs and the
 debiased deviation (RLFR eqs. 5, 7) — with an identity velocity (v = x_t) so only the kernels are timed.
 Implementations: ``naive`` (per-layer, per-timestep loop materialising ε and targets, as the official RLFR code
-does), ``naive_compiled`` (torch.compile of that loop), ``reference`` (flowkit's stacked PyTorch reference),
-``native`` (flowkit._C: C++ on CPU, CUDA on GPU) and ``triton`` (CUDA only).
+does), ``naive_compiled`` (torch.compile of that loop), and flowkit's scoring path
+(``flowkit.kernels.velocity_deviation_in_chunks``: stacked rows in chunks of at most ``--max-rows``, 0 = one
+call) on the ``reference`` (PyTorch), ``native`` (flowkit._C: C++ on CPU, CUDA on GPU) and ``triton`` (CUDA)
+backends.
 
-Part 2 ("reward_path"): the same with a depth-4, width-d velocity network, batched over P·T·N rows through the
-fused ops vs the naive per-(p, t) loop; ``--train`` also times forward + backward of the flow loss (eq. 4).
+Part 2 ("reward_path"): the same with a depth-4, width-d velocity network, batched through the fused ops vs the
+naive per-(p, t) loop; ``--train`` also times forward + backward of the flow loss (eq. 4), which flowkit runs as
+one stacked call (chunks would not bound the memory autograd keeps).
 
 Usage: python benchmarks/bench_velocity_deviation.py [--device cpu] [--sizes 8192x1536] [--path-sizes 1024x512]
 """
@@ -25,7 +28,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_csv, measure, timestamp
 
-from flowkit.kernels import debias_weights, interpolate_latents, velocity_deviation
+from flowkit.flow.matching import DEFAULT_MAX_ROWS
+from flowkit.kernels import debias_weights, interpolate_latents, velocity_deviation, velocity_deviation_in_chunks
 from flowkit.kernels.reference import velocity_deviation as reference
 
 SEED = 1234
@@ -45,22 +49,19 @@ def naive_loop(x1, timesteps: list[float], weights: list[float], mask, velocity=
     return score / (layers * len(timesteps)) * mask
 
 
-def fused(x1, timesteps, weights, mask, backend: str, velocity=None):
-    """x_t for every (p, t) stacked → (velocity network) → deviation, with the given backend."""
-    layers, tokens, _ = x1.shape
-    if backend == "reference":
-        x_t = reference.interpolate_latents(x1, timesteps, SEED)
-    else:
-        x_t = interpolate_latents(x1, timesteps, SEED)
-    if velocity is None:
-        v = x_t
-    else:
-        t_rows = timesteps.repeat_interleave(tokens).repeat(layers)
-        layer_rows = (torch.arange(layers, device=x1.device) / layers).repeat_interleave(len(timesteps) * tokens)
-        v = velocity(x_t, t_rows, layer_rows)
-    if backend == "reference":
-        return reference.velocity_deviation(v, x1, timesteps, weights, SEED, mask)
-    return velocity_deviation(v, x1, timesteps, weights, SEED, mask)
+def fused(x1, timesteps, weights, mask, max_rows: int | None, velocity=None):
+    """flowkit's path: stacked x_t chunks → (velocity network) → deviation, on the backend FLOWKIT_KERNELS names."""
+    layers = x1.shape[0]
+
+    def velocity_rows(x_t, tokens: slice):
+        if velocity is None:
+            return x_t
+        count = tokens.stop - tokens.start
+        t_rows = timesteps.repeat_interleave(count).repeat(layers)
+        layer_rows = (torch.arange(layers, device=x1.device) / layers).repeat_interleave(len(timesteps) * count)
+        return velocity(x_t, t_rows, layer_rows)
+
+    return velocity_deviation_in_chunks(velocity_rows, x1, timesteps, weights, SEED, mask, max_rows)
 
 
 def velocity_network(dim: int, depth: int, device):
@@ -141,6 +142,8 @@ def main(argv=None):
     parser.add_argument("--sizes", default="8192x1536", help="comma-separated NxD for the fused ops")
     parser.add_argument("--path-sizes", default="1024x512", help="comma-separated NxD for the whole reward path")
     parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS,
+                        help="stacked rows per velocity call when scoring (flowkit's default; 0 = one call)")
     parser.add_argument("--train", action="store_true", help="also time forward+backward of the flow loss")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
@@ -154,6 +157,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device, P, T = args.device, args.layers, args.steps
+    max_rows = args.max_rows or None
+    chunking = dict(max_rows=args.max_rows)
     impls = implementations(device, args.impls)
     compiled_loop = torch.compile(naive_loop) if "naive_compiled" in impls else None
 
@@ -170,9 +175,10 @@ def main(argv=None):
             elif impl == "naive_compiled":
                 fn = lambda: compiled_loop(x1, ts_list, w_list, mask)
             else:
-                fn = lambda impl=impl: fused(x1, ts, w, mask, impl)
+                fn = lambda: fused(x1, ts, w, mask, max_rows)
             with torch.no_grad():
-                results[impl] = run_case("fused_ops", impl, fn, label, device, args.reps, args.warmup, bytes_moved, args.csv)
+                results[impl] = run_case("fused_ops", impl, fn, label, device, args.reps, args.warmup, bytes_moved,
+                                         args.csv, extra=None if impl.startswith("naive") else chunking)
         report_ratios("prologue+epilogue", results, ["naive", "naive_compiled", "reference"])
         report_ratios("prologue+epilogue", results, ["naive", "naive_compiled", "reference"], target="triton")
         if args.epilogue:
@@ -204,18 +210,21 @@ def main(argv=None):
                     def fn():
                         return naive_loop(x1, ts_list, w_list, mask, velocity=call)
                 else:
-                    def fn(impl=impl):
-                        return fused(x1, ts, w, mask, impl, velocity=call)
+                    def fn(rows=max_rows if mode == "reward" else None):
+                        return fused(x1, ts, w, mask, rows, velocity=call)
+                extra = dict(network=net_name, mode=mode)
+                if impl != "naive":
+                    extra["max_rows"] = args.max_rows if mode == "reward" else 0
                 if mode == "reward":
                     with torch.no_grad():
                         stats = run_case("reward_path", impl, fn, label, device, args.reps, args.warmup, bytes_moved,
-                                         args.csv, extra=dict(network=net_name, mode=mode))
+                                         args.csv, extra=extra)
                 else:
                     def step(fn=fn):
                         net.zero_grad(set_to_none=True)
                         fn().sum().backward()
                     stats = run_case("reward_path", impl, step, label, device, args.reps, args.warmup, bytes_moved,
-                                     args.csv, extra=dict(network=net_name, mode=mode))
+                                     args.csv, extra=extra)
                 results[impl] = stats
             report_ratios(f"whole path ({mode}, {net_name})", results, ["naive"])
             report_ratios(f"whole path ({mode}, {net_name})", results, ["naive"], target="triton")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import ctypes
 import gc
+import os
 import re
 import statistics
 import time
@@ -79,7 +80,11 @@ def measure(fn, warmup: int = 2, reps: int = 10, device: str | None = None) -> d
 
 
 def append_csv(path: str | Path | None, row: dict) -> None:
-    """Appends ``row`` to the CSV at ``path`` (default ``RESULTS_CSV``), widening the header when new keys appear."""
+    """Appends ``row`` to the CSV at ``path`` (default ``RESULTS_CSV``), widening the header when new keys appear.
+
+    Every row gets this process's ``run`` id, so plots and ratios compare rows measured in one run.
+    """
+    row = {**row, "run": RUN_ID}
     path = Path(path) if path else RESULTS_CSV
     path.parent.mkdir(parents=True, exist_ok=True)
     rows, header = [], []
@@ -101,3 +106,6 @@ def append_csv(path: str | Path | None, row: dict) -> None:
 
 def timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+RUN_ID = f"{timestamp()}-{os.getpid()}"

@@ -32,6 +32,8 @@ print('backends for cuda:', b.available_backends('cuda'))"
 step gpu-tests 90 python -m pytest tests/kernels -m gpu -q -p no:cacheprovider
 step bench-velocity-deviation 140 python benchmarks/bench_velocity_deviation.py --device cuda \
   --sizes 8192x1536,32768x4096 --path-sizes 1024x512,8192x1536 --train --epilogue --reps 20 --csv "$CSV"
+step bench-velocity-deviation-one-call 40 python benchmarks/bench_velocity_deviation.py --device cuda \
+  --sizes 8192x1536,32768x4096 --path-sizes "" --impls native,triton --max-rows 0 --reps 20 --csv "$CSV"
 step bench-flow-attention 35 python benchmarks/bench_flow_attention.py --device cuda --csv "$CSV"
 step bench-flow-attention-bwd 25 python benchmarks/bench_flow_attention.py --device cuda --backward --reps 5 --csv "$CSV"
 step plot 15 python benchmarks/plot.py --csv "$CSV" --out "$OUT"

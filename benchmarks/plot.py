@@ -1,5 +1,6 @@
 """Draws one PNG per (benchmark, device, size) from benchmarks/results/results.csv: median time per implementation
-with p20–p80 error bars, latest run of each implementation. Usage: python benchmarks/plot.py [--csv X] [--out DIR]"""
+with p20–p80 error bars, from the latest run that measured that case (rows written before run ids existed: the
+latest row of each implementation). Usage: python benchmarks/plot.py [--csv X] [--out DIR]"""
 
 from __future__ import annotations
 
@@ -15,15 +16,29 @@ from common import RESULTS_CSV
 
 
 def latest_rows(path: Path) -> dict:
-    """{(benchmark, device, dtype, size, mode): {implementation: row}} keeping the last timed row of each."""
-    groups: dict = {}
+    """{(benchmark, device, dtype, size, mode): {implementation: row}} from each case's latest run."""
+    cases: dict = {}
     with path.open(newline="") as f:
         for row in csv.DictReader(f):
             if not row.get("median_ms"):  # e.g. the copy-bandwidth reference rows
                 continue
             key = tuple(row.get(k) or "" for k in ("benchmark", "device", "dtype", "size", "mode"))
-            groups.setdefault(key, {})[row.get("implementation") or row.get("impl") or "?"] = row
+            cases.setdefault(key, []).append(row)
+    groups = {}
+    for key, rows in cases.items():
+        latest_run = max(row.get("run") or "" for row in rows)
+        groups[key] = {label(row): row for row in rows if (row.get("run") or "") == latest_run}
     return groups
+
+
+def label(row: dict) -> str:
+    """The implementation, with its row budget when it scored through flowkit's chunks (``max_rows`` 0 = one call;
+    the naive loops have no budget)."""
+    name = row.get("implementation") or row.get("impl") or "?"
+    rows = row.get("max_rows")
+    if not rows or name.startswith("naive"):
+        return name
+    return f"{name}\none call" if rows == "0" else f"{name}\n≤{rows} rows"
 
 
 def main(argv=None):

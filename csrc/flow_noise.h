@@ -105,4 +105,10 @@ FLOWKIT_HD float noise_at(NoiseKeys keys, uint64_t counter) {
 #endif
 }
 
+// Counter of ε[p, t, n, 0] in the RLFR ops, token-major over the global token g = token_offset + n:
+// (g·P·T + p·T + t)·d. A chunk of tokens thus regenerates exactly the noise of the whole batch.
+FLOWKIT_HD uint64_t deviation_noise_base(int64_t global_token, int64_t groups, int64_t group, int64_t dim) {
+  return static_cast<uint64_t>((global_token * groups + group) * dim);
+}
+
 }  // namespace flowkit

@@ -13,12 +13,15 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(flowkit, m) {
   // RLFR prologue: x_t = t·x1 + (1−t)·ε for every (percentile, timestep, token) row; ε regenerated from seed.
-  m.def("interpolate_latents(Tensor x1, Tensor timesteps, int seed) -> Tensor");
+  // ε is indexed by the global token (token_offset + n), so a token chunk sees the noise of the whole batch.
+  m.def("interpolate_latents(Tensor x1, Tensor timesteps, int seed, int token_offset) -> Tensor");
   // RLFR epilogue: score[n] = mask[n] · mean_{p,t} w_t · mean_d (v − (x1 − ε))² (eq. 7 with w_t = t/(1−t)).
-  m.def("velocity_deviation(Tensor v, Tensor x1, Tensor timesteps, Tensor weights, int seed, Tensor mask) -> Tensor");
+  m.def(
+      "velocity_deviation(Tensor v, Tensor x1, Tensor timesteps, Tensor weights, int seed, int token_offset, "
+      "Tensor mask) -> Tensor");
   m.def(
       "velocity_deviation_backward(Tensor grad_score, Tensor v, Tensor x1, Tensor timesteps, Tensor weights, int seed, "
-      "Tensor mask) -> Tensor");
+      "int token_offset, Tensor mask) -> Tensor");
   // Flow-token attention core: RoPE'd flow queries over context keys [0, prefix_len) plus the flow keys (GQA);
   // returns the output (B, S, F, H, dh) and the float32 log-sum-exp (B, S, F, H) for the backward.
   m.def(

@@ -1,6 +1,7 @@
 // CPU kernels for the RLFR prologue / epilogue (flowkit::interpolate_latents, velocity_deviation[_backward]).
-// Rows of the stacked batch are (p, t, n), p slowest; ε at (row, j) is noise_at(seed, row·d + j), so the
-// P·T·N·d noise tensor is never stored. Parallel over tokens / rows with at::parallel_for (OpenMP).
+// Rows of the stacked batch are (p, t, n), p slowest; ε at (p, t, n, j) is noise_at(seed,
+// deviation_noise_base(token_offset + n, P·T, p·T + t, d) + j), so the P·T·N·d noise tensor is never stored.
+// Parallel over tokens / rows with at::parallel_for (OpenMP).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -56,7 +57,8 @@ void check_stacked(const at::Tensor& v, const at::Tensor& x1, const Shapes& s, c
   TORCH_CHECK(mask.numel() == s.tokens && mask.scalar_type() == at::kFloat, "mask must be float32 (N,)");
 }
 
-at::Tensor interpolate_latents_cpu(const at::Tensor& x1_in, const at::Tensor& timesteps_in, int64_t seed) {
+at::Tensor interpolate_latents_cpu(const at::Tensor& x1_in, const at::Tensor& timesteps_in, int64_t seed,
+                                  int64_t token_offset) {
   const Shapes s = check_inputs(x1_in, timesteps_in);
   const at::Tensor x1 = x1_in.contiguous();
   const at::Tensor timesteps = timesteps_in.contiguous();
@@ -72,7 +74,7 @@ at::Tensor interpolate_latents_cpu(const at::Tensor& x1_in, const at::Tensor& ti
       for (int64_t row = begin; row < end; ++row) {
         const int64_t n = row % s.tokens, pt = row / s.tokens, p = pt / s.steps;
         const acc_t t = static_cast<acc_t>(t_ptr[pt % s.steps]);
-        fill_noise(keys, static_cast<uint64_t>(row * s.dim), s.dim, eps.data());
+        fill_noise(keys, deviation_noise_base(token_offset + n, s.layers * s.steps, pt, s.dim), s.dim, eps.data());
         const scalar_t* x = x1_ptr + (p * s.tokens + n) * s.dim;
         scalar_t* o = out_ptr + row * s.dim;
         for (int64_t j = 0; j < s.dim; ++j)
@@ -84,7 +86,8 @@ at::Tensor interpolate_latents_cpu(const at::Tensor& x1_in, const at::Tensor& ti
 }
 
 at::Tensor velocity_deviation_cpu(const at::Tensor& v_in, const at::Tensor& x1_in, const at::Tensor& timesteps_in,
-                                  const at::Tensor& weights_in, int64_t seed, const at::Tensor& mask_in) {
+                                  const at::Tensor& weights_in, int64_t seed, int64_t token_offset,
+                                  const at::Tensor& mask_in) {
   const Shapes s = check_inputs(x1_in, timesteps_in);
   check_stacked(v_in, x1_in, s, weights_in, mask_in);
   const at::Tensor v = v_in.contiguous(), x1 = x1_in.contiguous(), weights = weights_in.contiguous();
@@ -111,8 +114,8 @@ at::Tensor velocity_deviation_cpu(const at::Tensor& v_in, const at::Tensor& x1_i
         for (int64_t p = 0; p < s.layers; ++p) {
           const scalar_t* x = x1_ptr + (p * s.tokens + n) * s.dim;
           for (int64_t t = 0; t < s.steps; ++t) {
-            const int64_t row = (p * s.steps + t) * s.tokens + n;
-            fill_noise(keys, static_cast<uint64_t>(row * s.dim), s.dim, eps.data());
+            const int64_t pt = p * s.steps + t, row = pt * s.tokens + n;
+            fill_noise(keys, deviation_noise_base(token_offset + n, s.layers * s.steps, pt, s.dim), s.dim, eps.data());
             const scalar_t* vr = v_ptr + row * s.dim;
             total += static_cast<acc_t>(w_ptr[t]) * squared_deviation<acc_t>(vr, x, eps.data(), s.dim);
           }
@@ -126,7 +129,7 @@ at::Tensor velocity_deviation_cpu(const at::Tensor& v_in, const at::Tensor& x1_i
 
 at::Tensor velocity_deviation_backward_cpu(const at::Tensor& grad_in, const at::Tensor& v_in, const at::Tensor& x1_in,
                                            const at::Tensor& timesteps_in, const at::Tensor& weights_in, int64_t seed,
-                                           const at::Tensor& mask_in) {
+                                           int64_t token_offset, const at::Tensor& mask_in) {
   const Shapes s = check_inputs(x1_in, timesteps_in);
   check_stacked(v_in, x1_in, s, weights_in, mask_in);
   TORCH_CHECK(grad_in.numel() == s.tokens, "grad_score must be (N,)");
@@ -154,7 +157,7 @@ at::Tensor velocity_deviation_backward_cpu(const at::Tensor& grad_in, const at::
           for (int64_t j = 0; j < s.dim; ++j) gr[j] = static_cast<scalar_t>(0.0f);
           continue;
         }
-        fill_noise(keys, static_cast<uint64_t>(row * s.dim), s.dim, eps.data());
+        fill_noise(keys, deviation_noise_base(token_offset + n, s.layers * s.steps, pt, s.dim), s.dim, eps.data());
         const scalar_t* vr = v_ptr + row * s.dim;
         const scalar_t* x = x1_ptr + (p * s.tokens + n) * s.dim;
         for (int64_t j = 0; j < s.dim; ++j)

@@ -2,8 +2,9 @@
 
 Latents arrive as P×B×S×d (P tapped layers). Only *scored* tokens take part: response tokens that have a
 condition (the next response token's latent by default, §3.3), so the last response token gets no score.
-All (layer, timestep) variants of all scored tokens are stacked into one batch for a single velocity-field
-call; the fused kernels (``flowkit.kernels``) regenerate the noise from a seed instead of storing it.
+All (layer, timestep) variants of the scored tokens are stacked into one batch per velocity-field call (one call
+for everything, or chunks of at most ``max_rows`` rows); the fused kernels (``flowkit.kernels``) regenerate the
+noise from a seed instead of storing it, so chunking never changes a score.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from flowkit import kernels
 from flowkit.flow.velocity_field import VelocityField
 
 Condition = Literal["next", "previous", "none"]
+
+# Rows per velocity-field call when scoring: large enough to saturate a GPU's matrix units at hidden sizes ≥ 1k,
+# small enough that the stacked x_t / v and the field's activations stay far below the latents themselves.
+DEFAULT_MAX_ROWS = 8192
 
 
 def sample_logit_normal(count: int, generator: torch.Generator | None = None, device=None) -> Tensor:
@@ -58,20 +63,29 @@ def stacked_deviation(
     timesteps: Tensor,
     weights: Tensor,
     seed: int,
+    max_rows: int | None = None,
 ) -> Tensor:
-    """Per-token mean_{t,ℓ} w(t)·mean_d (v − (x1 − ε))² for x1: P×N×d → N (one field call over P·T·N rows)."""
+    """Per-token mean_{t,ℓ} w(t)·mean_d (v − (x1 − ε))² for x1: P×N×d → N.
+
+    The field runs over the stacked P·T·n rows of chunks of n tokens, ``P·T·n ≤ max_rows`` (None: all at once).
+    """
     num_layers, num_tokens, _ = x1.shape
     num_times = timesteps.numel()
     x1 = x1.float()
-    x_t = kernels.interpolate_latents(x1, timesteps, seed)
-    t_rows = timesteps.float().repeat_interleave(num_tokens).repeat(num_layers)
-    layer_rows = torch.tensor(layer_positions, device=x1.device, dtype=torch.float32).repeat_interleave(num_times * num_tokens)
-    cond_rows = None
-    if cond is not None:
-        cond_rows = cond.unsqueeze(1).expand(num_layers, num_times, num_tokens, cond.shape[-1]).reshape(-1, cond.shape[-1])
-    v = field(x_t, t_rows, layer_rows, cond_rows).float()
+    layers = torch.tensor(layer_positions, device=x1.device, dtype=torch.float32)
+
+    def velocity(x_t: Tensor, tokens: slice) -> Tensor:
+        count = tokens.stop - tokens.start
+        t_rows = timesteps.float().repeat_interleave(count).repeat(num_layers)
+        layer_rows = layers.repeat_interleave(num_times * count)
+        cond_rows = None
+        if cond is not None:
+            chunk = cond[:, tokens]
+            cond_rows = chunk.unsqueeze(1).expand(num_layers, num_times, count, chunk.shape[-1]).reshape(-1, chunk.shape[-1])
+        return field(x_t, t_rows, layer_rows, cond_rows).float()
+
     mask = torch.ones(num_tokens, device=x1.device, dtype=torch.float32)
-    return kernels.velocity_deviation(v, x1, timesteps, weights, seed, mask)
+    return kernels.velocity_deviation_in_chunks(velocity, x1, timesteps, weights, seed, mask, max_rows)
 
 
 def velocity_deviation_scores(
@@ -83,12 +97,13 @@ def velocity_deviation_scores(
     seed: int,
     condition: Condition = "next",
     num_draws: int = 1,
+    max_rows: int | None = DEFAULT_MAX_ROWS,
 ) -> Tensor:
     """Debiased deviation R_CFM per token (eq. 7), B×S, zero where a token is not scored.
 
     R_CFM(a_k) = mean_{t∈T, ℓ∈P} [ t/(1−t) · mean_d (v_φ(x_t, t, c, ℓ) − (x1 − ε))² ] (eq. 5 inside eq. 7).
     ``num_draws`` > 1 averages independent noise draws (seeds ``seed, seed+1, …``) to reduce variance;
-    a given ``seed`` always gives the same scores.
+    a given ``seed`` always gives the same scores, whatever ``max_rows`` (rows per field call) is.
     """
     scored = scored_token_mask(response_mask, condition)
     scores = torch.zeros(scored.shape, device=latents.device, dtype=torch.float32)
@@ -97,7 +112,8 @@ def velocity_deviation_scores(
     x1, cond = _gather_tokens(latents, scored, condition)
     t = torch.tensor(list(timesteps), device=latents.device, dtype=torch.float32)
     weights = kernels.debias_weights(t)
-    total = sum(stacked_deviation(field, x1, cond, layer_positions, t, weights, seed + draw) for draw in range(num_draws))
+    total = sum(stacked_deviation(field, x1, cond, layer_positions, t, weights, seed + draw, max_rows)
+                for draw in range(num_draws))
     scores[scored] = total / num_draws
     return scores
 

@@ -1,12 +1,16 @@
 """RLFR velocity deviation as fused ops: prologue (x_t for every layer percentile × timestep) and epilogue (eq. 7).
 
-Stacking all ``(p, t)`` variants lets the velocity field run once over ``P·T·N`` rows. The noise ε over the
-logical ``(P, T, N, d)`` tensor is :func:`flowkit.kernels.flow_noise` with ``seed`` and offset 0, so row
-``r = (p·T + t)·N + n`` of the stacked batch uses counters ``r·d .. r·d + d − 1``; fused implementations
-regenerate it in both ops instead of storing it.
+Stacking all ``(p, t)`` variants lets the velocity field run once over ``P·T·N`` rows. The noise ε of
+percentile p, timestep t, token n is :func:`flowkit.kernels.flow_noise` with ``seed`` at counters
+``((token_offset + n)·P·T + p·T + t)·d + j`` (token-major over the *global* token index); fused implementations
+regenerate it in both ops instead of storing it. Because the counters follow the global token, a chunk of tokens
+(``x1[:, a:b]`` with ``token_offset = a``) sees exactly the noise of the whole batch, which is what
+:func:`velocity_deviation_in_chunks` relies on to bound memory without changing a single score.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -28,13 +32,14 @@ def _vector(values, device: torch.device, name: str, length: int | None = None) 
     return values
 
 
-def interpolate_latents(x1: torch.Tensor, timesteps: torch.Tensor, seed: int) -> torch.Tensor:
+def interpolate_latents(x1: torch.Tensor, timesteps: torch.Tensor, seed: int, token_offset: int = 0) -> torch.Tensor:
     """Prologue: rows ``(p, t, n)`` (p slowest) of x_t = t·x1[p, n] + (1 − t)·ε[p, t, n].
 
     Args:
         x1: ``(P, N, d)`` detached latents (data end of the path).
         timesteps: ``(T,)`` flow times.
         seed: noise seed (see module docstring).
+        token_offset: global index of token 0 of ``x1`` (non-zero for a chunk of a larger batch).
 
     Returns:
         ``(P·T·N, d)`` in ``x1.dtype``; no gradient flows to ``x1``.
@@ -45,17 +50,23 @@ def interpolate_latents(x1: torch.Tensor, timesteps: torch.Tensor, seed: int) ->
     x1 = x1.detach()
     backend = select_backend(x1.device)
     if backend == "reference":
-        return reference.interpolate_latents(x1, timesteps, seed)
+        return reference.interpolate_latents(x1, timesteps, seed, token_offset)
     x1 = x1.contiguous()
     if backend == "native":
-        return torch.ops.flowkit.interpolate_latents(x1, timesteps, int(seed))
+        return torch.ops.flowkit.interpolate_latents(x1, timesteps, int(seed), int(token_offset))
     from .triton import velocity_deviation as triton_impl
 
-    return triton_impl.interpolate_latents(x1, timesteps, int(seed))
+    return triton_impl.interpolate_latents(x1, timesteps, int(seed), int(token_offset))
 
 
 def velocity_deviation(
-    v: torch.Tensor, x1: torch.Tensor, timesteps: torch.Tensor, weights: torch.Tensor, seed: int, mask: torch.Tensor
+    v: torch.Tensor,
+    x1: torch.Tensor,
+    timesteps: torch.Tensor,
+    weights: torch.Tensor,
+    seed: int,
+    mask: torch.Tensor,
+    token_offset: int = 0,
 ) -> torch.Tensor:
     """Epilogue: score[n] = mask[n] · mean_{p,t} [ w_t · mean_d (v[p,t,n] − (x1[p,n] − ε[p,t,n]))² ].
 
@@ -68,6 +79,7 @@ def velocity_deviation(
         x1: ``(P, N, d)`` detached latents (no gradient).
         timesteps, weights: ``(T,)``.
         mask: ``(N,)`` bool or float; masked tokens score 0.
+        token_offset: as in :func:`interpolate_latents`.
 
     Returns:
         ``(N,)`` float32 scores (float64 for float64 inputs).
@@ -83,10 +95,51 @@ def velocity_deviation(
     x1 = x1.detach().to(v.dtype)
     backend = select_backend(v.device)
     if backend == "reference":
-        return reference.velocity_deviation(v, x1, timesteps, weights, seed, mask)
+        return reference.velocity_deviation(v, x1, timesteps, weights, seed, mask, token_offset)
     v, x1 = v.contiguous(), x1.contiguous()
     if backend == "native":
-        return torch.ops.flowkit.velocity_deviation(v, x1, timesteps, weights, int(seed), mask)
+        return torch.ops.flowkit.velocity_deviation(v, x1, timesteps, weights, int(seed), int(token_offset), mask)
     from .triton import velocity_deviation as triton_impl
 
-    return triton_impl.velocity_deviation(v, x1, timesteps, weights, int(seed), mask)
+    return triton_impl.velocity_deviation(v, x1, timesteps, weights, int(seed), int(token_offset), mask)
+
+
+def velocity_deviation_in_chunks(
+    velocity: Callable[[torch.Tensor, slice], torch.Tensor],
+    x1: torch.Tensor,
+    timesteps: torch.Tensor,
+    weights: torch.Tensor,
+    seed: int,
+    mask: torch.Tensor,
+    max_rows: int | None = None,
+) -> torch.Tensor:
+    """Prologue → ``velocity`` → epilogue over chunks of tokens, at most ``max_rows`` stacked rows per call.
+
+    Each chunk holds ``n`` tokens with all their ``P·T`` variants (``P·T·n ≤ max_rows``, at least one token),
+    so the stacked x_t and v, and the velocity network's activations, scale with ``max_rows`` instead of
+    ``P·T·N``. The scores equal the unchunked ones (same noise, see the module docstring); under autograd the
+    chunks' graphs are all kept, so chunking bounds memory for scoring, not for a backward pass.
+
+    Args:
+        velocity: ``velocity(x_t, tokens)`` → v for the chunk's stacked rows ``(p, t, n)`` (p slowest) of
+            tokens ``tokens`` (a slice of range(N)).
+        x1, timesteps, weights, seed, mask: as in :func:`velocity_deviation`.
+        max_rows: row budget per call; None runs all ``P·T·N`` rows at once.
+
+    Returns:
+        ``(N,)`` scores, as :func:`velocity_deviation`.
+    """
+    num_layers, num_tokens, _ = x1.shape
+    groups = num_layers * timesteps.numel()
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be a positive row budget or None, got {max_rows}")
+    chunk = num_tokens if max_rows is None else max(1, max_rows // groups)
+
+    def score_chunk(tokens: slice) -> torch.Tensor:
+        # a function, so the chunk's x_t and v are freed before the next chunk allocates its own
+        x1_chunk = x1[:, tokens].contiguous()
+        v = velocity(interpolate_latents(x1_chunk, timesteps, seed, token_offset=tokens.start), tokens)
+        return velocity_deviation(v, x1_chunk, timesteps, weights, seed, mask[tokens], token_offset=tokens.start)
+
+    scores = [score_chunk(slice(start, min(start + chunk, num_tokens))) for start in range(0, num_tokens, chunk)]
+    return torch.cat(scores) if scores else x1.new_zeros(0, dtype=torch.float32)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flowkit.batch import RolloutBatch
 from flowkit.flow import VelocityField, flow_matching_loss, sample_logit_normal, velocity_deviation_scores
-from flowkit.flow.matching import Condition, scored_token_mask
+from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, scored_token_mask
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rl.rejection import Metric, RolloutLatentBuffer, accept_rollouts
 from flowkit.rl.rewards import flow_token_rewards
@@ -42,6 +42,8 @@ class FlowReward(TokenRewardModel):
         eta, beta, top_k: threshold η, scale β and optional top-k of eq. 10.
         condition: which latent conditions the field: the next token's (§3.3), the previous, or none.
         noise_draws: noise draws averaged per reward (variance reduction; the official code uses 1).
+        max_rows_per_call: velocity-field rows (token × percentile × timestep) per call when scoring; bounds the
+            scoring memory for long rollouts without changing any score. None scores everything in one call.
         seed: base seed of the reward noise; step s uses ``seed + 1000·s`` so rewards are reproducible.
         rejection_metric: which rollouts train the flow online (correct | entropy | both).
         kappa: a flow update happens once at least κ accepted rollouts are buffered; it uses all of them.
@@ -61,6 +63,7 @@ class FlowReward(TokenRewardModel):
         top_k: int | None = None,
         condition: Condition = "next",
         noise_draws: int = 1,
+        max_rows_per_call: int | None = DEFAULT_MAX_ROWS,
         seed: int = 0,
         rejection_metric: Metric = "correct",
         kappa: int = 32,
@@ -77,6 +80,7 @@ class FlowReward(TokenRewardModel):
         self.eta, self.beta, self.top_k = eta, beta, top_k
         self.condition: Condition = condition
         self.noise_draws, self.seed = noise_draws, seed
+        self.max_rows_per_call = max_rows_per_call
         self.rejection_metric: Metric = rejection_metric
         self.kappa, self.online_update = kappa, online_update
         self.pretrain_timesteps = pretrain_timesteps
@@ -101,7 +105,7 @@ class FlowReward(TokenRewardModel):
         """R_CFM per token (B×S, zero where unscored) for latents P×B×S×d."""
         return velocity_deviation_scores(
             self._require_field(), latents, response_mask, self.layer_positions, self.timesteps, seed,
-            self.condition, self.noise_draws,
+            self.condition, self.noise_draws, self.max_rows_per_call,
         )
 
     @torch.no_grad()

@@ -28,7 +28,7 @@ def test_debiased_deviation_by_hand():
     timesteps = [0.5, 0.8]
     scores = velocity_deviation_scores(field, latents, response, [0.25, 0.5], timesteps, seed=7, condition="none")
     x1 = latents[:, 0, 1:]  # P×N×d with N = 3 scored tokens
-    eps = kernels.flow_noise((P, len(timesteps), 3, d), seed=7)
+    eps = kernels.flow_noise((3, P, len(timesteps), d), seed=7).permute(1, 2, 0, 3)  # token-major counters
     weights = torch.tensor([1.0, 4.0])  # t/(1−t) for t = 0.5, 0.8
     per = ((x1[:, None] - eps) ** 2).mean(-1)  # P×T×N
     expected = (weights[None, :, None] * per).mean(dim=(0, 1))
@@ -50,6 +50,21 @@ def test_seeded_scores_are_reproducible_and_draws_average():
     assert not torch.allclose(a, b)
     both = velocity_deviation_scores(*args, seed=3, num_draws=2)
     assert torch.allclose(both, (a + b) / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_scores_do_not_depend_on_the_row_budget():
+    """Chunking the stacked batch (max_rows) bounds memory only: every score stays the same."""
+    torch.manual_seed(2)
+    field = VelocityField(hidden_size=8, depth=2)
+    for p in field.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    latents = torch.randn(3, 4, 9, 8)
+    response = (torch.rand(4, 9) > 0.2).float()
+    args = (field, latents, response, [0.25, 0.5, 0.75], [0.6, 0.8])
+    whole = velocity_deviation_scores(*args, seed=5, max_rows=None)
+    assert whole.count_nonzero() > 10
+    for max_rows in (1, 6, 7, 50, 10_000):  # one token per call, exact chunks, ragged chunks, one call
+        torch.testing.assert_close(velocity_deviation_scores(*args, seed=5, max_rows=max_rows), whole, rtol=1e-6, atol=1e-7)
 
 
 def test_flow_loss_decreases_on_synthetic_latents():

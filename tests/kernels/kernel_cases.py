@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flowkit.kernels import debias_weights, interpolate_latents, velocity_deviation
+from flowkit.kernels import debias_weights, flow_noise, interpolate_latents, velocity_deviation
 from flowkit.kernels.reference import velocity_deviation as deviation_reference
 
 
@@ -62,13 +62,24 @@ def core_inputs(batch, steps, heads, kv_heads, head_dim, context, num_flow=2, dt
     return q, fk, fv, ck, cv, prefix
 
 
+def deviation_noise(layers, steps, tokens, dim, seed, token_offset=0):
+    """ε as the RLFR ops index it, (P, T, N, d): counters token-major over the global token, then p, t, d."""
+    offset = token_offset * layers * steps * dim
+    return flow_noise((tokens, layers, steps, dim), seed, offset=offset).permute(1, 2, 0, 3)
+
+
 def assert_deviation_ops_match_reference(x1, ts, w, mask, v, tol):
-    """The dispatched prologue, epilogue and epilogue gradient equal the reference (seed 3)."""
-    expected = deviation_reference.velocity_deviation(v, x1, ts, w, 3, mask)
-    (expected_grad,) = torch.autograd.grad(expected.sum(), v)
-    scores = velocity_deviation(v, x1, ts, w, 3, mask)
-    (grad,) = torch.autograd.grad(scores.sum(), v)
-    torch.testing.assert_close(interpolate_latents(x1, ts, 3), deviation_reference.interpolate_latents(x1, ts, 3),
-                               atol=tol * 10, rtol=tol)
-    torch.testing.assert_close(scores, expected, atol=tol, rtol=tol)
-    torch.testing.assert_close(grad, expected_grad, atol=tol, rtol=tol)
+    """The dispatched prologue, epilogue and epilogue gradient equal the reference (seed 3), for the whole batch
+    and for the chunk of tokens 1.. given as ``token_offset = 1``."""
+    layers, tokens, dim = x1.shape
+    chunk_rows = v.detach().view(layers, ts.numel(), tokens, dim)[:, :, 1:].reshape(-1, dim).requires_grad_()
+    for x1_part, v_part, mask_part, offset in ((x1, v, mask, 0), (x1[:, 1:], chunk_rows, mask[1:], 1)):
+        expected = deviation_reference.velocity_deviation(v_part, x1_part, ts, w, 3, mask_part, offset)
+        (expected_grad,) = torch.autograd.grad(expected.sum(), v_part)
+        scores = velocity_deviation(v_part, x1_part, ts, w, 3, mask_part, token_offset=offset)
+        (grad,) = torch.autograd.grad(scores.sum(), v_part)
+        torch.testing.assert_close(interpolate_latents(x1_part, ts, 3, token_offset=offset),
+                                   deviation_reference.interpolate_latents(x1_part, ts, 3, offset),
+                                   atol=tol * 10, rtol=tol)
+        torch.testing.assert_close(scores, expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(grad, expected_grad, atol=tol, rtol=tol)

@@ -7,6 +7,7 @@ from kernel_cases import (
     attention_inputs,
     core_inputs,
     deviation_inputs,
+    deviation_noise,
 )
 
 from flowkit.kernels import (
@@ -37,7 +38,7 @@ def test_noise_is_the_same_on_gpu(backend, monkeypatch):
     require(backend)
     monkeypatch.setenv("FLOWKIT_KERNELS", backend)
     x_t = interpolate_latents(torch.randn(2, 9, 70, device="cuda"), torch.zeros(3, device="cuda"), seed=2 ** 31 + 1)
-    torch.testing.assert_close(x_t.view(2, 3, 9, 70).cpu(), flow_noise((2, 3, 9, 70), 2 ** 31 + 1), atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(x_t.view(2, 3, 9, 70).cpu(), deviation_noise(2, 3, 9, 70, 2 ** 31 + 1), atol=5e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -71,14 +72,14 @@ def test_opcheck_cuda_and_triton_ops():
     q, fk, fv, ck, cv, prefix = (t.cuda() for t in core_inputs(2, 2, 4, 2, 16, 7, dtype=torch.float32))
     q = q.requires_grad_()
     if backends.native_has("cuda"):
-        torch.library.opcheck(torch.ops.flowkit.interpolate_latents.default, (x1, ts, 4))
-        torch.library.opcheck(torch.ops.flowkit.velocity_deviation.default, (v, x1, ts, w, 4, mask))
+        torch.library.opcheck(torch.ops.flowkit.interpolate_latents.default, (x1, ts, 4, 3))
+        torch.library.opcheck(torch.ops.flowkit.velocity_deviation.default, (v, x1, ts, w, 4, 3, mask))
         torch.library.opcheck(torch.ops.flowkit.flow_attention.default, (q, fk, fv, ck, cv, prefix))
     if "triton" in available_backends("cuda"):
         from flowkit.kernels.triton import flow_attention
         from flowkit.kernels.triton import velocity_deviation as triton_deviation
 
-        torch.library.opcheck(triton_deviation.velocity_deviation, (v, x1, ts, w, 4, mask))
+        torch.library.opcheck(triton_deviation.velocity_deviation, (v, x1, ts, w, 4, 3, mask))
         torch.library.opcheck(flow_attention.flow_attention_core, (q, fk, fv, ck, cv, prefix))
 
 
@@ -86,7 +87,7 @@ def test_native_cuda_gradcheck_float64():
     if not backends.native_has("cuda"):
         pytest.skip("no CUDA build")
     x1, ts, w, mask, v = deviation_inputs(2, 2, 4, 5, dtype=torch.float64, device="cuda")
-    assert torch.autograd.gradcheck(lambda v: torch.ops.flowkit.velocity_deviation(v, x1, ts, w, 7, mask.float()), (v,))
+    assert torch.autograd.gradcheck(lambda v: torch.ops.flowkit.velocity_deviation(v, x1, ts, w, 7, 0, mask.float()), (v,))
     q, fk, fv, ck, cv, prefix = (t.cuda() for t in core_inputs(2, 2, 4, 2, 8, 7))
     q, fk, fv = (t.requires_grad_() for t in (q, fk, fv))
     assert torch.autograd.gradcheck(

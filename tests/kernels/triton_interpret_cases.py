@@ -14,6 +14,7 @@ from kernel_cases import (
     assert_deviation_ops_match_reference,
     attention_inputs,
     deviation_inputs,
+    deviation_noise,
 )
 
 from flowkit.kernels import (
@@ -37,7 +38,7 @@ def force_triton(monkeypatch):
 
 def test_prologue_regenerates_the_reference_noise():
     x_t = interpolate_latents(torch.randn(2, 5, 33), torch.zeros(3), seed=2 ** 31 + 9)
-    torch.testing.assert_close(x_t.view(2, 3, 5, 33), flow_noise((2, 3, 5, 33), 2 ** 31 + 9), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(x_t.view(2, 3, 5, 33), deviation_noise(2, 3, 5, 33, 2 ** 31 + 9), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layers, steps, tokens, dim", [(1, 1, 37, 64), (3, 4, 5, 64), (1, 4, 3, 1536)])

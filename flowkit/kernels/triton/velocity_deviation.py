@@ -1,6 +1,7 @@
 """Triton kernels for the RLFR prologue / epilogue (``torch.ops.flowkit_triton``), noise regenerated from the seed.
 
-Rows of the stacked batch are ``(p, t, n)`` with p slowest; ε at ``(row, j)`` uses counter ``row·d + j``.
+Rows of the stacked batch are ``(p, t, n)`` with p slowest; ε at ``(p, t, n, j)`` uses counter
+``((token_offset + n)·P·T + p·T + t)·d + j`` (see :mod:`flowkit.kernels.velocity_deviation`).
 Kernels accumulate in float32.
 """
 
@@ -23,7 +24,7 @@ def _block_dim(dim: int) -> int:
 
 
 @triton.jit
-def _interpolate_kernel(x1_ptr, t_ptr, out_ptr, k0, k1, num_rows, num_tokens, num_steps, dim,
+def _interpolate_kernel(x1_ptr, t_ptr, out_ptr, k0, k1, num_rows, num_layers, num_tokens, num_steps, dim, token_offset,
                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
@@ -33,33 +34,36 @@ def _interpolate_kernel(x1_ptr, t_ptr, out_ptr, k0, k1, num_rows, num_tokens, nu
     t = tl.load(t_ptr + pt % num_steps, mask=row_ok, other=0.0)
     x_rows = (p * num_tokens + n).to(tl.int64) * dim
     out_rows = rows.to(tl.int64) * dim
+    noise_rows = ((n.to(tl.int64) + token_offset) * (num_layers * num_steps) + pt) * dim
     for start in range(0, dim, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         ok = row_ok[:, None] & (cols < dim)[None, :]
         x = tl.load(x1_ptr + x_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        eps = noise_at(out_rows[:, None] + cols[None, :], k0, k1)
+        eps = noise_at(noise_rows[:, None] + cols[None, :], k0, k1)
         x_t = t[:, None] * x + (1.0 - t[:, None]) * eps
         tl.store(out_ptr + out_rows[:, None] + cols[None, :], x_t.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _deviation_kernel(v_ptr, x1_ptr, w_ptr, mask_ptr, score_ptr, k0, k1, num_layers, num_steps, num_tokens, dim,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      token_offset, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     token_ok = tokens < num_tokens
     keep = tl.load(mask_ptr + tokens, mask=token_ok, other=0.0)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    token_noise = (tokens.to(tl.int64) + token_offset) * (num_layers * num_steps)
     for p in range(num_layers):
         x_rows = (p * num_tokens + tokens).to(tl.int64) * dim
         for t in range(num_steps):
             v_rows = ((p * num_steps + t) * num_tokens + tokens).to(tl.int64) * dim
+            noise_rows = (token_noise + p * num_steps + t) * dim
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for start in range(0, dim, BLOCK_D):
                 cols = start + tl.arange(0, BLOCK_D)
                 ok = token_ok[:, None] & (cols < dim)[None, :]
                 v = tl.load(v_ptr + v_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
                 x = tl.load(x1_ptr + x_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-                eps = noise_at(v_rows[:, None] + cols[None, :], k0, k1)
+                eps = noise_at(noise_rows[:, None] + cols[None, :], k0, k1)
                 diff = tl.where(ok, v - x + eps, 0.0)
                 acc += tl.sum(diff * diff, axis=1)
             total += tl.load(w_ptr + t) * acc
@@ -68,8 +72,9 @@ def _deviation_kernel(v_ptr, x1_ptr, w_ptr, mask_ptr, score_ptr, k0, k1, num_lay
 
 
 @triton.jit
-def _deviation_backward_kernel(grad_ptr, v_ptr, x1_ptr, w_ptr, mask_ptr, grad_v_ptr, k0, k1, num_rows, num_tokens,
-                               num_steps, dim, norm, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _deviation_backward_kernel(grad_ptr, v_ptr, x1_ptr, w_ptr, mask_ptr, grad_v_ptr, k0, k1, num_rows, num_layers,
+                               num_tokens, num_steps, dim, token_offset, norm, BLOCK_R: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     n = rows % num_tokens
@@ -79,32 +84,34 @@ def _deviation_backward_kernel(grad_ptr, v_ptr, x1_ptr, w_ptr, mask_ptr, grad_v_
             * tl.load(mask_ptr + n, mask=row_ok, other=0.0) * tl.load(w_ptr + pt % num_steps, mask=row_ok, other=0.0))
     x_rows = (p * num_tokens + n).to(tl.int64) * dim
     v_rows = rows.to(tl.int64) * dim
+    noise_rows = ((n.to(tl.int64) + token_offset) * (num_layers * num_steps) + pt) * dim
     for start in range(0, dim, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         ok = row_ok[:, None] & (cols < dim)[None, :]
         v = tl.load(v_ptr + v_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         x = tl.load(x1_ptr + x_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        eps = noise_at(v_rows[:, None] + cols[None, :], k0, k1)
+        eps = noise_at(noise_rows[:, None] + cols[None, :], k0, k1)
         grad_v = coef[:, None] * (v - x + eps)
         tl.store(grad_v_ptr + v_rows[:, None] + cols[None, :], grad_v.to(grad_v_ptr.dtype.element_ty), mask=ok)
 
 
 @triton_op("flowkit_triton::interpolate_latents", mutates_args=())
-def interpolate_latents(x1: torch.Tensor, timesteps: torch.Tensor, seed: int) -> torch.Tensor:
+def interpolate_latents(x1: torch.Tensor, timesteps: torch.Tensor, seed: int, token_offset: int) -> torch.Tensor:
     """Prologue; contract of :func:`flowkit.kernels.interpolate_latents` (contiguous inputs, float32 timesteps)."""
     num_layers, num_tokens, dim = x1.shape
     num_rows = num_layers * timesteps.shape[0] * num_tokens
     out = torch.empty((num_rows, dim), device=x1.device, dtype=x1.dtype)
     k0, k1 = stream_keys(seed)
     grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
-    wrap_triton(_interpolate_kernel)[grid](x1, timesteps, out, k0, k1, num_rows, num_tokens, timesteps.shape[0], dim,
+    wrap_triton(_interpolate_kernel)[grid](x1, timesteps, out, k0, k1, num_rows, num_layers, num_tokens,
+                                           timesteps.shape[0], dim, token_offset,
                                            BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_dim(dim))
     return out
 
 
 @triton_op("flowkit_triton::velocity_deviation", mutates_args=())
 def velocity_deviation(v: torch.Tensor, x1: torch.Tensor, timesteps: torch.Tensor, weights: torch.Tensor, seed: int,
-                       mask: torch.Tensor) -> torch.Tensor:
+                       token_offset: int, mask: torch.Tensor) -> torch.Tensor:
     """Epilogue; contract of :func:`flowkit.kernels.velocity_deviation` (contiguous inputs, float32 vectors)."""
     num_layers, num_tokens, dim = x1.shape
     score_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
@@ -112,13 +119,13 @@ def velocity_deviation(v: torch.Tensor, x1: torch.Tensor, timesteps: torch.Tenso
     k0, k1 = stream_keys(seed)
     grid = (triton.cdiv(num_tokens, BLOCK_TOKENS),)
     wrap_triton(_deviation_kernel)[grid](v, x1, weights, mask, score, k0, k1, num_layers, timesteps.shape[0],
-                                         num_tokens, dim, BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_dim(dim))
+                                         num_tokens, dim, token_offset, BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_dim(dim))
     return score
 
 
 @triton_op("flowkit_triton::velocity_deviation_backward", mutates_args=())
 def velocity_deviation_backward(grad_score: torch.Tensor, v: torch.Tensor, x1: torch.Tensor, timesteps: torch.Tensor,
-                                weights: torch.Tensor, seed: int, mask: torch.Tensor) -> torch.Tensor:
+                                weights: torch.Tensor, seed: int, token_offset: int, mask: torch.Tensor) -> torch.Tensor:
     """∂score/∂v · grad_score without storing ε (2·g·mask·w_t / (P·T·d) · (v − x1 + ε))."""
     num_layers, num_tokens, dim = x1.shape
     num_rows = v.shape[0]
@@ -127,20 +134,22 @@ def velocity_deviation_backward(grad_score: torch.Tensor, v: torch.Tensor, x1: t
     norm = 2.0 / (num_layers * timesteps.shape[0] * dim)
     grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
     wrap_triton(_deviation_backward_kernel)[grid](grad_score.contiguous(), v, x1, weights, mask, grad_v, k0, k1,
-                                                  num_rows, num_tokens, timesteps.shape[0], dim, norm,
+                                                  num_rows, num_layers, num_tokens, timesteps.shape[0], dim,
+                                                  token_offset, norm,
                                                   BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_dim(dim))
     return grad_v
 
 
 def _setup_context(ctx, inputs, output):
-    v, x1, timesteps, weights, seed, mask = inputs
+    v, x1, timesteps, weights, seed, token_offset, mask = inputs
     ctx.save_for_backward(v, x1, timesteps, weights, mask)
-    ctx.seed = seed
+    ctx.seed, ctx.token_offset = seed, token_offset
 
 
 def _backward(ctx, grad_score):
     v, x1, timesteps, weights, mask = ctx.saved_tensors
-    return velocity_deviation_backward(grad_score, v, x1, timesteps, weights, ctx.seed, mask), None, None, None, None, None
+    grad_v = velocity_deviation_backward(grad_score, v, x1, timesteps, weights, ctx.seed, ctx.token_offset, mask)
+    return grad_v, None, None, None, None, None, None
 
 
 velocity_deviation.register_autograd(_backward, setup_context=_setup_context)
