@@ -12,6 +12,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flowkit.batch import RolloutBatch
+from flowkit.llm.latent_tap import LatentTap
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -123,3 +124,14 @@ def encode_pairs(
         responses=list(responses),
         answers=list(answers) if answers is not None else [],
     )
+
+
+def expert_latents(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, tap: LatentTap, prompts: list[str],
+    solutions: list[str], device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """Tapped latents (P×B×S×d) and response mask of expert (prompt, solution) pairs, without gradients."""
+    expert = encode_pairs(tokenizer, prompts, solutions).to(device)
+    with torch.no_grad(), tap:
+        forward_logits(model, expert)
+    return tap.latents, expert.response_mask

@@ -10,7 +10,7 @@ import torch
 
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import encode_pairs, forward_logits
+from flowkit.llm.rollout import expert_latents
 from flowkit.rewards.flow_reward import FlowReward
 
 
@@ -48,14 +48,9 @@ class FlowRewardModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.generator.manual_seed(torch.initial_seed() % 2**31)
 
-    def expert_latents(self, rows: dict[str, list[str]]):
-        expert = encode_pairs(self.tokenizer, rows["prompt"], rows["solution"]).to(self.device)
-        with torch.no_grad(), self.tap:
-            forward_logits(self.backbone, expert)
-        return self.tap.latents, expert.response_mask
-
     def training_step(self, rows: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        latents, mask = self.expert_latents(rows)
+        latents, mask = expert_latents(self.backbone, self.tokenizer, self.tap, rows["prompt"], rows["solution"],
+                                       self.device)
         loss = self.reward_model.pretrain_loss(latents, mask, self.generator)
         self.log("train/flow_loss", loss, prog_bar=True, batch_size=len(rows["prompt"]))
         return loss

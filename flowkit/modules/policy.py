@@ -17,7 +17,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
-from flowkit.llm.rollout import RolloutEngine, encode_pairs, forward_logits
+from flowkit.llm.rollout import RolloutEngine, expert_latents, forward_logits
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rewards.grader import grade, outcome_reward
 from flowkit.rl.advantages import rlfr_advantages
@@ -162,10 +162,8 @@ class PolicyModule(L.LightningModule):
         progress = tqdm(range(steps), desc="flow pretraining", disable=not self.trainer.is_global_zero)
         for _ in progress:
             rows = next(batches)
-            expert = encode_pairs(self.tokenizer, rows["prompt"], rows["solution"]).to(device)
-            with torch.no_grad(), self.tap:
-                forward_logits(self.policy, expert)
-            loss = reward.pretrain_loss(self.tap.latents, expert.response_mask, generator)
+            latents, mask = expert_latents(self.policy, self.tokenizer, self.tap, rows["prompt"], rows["solution"], device)
+            loss = reward.pretrain_loss(latents, mask, generator)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -7,7 +7,6 @@ from kernel_cases import assert_deviation_ops_match_reference, deviation_inputs,
 from flowkit.kernels import (
     available_backends,
     debias_weights,
-    flow_noise,
     interpolate_latents,
     velocity_deviation,
     velocity_deviation_in_chunks,

@@ -19,7 +19,6 @@ from kernel_cases import (
 
 from flowkit.kernels import (
     available_backends,
-    flow_noise,
     flow_token_attention,
     interpolate_latents,
 )

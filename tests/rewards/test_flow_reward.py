@@ -5,16 +5,9 @@ import torch
 from flowkit.data.records import load_records
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import encode_pairs, forward_logits
+from flowkit.llm.rollout import expert_latents
 from flowkit.modules.datamodule import RolloutDataModule, resolve_data_path
 from flowkit.rewards import FlowReward
-
-
-def expert_latents(model, tap, tokenizer, prompts, solutions):
-    batch = encode_pairs(tokenizer, prompts, solutions)
-    with torch.no_grad(), tap:
-        forward_logits(model, batch)
-    return tap.latents, batch.response_mask
 
 
 def test_pretrained_flow_scores_expert_latents_below_shuffled():
@@ -31,13 +24,15 @@ def test_pretrained_flow_scores_expert_latents_below_shuffled():
     batches = data.expert_batches(32, seed=0)
     for _ in range(100):
         rows = next(batches)
-        loss = reward.pretrain_loss(*expert_latents(model, tap, tokenizer, rows["prompt"], rows["solution"]), generator)
+        loss = reward.pretrain_loss(*expert_latents(model, tokenizer, tap, rows["prompt"], rows["solution"], "cpu"),
+                                    generator)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
     held_out = load_records(resolve_data_path("bundled:arithmetic/val.jsonl"), ["prompt", "solution"])[:64]
-    latents, mask = expert_latents(model, tap, tokenizer, [r["prompt"] for r in held_out], [r["solution"] for r in held_out])
+    latents, mask = expert_latents(model, tokenizer, tap, [r["prompt"] for r in held_out], [r["solution"] for r in held_out],
+                                   "cpu")
     # Shuffle the response tokens' latents across positions and rows (all layers alike).
     rows_idx, cols_idx = mask.bool().nonzero(as_tuple=True)
     permutation = torch.randperm(len(rows_idx), generator=torch.Generator().manual_seed(1))
