@@ -169,8 +169,8 @@ def deepspeed_args(tmp_path: Path, stage: int, devices: int = 1) -> list[str]:
             "--trainer.strategy.config", str(zero_config(tmp_path, stage))]
 
 
-def run_rlfr(tmp_path: Path, stage: int, devices: int = 1, *extra: str) -> list[dict[str, torch.Tensor]]:
-    rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, stage, devices),
+def run_rlfr(tmp_path: Path, stage: int, devices: int = 1, *extra: str, steps: int = 2) -> list[dict[str, torch.Tensor]]:
+    rlfr_run.run(tmp_path, steps, *deepspeed_args(tmp_path, stage, devices),
                  "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"),
                  *extra)
     return [load_file(str(tmp_path / "weights" / f"rank{rank}.safetensors")) for rank in range(devices)]
@@ -259,3 +259,17 @@ def test_rlfr_zero3_two_processes_with_correctness_rejection(tmp_path):
     assert_policy_and_flow_changed(rank0)
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_flow_moves_only_on_the_minibatch_that_carries_its_loss(tmp_path, stage):
+    """One RL step, 2 epochs × 2 minibatches, one flow update (in the first minibatch). A single AdamW step
+    moves a weight by at most lr; DeepSpeed steps every group each minibatch, so without
+    flowkit.modules.optim.step_groups the flow kept moving on momentum (and stale gradients) three more times."""
+    flow_lr = 1e-3
+    (snapshot,) = run_rlfr(tmp_path, stage, 1, "--model.init_args.ppo_epochs", "2", "--model.init_args.num_minibatches",
+                           "2", "--model.init_args.flow_lr", str(flow_lr), steps=1)
+    moved = max((snapshot[f"end/{n}"] - snapshot[f"start/{n}"]).abs().max().item()
+                for n in (k.removeprefix("start/") for k in snapshot if k.startswith("start/reward_model.")))
+    assert 0.5 * flow_lr < moved <= flow_lr * (1 + 1e-4), moved

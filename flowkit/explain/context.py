@@ -57,16 +57,36 @@ def _base_linear(module: nn.Module) -> nn.Module:
     return getattr(module, "base_layer", module)
 
 
+def _whole(*params: Tensor | None) -> tuple[Tensor | None, ...]:
+    """``params`` as they are, or, under DeepSpeed ZeRO-3, whole copies of them.
+
+    ZeRO-3 shards parameters (marking them with ``ds_id``): a rank's ``.data`` is empty unless the parameter
+    is gathered. The flow reads these frozen weights as plain tensors in its own forward and backward, so
+    the sharded ones are gathered here (a collective: every rank encodes together) and copied out. Inside
+    the engine's forward, reading a parameter has already gathered it for that forward: it is only copied.
+    """
+    if not any(hasattr(p, "ds_id") for p in params):
+        return params
+    import deepspeed  # sharded parameters mean DeepSpeed is installed
+    from deepspeed.runtime.zero import ZeroParamStatus
+
+    sharded = [p for p in params if p is not None and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    with deepspeed.zero.GatheredParameters(sharded, modifier_rank=None):
+        return tuple(None if p is None else p.detach().clone() for p in params)
+
+
 def last_layer(backbone: PreTrainedModel) -> LastLayer:
     layer = decoder_layers(backbone)[-1]
     attn = layer.self_attn
     q, k, v = (_base_linear(attn.q_proj), _base_linear(attn.k_proj), _base_linear(attn.v_proj))
+    q_weight, k_weight, v_weight, q_bias, k_bias, v_bias = _whole(q.weight, k.weight, v.weight, q.bias, k.bias,
+                                                                  v.bias)
     config = backbone.config
     base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
     rotary = getattr(base, base.base_model_prefix).rotary_emb
     return LastLayer(
-        input_layernorm=layer.input_layernorm, q_weight=q.weight, k_weight=k.weight, v_weight=v.weight,
-        q_bias=q.bias, k_bias=k.bias, v_bias=v.bias, o_proj=_base_linear(attn.o_proj), inv_freq=rotary.inv_freq,
+        input_layernorm=layer.input_layernorm, q_weight=q_weight, k_weight=k_weight, v_weight=v_weight,
+        q_bias=q_bias, k_bias=k_bias, v_bias=v_bias, o_proj=_base_linear(attn.o_proj), inv_freq=rotary.inv_freq,
         attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
     )

@@ -34,6 +34,7 @@ from flowkit.llm.backbone import load_backbone
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.llm.rollout import RolloutEngine, encode_pairs, forward_logits
 from flowkit.modules.datamodule import resolve_data_path
+from flowkit.modules.optim import step_groups
 from flowkit.rl.advantages import reward_to_go
 from flowkit.rl.logprobs import token_logprobs
 from flowkit.rl.losses import clipped_policy_loss
@@ -310,7 +311,7 @@ class ExplanationPolicyModule(L.LightningModule):
                 rows, proxies = row_index[chunk], proxy_index[chunk]
                 loss = self.reward_model.loss(context.select(rows), probs[proxies, rows], self.generator)
                 self.manual_backward(loss)
-                optimizer.step()
+                step_groups(optimizer, {"flow"})
                 optimizer.zero_grad()
                 losses.append(loss.detach())
         return torch.stack(losses[-max(1, len(losses) // 10):]).mean()
@@ -414,7 +415,7 @@ class ExplanationPolicyModule(L.LightningModule):
             self.manual_backward(loss)
             if hp.max_grad_norm is not None:
                 self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
-            optimizer.step()
+            step_groups(optimizer, {"policy"})
             optimizer.zero_grad()
             schedule.step()
             totals["train/policy_loss"].append(loss.detach())

@@ -18,6 +18,7 @@ from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.llm.rollout import RolloutEngine, expert_latents, forward_logits
+from flowkit.modules.optim import step_groups
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rewards.grader import grade, outcome_reward
 from flowkit.rl.advantages import rlfr_advantages
@@ -238,12 +239,14 @@ class PolicyModule(L.LightningModule):
                     kl = kl_penalty(logprobs, mini.ref_logprobs, mini.response_mask, hp.aggregation)
                     totals.setdefault("train/kl", []).append(kl.detach())
                     loss = loss + hp.kl_coef * kl
+                stepped = {"policy"}
                 if reward_loss is not None:
                     loss, reward_loss = loss + reward_loss, None
+                    stepped.add("reward")
                 self.manual_backward(loss)
                 if hp.max_grad_norm is not None:
                     self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
-                optimizer.step()
+                step_groups(optimizer, stepped)  # the flow only moves on the minibatch that carried its loss
                 optimizer.zero_grad()
                 for key in ("clip_fraction", "approx_kl"):
                     totals[f"train/{key}"].append(info[key])
