@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
@@ -182,6 +184,8 @@ class ExplanationPolicyModule(L.LightningModule):
         policy_epochs_per_round: trainer epochs of PPO per round (paper: 10); ``trainer.max_epochs`` =
             rounds × this.
         num_samples: explanations per context in a PPO batch; lr decays linearly to 0 over training.
+        max_grad_norm: clipping of the PPO steps. Under DeepSpeed it is not applied (Lightning leaves clipping
+            to DeepSpeed, whose ``gradient_clipping`` would clip the flow's steps too); a warning says so.
     """
 
     def __init__(
@@ -236,6 +240,9 @@ class ExplanationPolicyModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
+        if isinstance(self.trainer.strategy, DeepSpeedStrategy) and self.hparams.max_grad_norm is not None:
+            rank_zero_warn("max_grad_norm is not applied under DeepSpeed; set gradient_clipping in the DeepSpeed "
+                           "config to clip (it then clips the flow's steps as well)")
         if self.reward_model is None:
             num_decisions = self.trainer.datamodule.num_decisions
             hp = self.hparams

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor
 from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
@@ -53,7 +54,8 @@ class PolicyModule(L.LightningModule):
         ppo_epochs: μ, passes over each generation; num_minibatches: updates per pass.
         kl_coef: weight of the k3 KL to the frozen initial policy (0 = off, the paper's setting).
         lr, flow_lr: learning rates of the policy and reward-model parameter groups.
-        max_grad_norm: gradient clipping (``None`` = off).
+        max_grad_norm: gradient clipping over both groups (``None`` = off); under DeepSpeed it becomes the
+            config's ``gradient_clipping`` (Lightning leaves clipping to DeepSpeed there).
         flow_pretrain_steps: offline start — steps of reward-model pretraining on the DataModule's expert
             solutions with the backbone frozen, run once before RL (skipped when resuming).
         flow_pretrain_batch_size: expert solutions per pretraining step.
@@ -143,8 +145,21 @@ class PolicyModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self._hand_clipping_to_deepspeed()
         if stage == "fit" and self.hparams.flow_pretrain_steps > 0 and self.trainer.ckpt_path is None:
             self.pretrain_reward_model()
+
+    def _hand_clipping_to_deepspeed(self) -> None:
+        """``clip_gradients`` does nothing under DeepSpeed, so ``max_grad_norm`` goes into its config (read when
+        the engine is built, after this hook); a different ``gradient_clipping`` there is a conflict."""
+        strategy, clip = self.trainer.strategy, self.hparams.max_grad_norm
+        if not isinstance(strategy, DeepSpeedStrategy) or clip is None:
+            return
+        configured = strategy.config.get("gradient_clipping") or None
+        if configured is not None and configured != clip:
+            raise ValueError(f"max_grad_norm {clip} conflicts with the DeepSpeed config's gradient_clipping {configured}")
+        strategy.config["gradient_clipping"] = clip
 
     def pretrain_reward_model(self) -> None:
         """Offline start (RLFR §3.2): fit the reward model to expert-solution latents, backbone frozen."""

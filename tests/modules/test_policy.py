@@ -81,3 +81,22 @@ def test_rl_improves_outcome_reward(tmp_path, monkeypatch):
     assert len(rewards) == 60
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, (first, last)
+
+
+def test_max_grad_norm_becomes_deepspeeds_gradient_clipping():
+    """Lightning's clip_gradients is a no-op under DeepSpeed; the module hands its clip norm to the engine config."""
+    import lightning as L
+
+    from flowkit.strategies import CPUDeepSpeedStrategy
+
+    def trainer(config: dict) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", devices=1, strategy=CPUDeepSpeedStrategy(config=config), logger=False,
+                         enable_checkpointing=False)
+
+    module = PolicyModule(max_grad_norm=0.5, flow_pretrain_steps=0)
+    module.trainer = trainer({"zero_optimization": {"stage": 2}})
+    module.setup("fit")
+    assert module.trainer.strategy.config["gradient_clipping"] == 0.5
+    module.trainer = trainer({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0})
+    with pytest.raises(ValueError, match="gradient_clipping 1.0"):
+        module.setup("fit")
