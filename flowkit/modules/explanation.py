@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import lightning as L
@@ -17,11 +18,13 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
 from flowkit.batch import RolloutBatch
 from flowkit.data.records import load_records
+from flowkit.distributed import all_reduce_int
 from flowkit.explain.context import encode_context
 from flowkit.explain.prompts import explanation_prompt
 from flowkit.explain.proxy import proxy_probabilities, rejection_mask
@@ -303,25 +306,38 @@ class ExplanationPolicyModule(L.LightningModule):
         self._evaluate_heldout(heldout)
 
     def _train_flow(self, batch: RolloutBatch, probs: Tensor, kept: Tensor) -> Tensor:
-        """Eq. 3 on the accepted (explanation, proxy) pairs for ``flow_epochs_per_round`` epochs."""
+        """Eq. 3 on the accepted (explanation, proxy) pairs for ``flow_epochs_per_round`` epochs; NaN when
+        this rank accepted none."""
         hp = self.hparams
         inputs = explanation_inputs(batch, self.tokenizer)
         context = encode_context(self._flow_backbone, inputs.input_ids, inputs.attention_mask)
         proxy_index, row_index = kept.nonzero(as_tuple=True)
-        if len(row_index) == 0:
+        accepted = len(row_index)
+        # Under ZeRO-3 every flow forward, backward and step is a collective: all ranks take the steps of the
+        # rank that accepted the most pairs, the others cycling through their own pairs to fill them.
+        most_accepted = all_reduce_int(accepted, ReduceOp.MAX)
+        if most_accepted == 0:
             return torch.tensor(float("nan"))
+        weight = 1.0 if accepted else 0.0
+        if not accepted:  # this rank still joins every step, with one pair whose loss counts zero
+            proxy_index = row_index = torch.zeros(1, dtype=torch.long, device=kept.device)
         optimizer = self.optimizers()
         losses = []
         for _ in range(hp.flow_epochs_per_round):
-            order = torch.randperm(len(row_index), generator=self.generator).to(row_index.device)
+            order = self._cycled_order(len(row_index), most_accepted).to(row_index.device)
             for chunk in order.split(hp.flow_batch_size):
                 rows, proxies = row_index[chunk], proxy_index[chunk]
                 loss = self.reward_model.loss(context.select(rows), probs[proxies, rows], self.generator)
-                self.manual_backward(loss)
+                self.manual_backward(weight * loss)
                 step_groups(optimizer, {"flow"})
                 optimizer.zero_grad()
                 losses.append(loss.detach())
-        return torch.stack(losses[-max(1, len(losses) // 10):]).mean()
+        return torch.stack(losses[-max(1, len(losses) // 10):]).mean() if accepted else torch.tensor(float("nan"))
+
+    def _cycled_order(self, count: int, length: int) -> Tensor:
+        """``length`` indices into ``count`` items: shuffled passes over all of them, the last one cut short."""
+        passes = [torch.randperm(count, generator=self.generator) for _ in range(math.ceil(length / count))]
+        return torch.cat(passes)[:length]
 
     def _evaluate_heldout(self, rows: list[dict[str, Any]]) -> None:
         """Flow accuracy on held-out positives/negatives (first proxy right/wrong) and explanation accuracy
@@ -343,8 +359,12 @@ class ExplanationPolicyModule(L.LightningModule):
             metric = self.accuracy[kind]
             if mask.any():
                 metric.update(predicted[mask], decisions[mask])
+            # compute() gathers every rank's state (a collective), so whether to call it is decided on the
+            # count over all ranks, and a rank without rows of this kind still joins.
+            heldout = all_reduce_int(int(mask.sum()), ReduceOp.SUM)
+            if heldout:
                 self.log(f"round/flow_accuracy_{kind}", metric.compute())
-                self.log(f"round/heldout_{kind}s", mask.sum().float())
+                self.log(f"round/heldout_{kind}s", float(heldout))
             metric.reset()
 
     # -------------------------------------------------------------------------------------- PPO step
@@ -397,7 +417,12 @@ class ExplanationPolicyModule(L.LightningModule):
                 reasonings.append(self.tokenizer.decode(ids[prompt:prompt + end], skip_special_tokens=True))
                 owners.append(b)
         decision_lists = [rows[b // n]["decisions"] for b in owners]
-        probs = proxy_probabilities(self._proxy_pairs, contexts, reasonings, decision_lists).mean(0)
+        # The proxies' forwards are collectives under ZeRO-3 and their number grows with the prefix count: every
+        # rank scores as many prefixes as the rank with the most, repeating its last one.
+        padding = all_reduce_int(len(owners), ReduceOp.MAX) - len(owners)
+        probs = proxy_probabilities(self._proxy_pairs, contexts + contexts[-1:] * padding,
+                                    reasonings + reasonings[-1:] * padding,
+                                    decision_lists + decision_lists[-1:] * padding).mean(0)[:len(owners)]
         owners_t = torch.tensor(owners, device=probs.device)
         true = probs.gather(-1, decisions[owners_t][:, None]).squeeze(-1)
         k_max = max(len(e) for e in inputs.sentence_ends)

@@ -8,28 +8,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from torch.distributed import ReduceOp
 
 from flowkit.batch import RolloutBatch
+from flowkit.distributed import all_reduce_int
 from flowkit.flow import VelocityField, flow_matching_loss, sample_logit_normal, velocity_deviation_scores
 from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, scored_token_mask
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rl.rejection import Metric, RolloutLatentBuffer, accept_rollouts
 from flowkit.rl.rewards import flow_token_rewards
-
-
-def _fewest_buffered_across_ranks(count: int) -> int:
-    """The smallest buffer size over all ranks, so every rank takes (or skips) the flow step together.
-
-    Under DDP / ZeRO the flow step runs collectives; ranks accept different numbers of rollouts (e.g. by
-    correctness), and a step taken by some ranks only would desynchronise them.
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return count
-    fewest = torch.tensor(count, dtype=torch.long)
-    if torch.distributed.get_backend() == "nccl":
-        fewest = fewest.cuda()
-    torch.distributed.all_reduce(fewest, op=torch.distributed.ReduceOp.MIN)
-    return int(fewest)
 
 
 class FlowReward(TokenRewardModel):
@@ -128,7 +115,9 @@ class FlowReward(TokenRewardModel):
         if accepted.any():
             self.buffer.add(batch.latents[:, accepted], batch.response_mask[accepted])
         self._metrics["flow/accepted_frac"] = float(accepted.float().mean())
-        if _fewest_buffered_across_ranks(len(self.buffer)) < self.kappa:
+        # Under DDP / ZeRO the flow step runs collectives and ranks accept different numbers of rollouts (e.g. by
+        # correctness): the smallest buffer over all ranks decides, so every rank takes or skips the step together.
+        if all_reduce_int(len(self.buffer), ReduceOp.MIN) < self.kappa:
             self._metrics["flow/buffer_size"] = float(len(self.buffer))
             return None
         latents, mask = self.buffer.pop(len(self.buffer))  # one flow step consumes every buffered rollout
