@@ -81,7 +81,10 @@ def _load_builtin_subcommands() -> None:
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.utils._pytree")
+    # Lightning 2.6 on a newer torch: a deprecation inside Lightning's own pytree helper, nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # flowkit checkpoints the state after each RL step's optimizer steps on purpose: resume continues from there.
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     _load_builtin_subcommands()
     try:
         FlowkitCLI(args=args)
