@@ -24,6 +24,12 @@ def _block_dim(dim: int) -> int:
 
 
 @triton.jit
+def _noise_base(tokens, token_offset, groups, group, dim):
+    """Counter of ε[p, t, n, 0]: ((token_offset + n)·P·T + p·T + t)·d (csrc/flow_noise.h deviation_noise_base)."""
+    return ((tokens.to(tl.int64) + token_offset) * groups + group) * dim
+
+
+@triton.jit
 def _interpolate_kernel(x1_ptr, t_ptr, out_ptr, k0, k1, num_rows, num_layers, num_tokens, num_steps, dim, token_offset,
                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -34,7 +40,7 @@ def _interpolate_kernel(x1_ptr, t_ptr, out_ptr, k0, k1, num_rows, num_layers, nu
     t = tl.load(t_ptr + pt % num_steps, mask=row_ok, other=0.0)
     x_rows = (p * num_tokens + n).to(tl.int64) * dim
     out_rows = rows.to(tl.int64) * dim
-    noise_rows = ((n.to(tl.int64) + token_offset) * (num_layers * num_steps) + pt) * dim
+    noise_rows = _noise_base(n, token_offset, num_layers * num_steps, pt, dim)
     for start in range(0, dim, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         ok = row_ok[:, None] & (cols < dim)[None, :]
@@ -51,12 +57,11 @@ def _deviation_kernel(v_ptr, x1_ptr, w_ptr, mask_ptr, score_ptr, k0, k1, num_lay
     token_ok = tokens < num_tokens
     keep = tl.load(mask_ptr + tokens, mask=token_ok, other=0.0)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    token_noise = (tokens.to(tl.int64) + token_offset) * (num_layers * num_steps)
     for p in range(num_layers):
         x_rows = (p * num_tokens + tokens).to(tl.int64) * dim
         for t in range(num_steps):
             v_rows = ((p * num_steps + t) * num_tokens + tokens).to(tl.int64) * dim
-            noise_rows = (token_noise + p * num_steps + t) * dim
+            noise_rows = _noise_base(tokens, token_offset, num_layers * num_steps, p * num_steps + t, dim)
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for start in range(0, dim, BLOCK_D):
                 cols = start + tl.arange(0, BLOCK_D)
@@ -84,7 +89,7 @@ def _deviation_backward_kernel(grad_ptr, v_ptr, x1_ptr, w_ptr, mask_ptr, grad_v_
             * tl.load(mask_ptr + n, mask=row_ok, other=0.0) * tl.load(w_ptr + pt % num_steps, mask=row_ok, other=0.0))
     x_rows = (p * num_tokens + n).to(tl.int64) * dim
     v_rows = rows.to(tl.int64) * dim
-    noise_rows = ((n.to(tl.int64) + token_offset) * (num_layers * num_steps) + pt) * dim
+    noise_rows = _noise_base(n, token_offset, num_layers * num_steps, pt, dim)
     for start in range(0, dim, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         ok = row_ok[:, None] & (cols < dim)[None, :]
