@@ -1,10 +1,11 @@
 """RL step time on the tiny policy with and without the flow reward, measured in one run.
 
-    python benchmarks/bench_rl_step.py [--steps 12] [--warmup 2]
+    python benchmarks/bench_rl_step.py [--steps 12] [--warmup 2] [--rounds 2]
 
 Both variants run the same PolicyModule on the same prompts (bundled tiny_adder, 16 prompts × 8 samples, as configs/rlfr_tiny.yaml);
 the flow variant adds the latent tap, the flow reward (3 layer percentiles, T = {0.8}) and the online flow
-update (κ = 32). Prints median / p20 / p80 step time per variant and the ratio of medians, and appends
+update (κ = 32). The variants alternate ``--rounds`` times (grpo, grpo+flow, grpo, ...), so a busy machine slows
+both alike. Prints median / p20 / p80 step time per variant over all rounds and the ratio of medians, and appends
 rows to benchmarks/results/results.csv.
 """
 
@@ -22,8 +23,7 @@ import torch
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.rewards import FlowReward
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_csv, timestamp  # noqa: E402
+BENCHMARKS = str(Path(__file__).resolve().parent)
 
 
 class StepTimer(L.Callback):
@@ -60,14 +60,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the two variants")
+    parser.add_argument("--csv", default=None, help="CSV to append to (default benchmarks/results/results.csv)")
     args = parser.parse_args()
-    results = {
-        "grpo": quantiles(time_steps(None, args.steps, args.warmup)),
-        "grpo+flow": quantiles(time_steps(FlowReward(depth=2, kappa=32), args.steps, args.warmup)),
-    }
+    times: dict[str, list[float]] = {"grpo": [], "grpo+flow": []}
+    for _ in range(args.rounds):
+        times["grpo"] += time_steps(None, args.steps, args.warmup)
+        times["grpo+flow"] += time_steps(FlowReward(depth=2, kappa=32), args.steps, args.warmup)
+    results = {name: quantiles(t) for name, t in times.items()}
+    # Imported only now: importing common fixes glibc's mmap threshold (for its peak-memory readings), which makes
+    # every large allocation a fresh mmap and would slow the timed steps (and not TRL's, in bench_trl_race).
+    sys.path.insert(0, BENCHMARKS)
+    from common import append_csv, timestamp
     for name, stats in results.items():
         print(f"{name:10s} median {stats['median_ms']:8.1f} ms  p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}")
-        append_csv(None, {"timestamp": timestamp(), "benchmark": "rl_step", "implementation": name, "device": "cpu",
+        append_csv(args.csv, {"timestamp": timestamp(), "benchmark": "rl_step", "implementation": name, "device": "cpu",
                           "size": "tiny_adder 16x8", "threads": torch.get_num_threads(), **stats})
     ratio = results["grpo+flow"]["median_ms"] / results["grpo"]["median_ms"]
     print(f"step time ratio (with flow / without): {ratio:.2f}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a lent H200 (≤ 8 minutes): builds flowkit._C with CUDA kernels, runs the GPU-marked
-# kernel tests (native CUDA and compiled Triton vs the reference, opcheck, gradcheck) and both benchmarks.
+# kernel tests (native CUDA and compiled Triton vs the reference, opcheck, gradcheck) and both benchmarks; the RL
+# scale rehearsal at the end adds up to 7 minutes (one device session of 15 cannot hold everything: see its block).
 # Writes gpu_check.log, results.csv and PNGs under $OUT (default benchmarks/results/gpu). Run from anywhere.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +57,17 @@ step deepspeed-bf16-fit 100 flowkit fit --config configs/rlfr_tiny.yaml --traine
 step deepspeed-export 45 flowkit export --config configs/rlfr_tiny.yaml \
   --checkpoint "$DS_RUN/runs/rlfr_tiny/version_0/checkpoints/last.ckpt" --out "$DS_RUN/export"
 # ---- end of the DeepSpeed block ----
+
+# ---- RL scale rehearsal (issue 10; added by the benchmarks engineer) ----
+# Random-weight Qwen2.5-1.5B-shaped policy (built from a config, no download), bf16, HF rollouts, RLFR flow reward:
+# 2 RL steps of 64 prompts x 8 samples x 1024 new tokens, micro-batch 8, one generate call of 512 sequences.
+# Prints the step-time breakdown (generate / update incl. flow token rewards / flow) and the peak GPU memory.
+# It needs most of a device session by itself: alone it is
+#   python benchmarks/bench_rl_scale.py --csv benchmarks/results/gpu/results.csv
+# and on CPU the same path runs at toy size with --shape toy --device cpu --dtype float32 (see its docstring).
+step rl-scale-rehearsal 420 python benchmarks/bench_rl_scale.py --micro-batch-size 8 --rollout-batch-size 512 \
+  --csv "$CSV"
+# ---- end of the scale rehearsal ----
 
 rm -rf "$OUT/.inductor" "$OUT/.triton"
 echo "gpu_check finished with status $status; log $LOG, CSV $CSV"

@@ -63,6 +63,32 @@ def main(argv=None):
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
         print(out / name)
+    plot_rl_memory(Path(args.csv), out)
+
+
+def plot_rl_memory(path: Path, out: Path) -> None:
+    """bench_rl_memory: peak RSS against the rollouts-per-step scale, one line per (mode, malloc) from its latest run."""
+    lines: dict = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("benchmark") == "rl_memory" and row.get("peak_rss_mb"):
+                lines.setdefault((row.get("mode") or "", row.get("malloc") or "glibc default"), []).append(row)
+    if not lines:
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for (mode, malloc), rows in lines.items():
+        latest_run = max(row.get("run") or "" for row in rows)
+        points = sorted((int(row["scale"]), float(row["peak_rss_mb"])) for row in rows if (row.get("run") or "") == latest_run)
+        ax.plot(*zip(*points), marker="o", label=f"{mode}, {malloc}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rollouts per step (x the smallest)")
+    ax.set_ylabel("peak RSS of the step's process (MiB)")
+    ax.set_title("rl_memory: peak RSS of one RL step as the rollouts per step grow", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "rl_memory.png", dpi=120)
+    plt.close(fig)
+    print(out / "rl_memory.png")
 
 
 if __name__ == "__main__":

@@ -10,16 +10,31 @@
   dataloader iterator draws from the torch RNG in between.
 * :class:`PreemptionCheckpoint` builds on Lightning's SIGTERM handling: Lightning notes the signal, lets
   the running batch finish and stops with ``SIGTERMException`` (a ``SystemExit``); this callback writes
-  ``last.ckpt`` (where ``--ckpt_path last`` finds it) before the process exits with status 0.
+  ``last.ckpt`` (where ``--ckpt_path last`` finds it) before the process exits with status 0. Work that runs
+  before training (offline flow pretraining) handles SIGTERM itself with :func:`sigterm_stops`.
+* :func:`tensors_only_loading` makes every ``torch.load`` — DeepSpeed's too — load tensors and plain data only;
+  :func:`consolidated_state_dict` and the DeepSpeed strategies load checkpoints through it.
+* :func:`check_output_directory` and :func:`replaced_directory`: artifacts replace an output directory whole.
 
 :func:`fault_tolerance_defaults` is what the ``flowkit`` CLI adds to every Trainer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import importlib.util
 import logging
 import os
+import pickle
 import random
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,20 +46,29 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from flowkit.distributed import all_reduce_int
+from flowkit.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 RNG_KEY = "rng_states"
+PRETRAINING_STATE_NAME = "flow_pretrain.ckpt"  # no "last" in it: `--ckpt_path last` must not pick it
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to ``.<name>.tmp`` beside the target, fsync, then ``os.replace`` onto the target."""
+    """``torch.save`` to ``.<name>.<host>.<pid>.tmp`` beside the target, fsync, then ``os.replace`` onto it.
+
+    The temporary name is the writer's own (host and process id), so processes saving into one directory
+    never write into each other's file, and a reader of the target only ever sees a whole checkpoint. The
+    temporary files that killed writers of the same target on this host left behind are removed.
+    """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp")
+        temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
         try:
             with temporary.open("wb") as f:
                 torch.save(checkpoint, f)
@@ -54,6 +78,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             temporary.unlink(missing_ok=True)
         _fsync_directory(path.parent)
+        _remove_orphaned_temporaries(path)
+
+
+def _remove_orphaned_temporaries(path: Path) -> None:
+    """Delete ``path``'s temporary files whose writer (a process on this host) no longer runs."""
+    prefix = f".{path.name}.{socket.gethostname()}."
+    for temporary in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = temporary.name[len(prefix):-len(".tmp")]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            temporary.unlink(missing_ok=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -137,9 +181,21 @@ class PreemptionCheckpoint(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
+        if isinstance(exception, PretrainingPreempted):
+            return  # stopped before training began; the pretraining saved its own state
         path = self.last_checkpoint_path(trainer)
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            # ModelCheckpoint's state inside this checkpoint then names it as the last one: after resuming,
+            # ModelCheckpoint overwrites last.ckpt instead of writing last-v1.ckpt next to a stale last.ckpt.
+            callback.last_model_path = str(path)
         log.warning("SIGTERM: saving %s at step %d before exiting", path, trainer.global_step)
         trainer.save_checkpoint(path)
+
+    @staticmethod
+    def pretraining_state_path(trainer: L.Trainer) -> Path:
+        """Where work before training (offline flow pretraining) keeps its resumable state: beside ``last.ckpt``."""
+        return PreemptionCheckpoint.last_checkpoint_path(trainer).with_name(PRETRAINING_STATE_NAME)
 
     @staticmethod
     def last_checkpoint_path(trainer: L.Trainer) -> Path:
@@ -153,6 +209,42 @@ class PreemptionCheckpoint(L.Callback):
         return directory / name
 
 
+class PretrainingPreempted(SIGTERMException):
+    """SIGTERM arrived before training began (e.g. in offline flow pretraining), whose state is saved already.
+
+    A ``SystemExit`` like Lightning's own ``SIGTERMException``: the process exits with status 0.
+    """
+
+
+@contextlib.contextmanager
+def sigterm_stops() -> Iterator[Callable[[], bool]]:
+    """Within the block SIGTERM only raises a flag; yields ``stop()``: has any rank received it?
+
+    For work that runs before Lightning installs its own SIGTERM handling (which happens only when training
+    starts): check ``stop()`` once per step, save what resumes the work, and raise :class:`PretrainingPreempted`.
+    ``stop()`` is a collective under a process group, so every rank must call it at every step; the ranks
+    then stop at the same step even when the signal reached only one of them.
+    """
+    received = False
+
+    def note(signum, frame) -> None:
+        nonlocal received
+        received = True
+        log.warning("SIGTERM received: stopping after this step")
+
+    def stop() -> bool:
+        return bool(all_reduce_int(int(received), torch.distributed.ReduceOp.MAX))
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield stop
+        return
+    previous = signal.signal(signal.SIGTERM, note)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def fault_tolerance_defaults() -> dict[str, Any]:
     """Trainer defaults the ``flowkit`` CLI sets: atomic checkpoint files, RNG states, SIGTERM checkpoint."""
     # The plugin as a class_path (unlike the callbacks it is a parser default, and lands in config.yaml).
@@ -160,8 +252,57 @@ def fault_tolerance_defaults() -> dict[str, Any]:
     return {"plugins": [plugin], "callbacks": [RNGStateCheckpoint(), PreemptionCheckpoint()]}
 
 
+class UnsafeCheckpointError(ConfigError):
+    """A checkpoint holds pickled objects other than tensors, plain data and DeepSpeed's bookkeeping types."""
+
+
+# The non-tensor objects DeepSpeed writes into its own checkpoint files (``*_optim_states.pt``; found by loading
+# CPU ZeRO-2/3 checkpoints), and the LoRA settings a module's hyper-parameters may hold. Unpickling one of them
+# calls that class with plain values from the file, which runs none of the file's code.
+_CHECKPOINT_TYPES = (
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("flowkit.llm.lora", "LoraSettings"),
+)
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+
+@contextlib.contextmanager
+def tensors_only_loading(checkpoint: str | Path) -> Iterator[None]:
+    """Every ``torch.load`` in the block loads tensors and plain data only (plus :data:`_CHECKPOINT_TYPES`).
+
+    Also DeepSpeed's loaders (``zero_to_fp32``, the engine's ``load_checkpoint``), which ask for
+    ``weights_only=False``: torch honours ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` over the argument. A file holding
+    any other object raises :class:`UnsafeCheckpointError` naming it, before that object is built.
+    """
+    allowed = [getattr(importlib.import_module(module), name) for module, name in _CHECKPOINT_TYPES
+               if importlib.util.find_spec(module.split(".")[0]) is not None]
+    previous = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        if found is None:  # not a refused object (e.g. a truncated file): the original error says more
+            raise
+        raise UnsafeCheckpointError(f"refusing to load checkpoint {str(checkpoint)!r}: it holds a pickled "
+                                    f"{found.group(1)}; flowkit loads only tensors, plain data and DeepSpeed's "
+                                    "own checkpoint types") from None
+    finally:
+        if previous is None:
+            os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[_FORCE_WEIGHTS_ONLY] = previous
+
+
 def consolidated_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """Full fp32 weights of a Lightning checkpoint: a DeepSpeed ZeRO directory or a ``.ckpt`` file."""
+    """Full fp32 weights of a Lightning checkpoint: a DeepSpeed ZeRO directory or a ``.ckpt`` file.
+
+    Loads tensors and plain data only (:func:`tensors_only_loading`), also from DeepSpeed's files.
+    """
     checkpoint = Path(checkpoint)
     if checkpoint.is_dir():
         if not (checkpoint / "latest").is_file():
@@ -170,12 +311,14 @@ def consolidated_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
             get_fp32_state_dict_from_zero_checkpoint,
         )
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+        with tensors_only_loading(checkpoint):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
         # Checkpoints of Lightning < 2.1 wrapped the module in `_forward_module`.
         return {key.removeprefix("_forward_module."): value for key, value in state.items()}
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} does not exist")
-    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    with tensors_only_loading(checkpoint):
+        return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
 
 
 def load_trained_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
@@ -188,3 +331,41 @@ def load_trained_weights(model: torch.nn.Module, checkpoint: str | Path) -> None
     unexpected = model.load_state_dict(state, strict=False).unexpected_keys
     if unexpected:
         raise KeyError(f"{checkpoint}: weights the model does not have, e.g. {unexpected[:3]}")
+
+
+def check_output_directory(target: str | Path, overwrite: bool, option: str) -> Path:
+    """Refuse, before any work, an output directory that is a file, or that holds files without ``overwrite``.
+
+    Writing new artifacts over old ones would leave a mix (an old full ``model.safetensors`` beside a new
+    LoRA adapter loads as neither model); with ``overwrite`` :func:`replaced_directory` replaces it whole.
+    """
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{option} {str(target)!r} is a file, not a directory")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise ConfigError(f"{option} {str(target)!r} is not empty: pass --overwrite to replace it, or choose another directory")
+    return target
+
+
+@contextlib.contextmanager
+def replaced_directory(target: str | Path) -> Iterator[Path]:
+    """Yields an empty staging directory beside ``target``; when the block succeeds it becomes ``target``.
+
+    Whatever ``target`` held before is removed whole, so the result never mixes old and new files; when the
+    block fails, ``target`` is left as it was and the staging directory is removed.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    previous = None
+    if target.exists():
+        previous = target.with_name(f"{staging.name}.previous")
+        os.replace(target, previous)
+    os.replace(staging, target)
+    if previous is not None:
+        shutil.rmtree(previous)

@@ -1,6 +1,8 @@
 """`flowkit` command line: LightningCLI with flowkit's own subcommands.
 
-Users add a subcommand with :func:`subcommand`: a function ``fn(trainer, model, datamodule, **options)``
+Every run lives in its run directory, ``trainer.default_root_dir`` (:func:`place_run`). Users add a subcommand
+with :func:`subcommand` (from :mod:`flowkit.registry`, re-exported here): a function
+``fn(trainer, model, datamodule, **options)``
 whose extra keyword arguments (typed, with defaults) become the subcommand's options::
 
     from flowkit.cli import subcommand
@@ -16,45 +18,44 @@ then import that module before :func:`main` runs (e.g. in a ``my_package/__main_
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from flowkit.checkpointing import fault_tolerance_defaults
+from flowkit.checkpointing import fault_tolerance_defaults, tensors_only_loading
+from flowkit.errors import ConfigError
+from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 
-_SUBCOMMANDS: dict[str, Callable] = {}
+__all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
 
 
-def subcommand(name: str) -> Callable[[Callable], Callable]:
-    """Register ``fn(trainer, model, datamodule, **options)`` as ``flowkit NAME``."""
+def _trainer_method(fn: Callable) -> Callable:
+    """``fn(trainer, model, datamodule, **options)`` as a method of the Trainer, which is how LightningCLI runs
+    a subcommand; jsonargparse reads the options from the method's signature."""
 
-    def register(fn: Callable) -> Callable:
-        _SUBCOMMANDS[name] = fn
+    def method(self, model: LightningModule, datamodule: LightningDataModule | None = None, **options):
+        return fn(self, model, datamodule, **options)
 
-        def method(self, model: LightningModule, datamodule: LightningDataModule | None = None, **options):
-            return fn(self, model, datamodule, **options)
-
-        # jsonargparse reads the options from the signature of the method it is given.
-        params = list(inspect.signature(fn).parameters.values())
-        if [p.name for p in params[:3]] != ["trainer", "model", "datamodule"]:
-            raise TypeError(f"subcommand {name!r}: the first parameters must be (trainer, model, datamodule)")
-        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        method.__signature__ = inspect.Signature([self_param, *params[1:]])
-        method.__doc__ = fn.__doc__
-        method.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != "trainer"}
-        setattr(FlowkitTrainer, name, method)
-        return fn
-
-    return register
+    params = list(inspect.signature(fn).parameters.values())
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = inspect.Signature([self_param, *params[1:]])
+    method.__doc__ = fn.__doc__
+    method.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != "trainer"}
+    return method
 
 
 class FlowkitTrainer(Trainer):
-    """Lightning's Trainer; flowkit subcommands are attached to it as methods by :func:`subcommand`."""
+    """Lightning's Trainer; :class:`FlowkitCLI` attaches the registered subcommands to it as methods."""
 
 
 class FlowkitCLI(LightningCLI):
@@ -64,14 +65,106 @@ class FlowkitCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("trainer_defaults", fault_tolerance_defaults())
+        for name, fn in SUBCOMMANDS.items():
+            setattr(FlowkitTrainer, name, _trainer_method(fn))
+        if STANDALONE:  # `flowkit --help` names the commands that LightningCLI's parser does not know
+            others = "; ".join(f"flowkit {name}: {(fn.__doc__ or '').strip().splitlines()[0]}"
+                               for name, fn in STANDALONE.items())
+            kwargs["parser_kwargs"] = {"epilog": f"other commands (each has --help): {others}",
+                                       **(kwargs.get("parser_kwargs") or {})}
         super().__init__(*args, **kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        """Keep the configuration the YAML files and the command line gave: a checkpoint supplies state only.
+
+        LightningCLI would merge ``--ckpt_path``'s saved ``hyper_parameters`` over the parsed model config,
+        which lets a checkpoint file override options the user typed (``--model.init_args.val_temperature 0``)
+        and decide what code runs (``trust_remote_code: true`` with a ``backbone`` carrying custom code).
+        """
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         commands = dict(LightningCLI.subcommands())
-        for name in _SUBCOMMANDS:
+        for name in SUBCOMMANDS:
             commands[name] = {"model", "datamodule"}
         return commands
+
+    def parse_arguments(self, parser, args) -> None:
+        # With `args` given (`flowkit.cli.main([...])`, tests), sys.argv belongs to the caller (e.g. pytest).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
+            super().parse_arguments(parser, args)
+
+    def before_instantiate_classes(self) -> None:
+        self._config_as_given = self.config.clone()
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        place_run(config, fresh_fit=self.subcommand == "fit" and config.get("ckpt_path") is None)
+
+    def instantiate_trainer(self, **kwargs):
+        self._load_data_early()
+        # The run's saved config.yaml is the configuration as given, without the paths place_run filled in, so
+        # `fit --config runs/a/version_0/config.yaml --trainer.default_root_dir runs/b` starts a run of its own.
+        placed, self.config = self.config, self._config_as_given
+        try:
+            return super().instantiate_trainer(**kwargs)
+        finally:
+            self.config = placed
+
+
+    def _load_data_early(self) -> None:
+        """Load and check the data of fit / validate / test now, before the Trainer prints its start-up lines and
+        sets up the run: a bad record or a prompt too long for the model is one line, before any work."""
+        stage = {"fit": "fit", "validate": "validate", "test": "test"}.get(self.subcommand)
+        use_module = getattr(self.datamodule, "use_module", None)
+        if stage is not None and use_module is not None:
+            use_module(self.model)
+            self.datamodule.setup(stage)
+
+
+def place_run(config, fresh_fit: bool) -> None:
+    """One run, one directory: ``trainer.default_root_dir`` (the run directory) holds everything of the run.
+
+    Unless the config names its own progress bar, :class:`~flowkit.modules.progress.RLProgressBar` shows the run.
+    Unless the config names its own logger, the run logs to ``<run dir>/version_N`` (a CSVLogger: ``metrics.csv``,
+    the resolved ``config.yaml``, ``export/``); every ModelCheckpoint without a ``dirpath`` writes to
+    ``<run dir>/checkpoints``, shared by the run's versions so ``--ckpt_path last`` resumes this run and no other.
+    A fresh ``fit`` (no ``--ckpt_path``) into a run directory that already holds checkpoints is refused: two
+    runs never share a checkpoint.
+    """
+    trainer = config.trainer
+    run_dir = Path(trainer.default_root_dir or os.getcwd())
+    if trainer.get("logger") in (None, True):
+        trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
+                                   init_args=Namespace(save_dir=str(run_dir), name=""))
+    callbacks = trainer.get("callbacks") or []
+    if trainer.get("enable_progress_bar") is not False and not any(
+            isinstance(c, Namespace) and _is_subclass(c.get("class_path"), ProgressBar) for c in callbacks):
+        trainer.callbacks = [*callbacks, Namespace(class_path="flowkit.modules.progress.RLProgressBar",
+                                                   init_args=Namespace())]
+    checkpoint_dirs = []
+    for callback in trainer.get("callbacks") or []:
+        if not isinstance(callback, Namespace) or not _is_subclass(callback.get("class_path"), ModelCheckpoint):
+            continue
+        if callback.init_args.get("dirpath") is None:
+            callback.init_args.dirpath = str(run_dir / "checkpoints")
+        checkpoint_dirs.append(Path(callback.init_args.dirpath))
+    if not fresh_fit:
+        return
+    for directory in checkpoint_dirs or [run_dir / "checkpoints"]:
+        existing = sorted(directory.glob("*.ckpt")) if directory.is_dir() else []
+        if existing:
+            raise ConfigError(f"{run_dir} already holds a run ({existing[0]}): resume it with --ckpt_path last, "
+                              "or start a new run with --trainer.default_root_dir runs/NEW_NAME")
+
+
+def _is_subclass(class_path: str | None, base: type) -> bool:
+    if not class_path:
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        return issubclass(getattr(importlib.import_module(module), name), base)
+    except (ImportError, AttributeError, TypeError):
+        return False
 
 
 def _load_builtin_subcommands() -> None:
@@ -80,34 +173,93 @@ def _load_builtin_subcommands() -> None:
 
 
 def main(args: list[str] | None = None) -> None:
+    """Run the CLI; bad input (see :func:`_input_error`) prints ``error: <one line>`` and exits with code 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Lightning 2.6 on a newer torch: a deprecation inside Lightning's own pytree helper, nothing a user can act on.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # flowkit checkpoints the state after each RL step's optimizer steps on purpose: resume continues from there.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     _load_builtin_subcommands()
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] in STANDALONE:  # e.g. `flowkit plot RUN_DIR`: no config, model or trainer
+        STANDALONE[argv[0]](argv[1:])
+        return
     try:
-        FlowkitCLI(args=args)
+        # Every checkpoint this command loads (Lightning's, DeepSpeed's under any strategy) is loaded tensors-only.
+        with tensors_only_loading(_checkpoint_argument(argv)):
+            # The parser raises instead of printing its usage and a nested error report: main() prints one line.
+            FlowkitCLI(args=args, parser_kwargs={"exit_on_error": False})
     except Exception as err:
-        cause = _input_error(err)
-        if cause is None:
+        message = _input_error(err)
+        if message is None:
             raise
-        sys.exit(f"error: {cause}")
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
-def _input_error(err: BaseException) -> BaseException | None:
-    """The bad-input error (bad model path, bad data record) behind ``err``, if any.
+def _checkpoint_argument(argv: list[str]) -> str:
+    """The checkpoint named on the command line (``--ckpt_path`` / ``--checkpoint``), for error messages."""
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name in ("--ckpt_path", "--checkpoint"):
+            return value or (argv[i + 1] if i + 1 < len(argv) else "")
+    return "a checkpoint"
 
+
+def _input_error(err: BaseException) -> str | None:
+    """The one-line message of the bad-input error behind ``err``, or ``None`` if ``err`` is a bug.
+
+    Bad input is a :class:`~flowkit.errors.ConfigError` (any module's option check), a
+    :class:`~flowkit.data.records.RecordError`, a :class:`~flowkit.llm.backbone.BackboneError`, a value
+    Lightning rejects (``MisconfigurationException``) or a command line / config the parser rejects.
     jsonargparse and Lightning wrap exceptions raised while building or fitting the module; the user
-    should see flowkit's one-line message, not that chain.
+    should see the message that names the option, not that chain.
     """
+    from argparse import ArgumentError
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     from flowkit.data.records import RecordError
     from flowkit.llm.backbone import BackboneError
 
     seen: set[int] = set()
+    chain = []
     while err is not None and id(err) not in seen:
-        if isinstance(err, (BackboneError, RecordError)):
-            return err
         seen.add(id(err))
+        chain.append(err)
         err = err.__cause__ or err.__context__
+    for link in chain:
+        if isinstance(link, (ConfigError, RecordError, BackboneError, MisconfigurationException)):
+            return " ".join(str(link).split())
+    if isinstance(chain[0], ArgumentError):
+        return _parser_error_line(str(chain[0]))
     return None
+
+
+_PARSER_REPORT_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:",
+                        "Given value type:", "Given value:", "- Expected a <class 'NoneType'>")
+
+
+def _parser_error_line(report: str) -> str:
+    """jsonargparse's nested report (one block per Union alternative) → ``key.path: innermost message``.
+
+    The innermost message is the most indented line that is not part of the report's scaffolding; the key
+    path is the chain of ``Parser key`` lines above it (``init_args`` where it descends into a class).
+    """
+    path: list[tuple[int, str]] = []  # (indent, key) of the enclosing "Parser key" / class_path lines
+    best: tuple[int, str, list[str]] | None = None
+    for line in report.splitlines():
+        text, indent = line.strip(), len(line) - len(line.lstrip())
+        if not text or text.startswith(_PARSER_REPORT_NOISE):
+            continue
+        while path and path[-1][0] >= indent:
+            path.pop()
+        key = re.fullmatch(r'Parser key "(.+)":', text)
+        if key or text.startswith("- Problem with given class_path"):
+            path.append((indent, key.group(1) if key else "init_args"))
+        elif best is None or indent > best[0]:
+            best = (indent, text.removeprefix("- "), [k for _, k in path])
+    if best is None:
+        return " ".join(report.split())
+    _, message, keys = best
+    return f"{'.'.join(keys)}: {message}" if keys else message

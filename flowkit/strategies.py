@@ -38,6 +38,8 @@ from lightning.pytorch.strategies import (
 )
 from torch.optim import Optimizer
 
+from flowkit.checkpointing import tensors_only_loading
+
 
 class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
     """Lightning's DeepSpeed strategy; with ZeRO optimizer offload, Adam/AdamW become ``DeepSpeedCPUAdam``."""
@@ -51,6 +53,11 @@ class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
             # The scheduler keeps a reference to the optimizer whose param_groups it steps.
             scheduler_config.scheduler.optimizer = offloaded
         return offloaded, scheduler_config
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        # DeepSpeed's engine unpickles its files with weights_only=False; this loads tensors and plain data only.
+        with tensors_only_loading(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
 
     def _auto_select_batch_size(self) -> int:
         # Only DeepSpeed's throughput logging reads it. Lightning takes it from the loader's batch

@@ -5,7 +5,7 @@ Run once from the repository root (a few minutes on 2 CPU cores)::
     python scripts/make_explain_data.py
 
 Writes ``flowkit/assets/gridworld/{train,test}.jsonl`` (records ``{context, decisions, decision,
-explanation, kind, implied}``, see :mod:`flowkit.explain.gridworld`) and, under
+explanation, kind, implied, preferred}``, see :mod:`flowkit.explain.gridworld`) and, under
 ``flowkit/assets/explain_tiny/``, a word-level explanation LLM ``policy`` fine-tuned on
 ``explanation_prompt(context) → explanation`` (a mix of informative, filler and misleading references, so
 it starts imperfect) and three proxy LLMs ``proxy0..2`` fine-tuned on ``proxy_prompt(context, s^{1:k}) →

@@ -36,7 +36,7 @@ def env() -> dict[str, str]:
 def command(root: Path, steps: int, *extra: str, subcommand: str = "fit") -> list[str]:
     flowkit = shutil.which("flowkit") or "flowkit"
     return [flowkit, subcommand, "--config", str(CONFIG), *TINY, "--trainer.max_steps", str(steps),
-            "--trainer.default_root_dir", str(root), "--trainer.logger.init_args.save_dir", str(root / "runs"), *extra]
+            "--trainer.default_root_dir", str(root / "runs" / "rlfr_tiny"), *extra]
 
 
 def run(root: Path, steps: int, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -5,6 +5,10 @@ the weights; secrets from the environment never reach logs or saved configs."""
 import csv
 import json
 import logging
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -13,7 +17,11 @@ import torch
 from transformers import T5Config
 
 from flowkit.cli import main
+from flowkit.data.records import load_records
+from flowkit.errors import ConfigError, check_range
+from flowkit.llm.backbone import ASSETS
 from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.modules.explanation import ExplanationPolicyModule, ExplanationRewardModule
 from flowkit.rewards import FlowReward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +56,7 @@ def fit_args(*extra: str) -> list[str]:
         (["--model.init_args.not_a_key", "1"], "Option 'not_a_key' is not accepted"),
         (["--trainer.max_steps", "abc"], "Expected a <class 'int'>. Got value: abc"),
         (["--model.init_args.num_samples", "many"], "num_samples"),
-        (["--model.init_args.outcome_reward", "fuzzy"], "Expected a typing.Literal['official', 'binary']"),
+        (["--model.init_args.outcome_reward", "fuzzy"], "Expected a typing.Literal['official', 'binary'"),
         (["--model", "flowkit.modules.NoSuchModule"], "module 'flowkit.modules' has no attribute 'NoSuchModule'"),
         (["--data", "flowkit.modules.NoSuchData"], "module 'flowkit.modules' has no attribute 'NoSuchData'"),
     ],
@@ -72,11 +80,24 @@ def test_unknown_key_in_a_config_file(in_tmp, capsys):
 # ----------------------------------------------------------------------------- one-line errors
 
 
-def one_line_error(args: list[str], capsys) -> str:
+def error_lines(args: list[str], capsys) -> list[str]:
+    """stderr of ``flowkit ARGS``, which exits with code 2 and its error as one line, the last of at most 3.
+
+    In-process, capsys sees what flowkit and transformers write (the weights-loading bar), not Lightning's start-up
+    log lines ("GPU available: ..."), whose handler holds the process's original stderr: a setup-time error in a
+    terminal follows those 4 lines. The subprocess test below counts every line, for errors at construction.
+    """
     code, err = cli_exit(args, capsys)
-    assert isinstance(code, str) and code.startswith("error: "), code
-    assert "\n" not in code and "Traceback" not in err
-    return code
+    lines = err.rstrip("\n").split("\n")  # a progress bar redraws with "\r" on one line
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert lines[-1].startswith("error: ") and sum(line.startswith("error:") for line in lines) == 1, err
+    assert len(lines) <= 3, err
+    return lines
+
+
+def one_line_error(args: list[str], capsys) -> str:
+    return error_lines(args, capsys)[-1]
 
 
 def test_missing_model_path_is_one_line(in_tmp, capsys):
@@ -123,6 +144,215 @@ def test_missing_data_path_lists_nearby_files(in_tmp, capsys):
     assert "no such file or directory" in message and "train.jsonl" in message
 
 
+# ----------------------------------------------------------------------------- the bad-input table (issue 11)
+# Every case runs the real CLI on the tiny RLFR config: exit code 2, one line naming the option (or file:line),
+# at most 3 lines on stderr, no traceback. Option cases fail at construction, before any model loads; data cases
+# fail in setup, before flow pretraining (the config's flow_pretrain_steps is on for those that need it).
+
+REWARD = "--model.init_args.reward_model.init_args."
+GOOD = {"prompt": "12+34=", "answer": "46", "solution": "2+4=6,1+3=4\\boxed{46}"}
+
+
+def model_args(*options: str) -> list[str]:
+    """``--model.init_args.NAME VALUE`` pairs from ``NAME VALUE`` pairs (``reward.NAME`` for the FlowReward)."""
+    args = []
+    for name, value in zip(options[::2], options[1::2]):
+        args += [REWARD + name.removeprefix("reward.") if name.startswith("reward.") else f"--model.init_args.{name}",
+                 value]
+    return args
+
+
+OPTION_CASES = {
+    "num_samples-0": (model_args("num_samples", "0"), "PolicyModule.num_samples must be >= 1, got 0"),
+    "val_num_samples-0": (model_args("val_num_samples", "0"), "PolicyModule.val_num_samples must be >= 1, got 0"),
+    "batch_size-0": (["--data.init_args.batch_size", "0"], "RolloutDataModule.batch_size must be >= 1, got 0"),
+    "ppo_epochs-0": (model_args("ppo_epochs", "0"), "PolicyModule.ppo_epochs must be >= 1, got 0"),
+    "num_minibatches-0": (model_args("num_minibatches", "0"), "PolicyModule.num_minibatches must be >= 1, got 0"),
+    "max_new_tokens-0": (model_args("max_new_tokens", "0"), "PolicyModule.max_new_tokens must be >= 1, got 0"),
+    "max_new_tokens-negative": (model_args("max_new_tokens", "-3"), "PolicyModule.max_new_tokens must be >= 1, got -3"),
+    "greedy-with-a-group": (model_args("temperature", "0"), "PolicyModule.temperature 0 (greedy) makes the 8 samples"),
+    "top_p-0": (model_args("top_p", "0"), "PolicyModule.top_p must be in (0, 1], got 0.0"),
+    "top_k-0": (model_args("reward.top_k", "0"), "FlowReward.top_k must be >= 1, got 0"),
+    "noise_draws-0": (model_args("reward.noise_draws", "0"), "FlowReward.noise_draws must be >= 1, got 0"),
+    "max_rows_per_call-0": (model_args("reward.max_rows_per_call", "0"), "FlowReward.max_rows_per_call must be >= 1"),
+    "kappa-0": (model_args("reward.kappa", "0"), "FlowReward.kappa must be >= 1, got 0"),
+    "percentiles-empty": (model_args("reward.percentiles", "[]"), "FlowReward.percentiles must not be empty"),
+    "timesteps-empty": (model_args("reward.timesteps", "[]"), "FlowReward.timesteps must not be empty"),
+    "timestep-above-1": (model_args("reward.timesteps", "[1.5]"), "FlowReward.timesteps must lie in (0, 1)"),
+    "timestep-weight-inf-in-fp32": (model_args("reward.timesteps", "[0.99999999]"),
+                                    "finite t/(1−t) weight in float32, got 0.99999999 (1.0 in float32)"),
+    "eta-above-1": (model_args("reward.eta", "1.5"), "FlowReward.eta must be in [0.0, 1.0], got 1.5"),
+    "flow-weights-missing": (model_args("reward.weights", "no_such_flow.safetensors"),
+                             "FlowReward.weights 'no_such_flow.safetensors' is not a file"),
+    "dtype-int8": (model_args("dtype", "int8"),
+                   "dtype must be one of bf16, bfloat16, float16, float32, fp16, fp32, got 'int8'"),
+    "pretraining-without-reward-model": (model_args("reward_model", "null", "flow_pretrain_steps", "5"),
+                                         "PolicyModule.flow_pretrain_steps 5 needs a reward_model"),
+    "trainer-rejects-value": (["--trainer.max_steps", "-5"], "`max_steps` must be a non-negative integer or -1"),
+    "nested-choice": (model_args("reward.condition", "bogus"),
+                      "model.init_args.reward_model.init_args.condition: Expected a typing.Literal['next', 'previous'"),
+}
+
+
+@pytest.mark.parametrize(("extra", "expected"), OPTION_CASES.values(), ids=OPTION_CASES.keys())
+def test_bad_option_is_one_line_before_any_model_loads(in_tmp, capsys, extra, expected):
+    message = one_line_error(fit_args("--trainer.max_steps", "0", *extra), capsys)
+    assert expected in message
+
+
+LONG_PROMPT = "1+" * 300 + "1="  # 602 characters, one token each: more than the tiny model's 512-token context
+RECORD_CASES = {
+    "empty-file": ([], None, "no records"),
+    "fewer-records-than-a-batch": ([GOOD] * 3, None, "3 usable record(s) cannot fill one batch of "
+                                                     "RolloutDataModule.batch_size 16"),
+    "pretraining-without-solutions": ([{"prompt": "12+34=", "answer": "46"}] * 20, None,
+                                      "offline flow pretraining (flow_pretrain_steps > 0) needs expert solutions"),
+    "json-array-record": ([GOOD] * 20, "[]", ":21: expected a JSON object, got list"),
+    "empty-object-record": ([GOOD] * 20, "{}", ":21: missing required field 'prompt'"),
+    "prompt-is-a-list": ([GOOD] * 20, '{"prompt": [], "answer": "1"}',
+                         ":21: field 'prompt' must be a string or a conversation"),
+    "prompt-is-an-object": ([GOOD] * 20, '{"prompt": {}, "answer": "1"}', ":21: field 'prompt' must be a string"),
+    "answer-is-a-list": ([GOOD] * 20, '{"prompt": "1+1=", "answer": [2]}',
+                         ":21: field 'answer' must be a string (or a number), got list"),
+    "lone-surrogate": ([GOOD] * 20, '{"prompt": "1+\\ud800=", "answer": "1"}',
+                       ":21: field 'prompt' is not encodable text"),
+    "prompt-beyond-context": ([GOOD] * 20, json.dumps({"prompt": LONG_PROMPT, "answer": "1"}),
+                              ":21: the prompt is 603 tokens; with max_new_tokens 28 it exceeds the policy's context "
+                              "of 512"),
+    "megabyte-prompt": ([GOOD] * 20, json.dumps({"prompt": "1+" * 500_000 + "1=", "answer": "1"}),  # never tokenized
+                        ":21: the prompt is 1000002 characters, at least 200001 tokens: beyond the policy's context"),
+}
+
+
+@pytest.mark.parametrize(("records", "bad_line", "expected"), RECORD_CASES.values(), ids=RECORD_CASES.keys())
+def test_bad_records_are_one_line_naming_file_and_line_before_pretraining(in_tmp, capsys, records, bad_line, expected):
+    data = in_tmp / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records) + (bad_line + "\n" if bad_line else ""))
+    lines = error_lines(fit_args("--data.init_args.train_path", str(data), "--data.init_args.val_path", "null",
+                                 "--model.init_args.flow_pretrain_steps", "5", "--trainer.max_steps", "0"), capsys)
+    assert lines[-1].startswith(f"error: {data}") and expected in lines[-1]
+    assert not any("flow pretraining:" in line for line in lines)  # pretraining never started (no progress bar)
+
+
+def tiny_adder_copy(tmp_path: Path, drop: tuple[str, ...] = ()) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(ASSETS / "tiny_adder", copy, ignore=shutil.ignore_patterns(*drop))
+    return copy
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flow_weights(tmp_path: Path, depth: int) -> Path:
+    reward = FlowReward(depth=depth)
+    reward.bind(hidden_size=128, layer_positions=[0.25, 0.5, 0.75])  # the tiny adder's width
+    reward.save_field(tmp_path / f"flow_depth{depth}.safetensors")
+    return tmp_path / f"flow_depth{depth}.safetensors"
+
+
+def _no_tokenizer(tmp_path):
+    return model_args("backbone", str(tiny_adder_copy(tmp_path, ("tokenizer*",)))), "has no tokenizer files"
+
+
+def _backbone_is_a_file(tmp_path):
+    return model_args("backbone", str(ASSETS / "tiny_adder" / "config.json")), "is a file; give the model's directory"
+
+
+def _truncated_weights(tmp_path):
+    model = tiny_adder_copy(tmp_path)
+    truncate(model / "model.safetensors")
+    return model_args("backbone", str(model)), "cannot load the weights of"
+
+
+def _flow_of_another_depth(tmp_path):
+    return (model_args("reward.weights", str(flow_weights(tmp_path, depth=1))),
+            "do not fit this FlowReward (depth 2, width 128, hidden size 128): 7 missing, 0 unexpected")
+
+
+def _truncated_flow(tmp_path):
+    weights = flow_weights(tmp_path, depth=2)
+    truncate(weights)
+    return model_args("reward.weights", str(weights)), "are not a readable safetensors file"
+
+
+MODEL_CASES = [_no_tokenizer, _backbone_is_a_file, _truncated_weights, _flow_of_another_depth, _truncated_flow]
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=[case.__name__.strip("_") for case in MODEL_CASES])
+def test_bad_model_files_are_one_line(in_tmp, capsys, case):
+    extra, expected = case(in_tmp)
+    message = one_line_error(fit_args(*extra, "--trainer.max_steps", "0"), capsys)
+    assert expected in message
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [(lambda: ExplanationRewardModule(proxies=[]), "ExplanationRewardModule.proxies must not be empty"),
+     (lambda: ExplanationRewardModule(num_decisions=1), "ExplanationRewardModule.num_decisions must be >= 2, got 1"),
+     (lambda: ExplanationPolicyModule(policy_epochs_per_round=0),
+      "ExplanationPolicyModule.policy_epochs_per_round must be >= 1, got 0"),
+     (lambda: ExplanationPolicyModule(clip=1.0), r"ExplanationPolicyModule.clip must be in \[0, 1\), got 1.0"),
+     (lambda: ExplanationPolicyModule(sigma=0.0), r"ExplanationPolicyModule.sigma must be > 0, got 0.0")],
+    ids=["reward-no-proxies", "reward-one-decision", "policy-zero-epochs-per-round", "policy-clip-1", "policy-sigma-0"],
+)
+def test_explanation_modules_check_options_before_loading_models(monkeypatch, make, expected):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model loaded before the options were checked")
+
+    monkeypatch.setattr("flowkit.modules.explanation.load_backbone", no_loading)
+    with pytest.raises(ConfigError, match=expected):
+        make()
+
+
+def test_check_range_names_the_allowed_range():
+    check_range("M", "x", None, 1)  # None is an option's "off" value
+    check_range("M", "x", 0.5, 0, 1, open_low=True, open_high=True)
+    for value, kwargs, allowed in [(0, {"low": 1}, ">= 1"), (0.0, {"low": 0, "open_low": True}, "> 0"),
+                                   (2, {"high": 1}, "<= 1"), (float("nan"), {"low": 0}, ">= 0"),
+                                   (1.0, {"low": 0, "high": 1, "open_high": True}, "in [0, 1)")]:
+        with pytest.raises(ConfigError, match=re.escape(f"M.x must be {allowed}, got {value!r}")):
+            check_range("M", "x", value, **kwargs)
+
+
+def test_numbers_in_text_fields_become_text_and_null_optional_fields_are_absent(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": 2, "solution": null}\n{"prompt": "2+2=", "answer": 4.5}\n')
+    records = load_records(data, ["prompt", "answer"], text=["answer", "solution"])
+    assert list(records) == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4.5"}]
+
+
+def test_skip_policy_covers_text_the_tokenizer_cannot_take(in_tmp, caplog):
+    data = in_tmp / "train.jsonl"
+    bad = ['{"prompt": "1+\\ud800=", "answer": "1"}', json.dumps({"prompt": LONG_PROMPT, "answer": "1"}),
+           '{"prompt": [], "answer": "1"}']
+    data.write_text("".join(json.dumps(GOOD) + "\n" for _ in range(20)) + "\n".join(bad) + "\n")
+    with caplog.at_level(logging.WARNING, logger="flowkit.data.records"):
+        main(fit_args("--data.init_args.train_path", str(data), "--data.init_args.on_error", "skip",
+                      "--trainer.max_steps", "0"))
+    assert f"{data}: skipped 3 bad record(s) of 23; first: {data}:21: field 'prompt' is not encodable" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [(model_args("num_samples", "0"), "error: PolicyModule.num_samples must be >= 1, got 0"),
+     (model_args("reward.condition", "bogus"), "error: model.init_args.reward_model.init_args.condition: Expected"),
+     (["--data.init_args.train_path", "bad.jsonl"], "error: bad.jsonl:2: field 'prompt'")],
+    ids=["option", "parser", "record"],
+)
+def test_flowkit_command_prints_one_line_and_exits_2(in_tmp, extra, expected):
+    """The installed entry point, as a user runs it: stderr is at most 3 lines, the error the last, no traceback —
+    also for a bad record, which the CLI loads before the Trainer prints its start-up lines."""
+    (in_tmp / "bad.jsonl").write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "prompt": ["a", "list"]}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "flowkit", *fit_args(*extra, "--trainer.max_steps", "0")],
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.rstrip("\n").split("\n")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and len(lines) <= 3, done.stderr
+    assert lines[-1].startswith(expected), done.stderr
+
+
 # ----------------------------------------------------------------------------- non-finite rewards
 
 
@@ -132,7 +362,7 @@ def fit_one_batch(tmp_path: Path, nonfinite: str, bad_value: float) -> PolicyMod
     module = PolicyModule(reward_model=reward, num_samples=2, max_new_tokens=28, outcome_reward="binary",
                           nonfinite=nonfinite)
     real_token_rewards = reward.token_rewards
-    reward.token_rewards = lambda batch, step: real_token_rewards(batch, step).fill_(bad_value)
+    reward.token_rewards = lambda batch, step, **kwargs: real_token_rewards(batch, step, **kwargs).fill_(bad_value)
     data = RolloutDataModule(batch_size=2, val_path=None)
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_epochs=1, limit_train_batches=1,
                         logger=L.pytorch.loggers.CSVLogger(tmp_path), log_every_n_steps=1, enable_checkpointing=False,

@@ -1,6 +1,7 @@
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -72,13 +73,13 @@ def test_kill_during_atomic_write_leaves_previous_checkpoint_intact(tmp_path):
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=30)
 
-    partial = tmp_path / ".last.ckpt.tmp"
+    partial = tmp_path / f".last.ckpt.{socket.gethostname()}.{child.pid}.tmp"
     assert partial.exists() and partial.stat().st_size > 0, "the kill did not land during the write"
     checkpoint = torch.load(target, weights_only=True)
     assert checkpoint["step"] == 1
     assert torch.equal(checkpoint["weights"], torch.arange(1000.0))
 
-    # The next save replaces both the stale temporary file and the target.
+    # The next save replaces the target and removes the dead writer's temporary file.
     AtomicCheckpointIO().save_checkpoint({"step": 3}, target)
     assert torch.load(target, weights_only=True) == {"step": 3}
     assert not partial.exists()

@@ -273,3 +273,25 @@ def test_flow_moves_only_on_the_minibatch_that_carries_its_loss(tmp_path, stage)
     moved = max((snapshot[f"end/{n}"] - snapshot[f"start/{n}"]).abs().max().item()
                 for n in (k.removeprefix("start/") for k in snapshot if k.startswith("start/reward_model.")))
     assert 0.5 * flow_lr < moved <= flow_lr * (1 + 1e-4), moved
+
+
+def relative_update_error(run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], prefix: str) -> float:
+    """‖Δrun − Δref‖ / ‖Δref‖ over one parameter group, Δ = end − start weights."""
+    names = sorted(k.removeprefix("start/") for k in reference if k.startswith(f"start/{prefix}"))
+    delta = lambda s: torch.cat([(s[f"end/{n}"] - s[f"start/{n}"]).flatten() for n in names])  # noqa: E731
+    want = delta(reference)
+    return float((delta(run) - want).norm() / want.norm())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_micro_batches_accumulate_gradients_under_zero(tmp_path, stage):
+    """Several backward calls before one optimizer step really accumulate under DeepSpeed: 2 RL steps with
+    micro-batches of 3 sequences (6 policy + flow backward passes per step) move policy and flow as one
+    whole-batch backward does (in a ZeRO-2 that kept only the last micro-batch's gradients they would not)."""
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "micro").mkdir()
+    (whole,) = run_rlfr(tmp_path / "whole", stage)
+    (micro,) = run_rlfr(tmp_path / "micro", stage, 1, "--model.init_args.micro_batch_size", "3")
+    for prefix in ("policy.", "reward_model."):
+        assert relative_update_error(micro, whole, prefix) < 1e-3, prefix

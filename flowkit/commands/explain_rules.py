@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flowkit.cli import subcommand
+from flowkit.registry import subcommand
 from flowkit.modules.selector import RuleEnvDataModule, SelectorModule
 from flowkit.rbrl.agent import StepRecord, run_episode
 

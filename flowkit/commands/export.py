@@ -14,18 +14,27 @@ Usage (same config as training, so the module is rebuilt with the same shapes)::
 
 from __future__ import annotations
 
-from flowkit.checkpointing import load_trained_weights
-from flowkit.cli import subcommand
+from flowkit.checkpointing import (
+    check_output_directory,
+    load_trained_weights,
+    replaced_directory,
+)
+from flowkit.registry import subcommand
 
 
 @subcommand("export")
-def export(trainer, model, datamodule, checkpoint: str, out: str = "export"):
+def export(trainer, model, datamodule, checkpoint: str, out: str = "export", overwrite: bool = False):
     """Write the trained policy (HF ``save_pretrained`` format) and flow (safetensors) from a checkpoint.
 
     Args:
         checkpoint: a Lightning checkpoint: ``.ckpt`` file, or DeepSpeed (ZeRO-2/3, sharded) directory.
-        out: output directory (``hf_policy/`` and ``flow.safetensors``).
+        out: output directory (``hf_policy/`` and ``flow.safetensors``); refused if it holds files, unless
+            ``overwrite``.
+        overwrite: replace a non-empty ``out`` whole (nothing of its old contents is kept).
     """
+    target = check_output_directory(out, overwrite, "--out")
     load_trained_weights(model, checkpoint)
-    for name, path in model.export_artifacts(out).items():
-        print(f"exported {name}: {path}")
+    with replaced_directory(target) as staging:
+        paths = model.export_artifacts(staging)
+    for name, path in paths.items():
+        print(f"exported {name}: {target / path.relative_to(staging)}")

@@ -6,11 +6,13 @@ import html
 import json
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from flowkit.checkpointing import load_trained_weights
-from flowkit.cli import subcommand
+from flowkit.registry import subcommand
 from flowkit.data.records import load_records
+from flowkit.errors import ConfigError
 from flowkit.llm.rollout import encode_pairs
 
 
@@ -32,6 +34,7 @@ def render_html(rows: list[dict], title: str = "flowkit flow rewards") -> str:
 
 
 @subcommand("score")
+@torch.no_grad()  # scoring only: no autograd graph over the policy and flow forwards
 def score(
     trainer,
     model,
@@ -49,6 +52,7 @@ def score(
         input: JSONL (or parquet) with ``prompt`` and ``response`` fields.
         output: where to write one JSON object per pair: tokens, flow rewards r_k, deviations R_CFM.
         html_output: where to write the colour-coded page (``null`` to skip).
+            Missing parent directories of both outputs are created before any scoring work.
         checkpoint: a Lightning checkpoint of the PolicyModule (``.ckpt`` file or DeepSpeed ZeRO directory);
             default: the config's weights.
         batch_size: pairs per forward.
@@ -57,9 +61,17 @@ def score(
     reward = getattr(model, "reward_model", None)
     if reward is None or not hasattr(reward, "deviation_scores"):
         raise SystemExit("flowkit score needs a PolicyModule whose reward_model is a FlowReward")
+    outputs = [Path(path) for path in (output, html_output) if path]
+    for path in outputs:  # before any work: a bad output path must not cost the scoring run
+        if path.is_dir():
+            raise ConfigError(f"score output {str(path)!r} is a directory, not a file")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"cannot create the directory of score output {str(path)!r}: {err.strerror}") from None
+    records = load_records(input, ["prompt", "response"])
     if checkpoint:
         load_trained_weights(model, checkpoint)
-    records = load_records(input, ["prompt", "response"])
     model.eval()
     rows = []
     for start in tqdm(range(0, len(records), batch_size), desc="scoring"):
@@ -77,7 +89,6 @@ def score(
                 "rewards": [float(rewards[i, p]) for p in positions],
                 "deviations": [float(deviations[i, p]) for p in positions],
             })
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     print(f"wrote {len(rows)} scored responses to {output}")

@@ -2,9 +2,11 @@
 
 Every problem with the input is a :class:`RecordError` whose one-line message names the file and the
 line (JSONL) or row (parquet, datasets): malformed JSON, a line that is not an object, a missing
-required field, an empty or whitespace-only required value, bytes that are not UTF-8, a path that does
-not exist (the message lists nearby files). With ``on_error="skip"`` bad records are dropped instead,
-one warning reports how many, and the returned :class:`Records` carries the count as ``skipped``.
+required field, an empty or whitespace-only required value, a text field holding a list, object or
+boolean (a number is converted with ``str``), text no tokenizer can encode (a lone UTF-16 surrogate such
+as ``"\ud800"``), bytes that are not UTF-8, a path that does not exist (the message lists nearby files),
+and a file without any usable record. With ``on_error="skip"`` bad records are dropped instead, one
+warning reports how many, and the returned :class:`Records` carries the count as ``skipped``.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
+
+from flowkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".parquet")
+LOAD_DATASET_PREFIX = "hf:"
 
 
 class RecordError(ValueError):
@@ -37,18 +42,28 @@ def load_records(
     path: str | Path,
     required: Sequence[str],
     on_error: Literal["raise", "skip"] = "raise",
+    text: Sequence[str] = (),
+    validate: Callable[[dict[str, Any]], None] | None = None,
 ) -> Records:
     """Read the records at ``path`` and check that every ``required`` field is present and non-empty.
 
     ``path`` is a ``.jsonl`` file (one JSON object per line; blank lines are ignored), a ``.parquet``
-    file, or a directory written by ``datasets.Dataset.save_to_disk`` (needs ``datasets``).
+    file, a directory written by ``datasets.Dataset.save_to_disk`` (needs ``datasets``), or a
+    ``datasets.load_dataset`` spec ``hf:NAME?split=...`` (see :func:`load_dataset_kwargs`). The ``text``
+    fields, where present, must be strings; a number there is converted with ``str`` (``"answer": 46``) and a
+    null counts as absent (``required`` fields must not be null).
+    Every string in a record must be encodable as UTF-8. ``validate(record)``, if given, runs after these
+    checks; a ``ValueError`` it raises is that record's problem (reported with its file and line, or skipped).
+    A path without any (usable) record is an error.
     """
     if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    path = Path(path)
-    if not path.exists():
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    spec, path = str(path), Path(path)
+    if spec.startswith(LOAD_DATASET_PREFIX):
+        rows = _load_dataset_rows(spec)
+    elif not path.exists():
         raise RecordError(f"{path}: no such file or directory{_nearby(path)}")
-    if path.is_dir():
+    elif path.is_dir():
         rows = _dataset_rows(path)
     elif path.suffix == ".jsonl":
         rows = _jsonl_rows(path)
@@ -64,6 +79,12 @@ def load_records(
             if isinstance(row, RecordError):
                 raise row
             _check_required(row, required, where)
+            _check_text(row, text, where)
+            if validate is not None:
+                try:
+                    validate(row)
+                except ValueError as err:
+                    raise RecordError(f"{where}: {err}") from None
         except RecordError as err:
             if on_error == "raise":
                 raise
@@ -71,6 +92,9 @@ def load_records(
             first_problem = first_problem or str(err)
             continue
         records.append(row)
+    if not records:
+        raise RecordError(f"{path}: no records" + (f" left after skipping {skipped} bad one(s); first: {first_problem}"
+                                                   if skipped else ""))
     if skipped:
         log.warning("%s: skipped %d bad record(s) of %d; first: %s", path, skipped, skipped + len(records),
                     first_problem)
@@ -84,6 +108,38 @@ def _check_required(row: dict[str, Any], required: Sequence[str], where: str) ->
         value = row[field]
         if value is None or (isinstance(value, str) and not value.strip()):
             raise RecordError(f"{where}: required field {field!r} is empty")
+
+
+def _check_text(row: dict[str, Any], text: Sequence[str], where: str) -> None:
+    """Convert numbers in the ``text`` fields to strings and drop nulls there (an optional field left empty, as
+    parquet writes it); refuse other non-strings and unencodable strings."""
+    for field in text:
+        value = row.get(field)
+        if value is None:
+            row.pop(field, None)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[field] = str(value)
+        elif field in row and not isinstance(value, str):
+            raise RecordError(f"{where}: field {field!r} must be a string (or a number), got {type(value).__name__}")
+    for field, value in row.items():
+        for string in _strings(value):
+            try:
+                string.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RecordError(f"{where}: field {field!r} is not encodable text ({err.reason} at character "
+                                  f"{err.start})") from None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside a JSON value."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any] | RecordError]]:
@@ -134,6 +190,40 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise RecordError(f"{path}: holds several splits; point at one of: {splits}")
     for number, row in enumerate(loaded, start=1):
         yield f"{path}: row {number}", row
+
+
+def load_dataset_kwargs(spec: str) -> dict[str, str]:
+    """``hf:NAME?key=value&...`` → keyword arguments of ``datasets.load_dataset``.
+
+    ``NAME`` is a hub id (``openai/gsm8k``) or a local directory of data files; the query sets ``split``
+    (default ``train``; slices such as ``train[:1000]`` work) and any other string argument (``name`` for the
+    dataset config, ``revision``, ``data_dir``). Example: ``hf:openai/gsm8k?name=main&split=test``.
+    """
+    name, _, query = spec.removeprefix(LOAD_DATASET_PREFIX).partition("?")
+    if not name:
+        raise RecordError(f"{spec}: no dataset name after {LOAD_DATASET_PREFIX!r} (e.g. hf:openai/gsm8k?split=train)")
+    kwargs = {"path": name, "split": "train"}
+    for item in filter(None, query.split("&")):
+        key, sep, value = item.partition("=")
+        if not sep or not key or key == "path":
+            raise RecordError(f"{spec}: expected key=value pairs after '?', got {item!r}")
+        kwargs[key] = value
+    return kwargs
+
+
+def _load_dataset_rows(spec: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        import datasets
+    except ImportError:
+        raise RecordError(f"{spec}: loading a datasets.load_dataset name needs the 'datasets' package "
+                          "(pip install datasets)") from None
+    kwargs = load_dataset_kwargs(spec)
+    try:
+        loaded = datasets.load_dataset(**kwargs)
+    except Exception as err:  # datasets raises many types (not found, offline, bad split, bad files): one line each
+        raise RecordError(f"{spec}: datasets.load_dataset failed ({type(err).__name__}: {_one_line(err)})") from None
+    for number, row in enumerate(loaded, start=1):
+        yield f"{spec}: row {number}", row
 
 
 def _nearby(path: Path) -> str:

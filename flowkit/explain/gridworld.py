@@ -5,6 +5,8 @@ masked; that action is the decision to explain. The scripted policy moves along 
 larger gap to the goal (ties → x), so the decision is inferable from the context, and a good
 explanation names the gap that decides it. Reference explanations come in three kinds — informative,
 filler and misleading — so that an LLM fine-tuned on them starts imperfect and rewards can improve it.
+Every record also carries a ``preferred`` explanation (the informative one, as the paper's preferred
+explanations are written knowing the true decision) for the SFT start (seed 000 §4, App. F).
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def implied_decision(step: Step, kind: str) -> str | None:
 
 def make_records(num: int, seed: int, size: int = 6,
                  kinds: tuple[float, float, float] = (0.5, 0.25, 0.25)) -> list[dict]:
-    """``num`` records ``{context, decisions, decision, explanation, kind, implied}`` from fresh episodes."""
+    """``num`` records ``{context, decisions, decision, explanation, kind, implied, preferred}`` from fresh
+    episodes (``preferred`` draws nothing from ``rng``, so the other fields do not depend on it)."""
     rng = random.Random(seed)
     records = []
     while len(records) < num:
@@ -116,5 +119,6 @@ def make_records(num: int, seed: int, size: int = 6,
             "explanation": explanation(last, kind, rng),
             "kind": kind,
             "implied": implied_decision(last, kind),
+            "preferred": explanation(last, "informative", rng),
         })
     return records

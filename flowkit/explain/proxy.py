@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from flowkit.explain.prompts import proxy_prompt
+from flowkit.explain.prompts import formatted_proxy_prompt
 
 
 @torch.no_grad()
@@ -66,8 +66,16 @@ def rejection_mask(logits: Tensor, target: Tensor) -> Tensor:
 
 
 def proxy_probabilities(proxies: Sequence[tuple[PreTrainedModel, PreTrainedTokenizerBase]], contexts: Sequence[str],
-                        reasonings: Sequence[str], decisions: Sequence[Sequence[str]], max_rows: int = 256) -> Tensor:
-    """softmax_a M_k(a | x^g) for every proxy k: ``[K_p, B, |A|]`` (the flow's targets z1, §3.2)."""
-    prompts = [proxy_prompt(c, r) for c, r in zip(contexts, reasonings, strict=True)]
-    return torch.stack([decision_logits(model, tokenizer, prompts, decisions, max_rows).softmax(-1)
-                        for model, tokenizer in proxies])
+                        reasonings: Sequence[str], decisions: Sequence[Sequence[str]], max_rows: int = 256,
+                        prompt_formats: Sequence[str] | None = None) -> Tensor:
+    """softmax_a M_k(a | x^g) for every proxy k: ``[K_p, B, |A|]`` (the flow's targets z1, §3.2).
+
+    ``prompt_formats``: per proxy, ``chat`` (its tokenizer's chat template) or ``text``; None is text for all.
+    """
+    formats = prompt_formats or ["text"] * len(proxies)
+    out = []
+    for (model, tokenizer), prompt_format in zip(proxies, formats, strict=True):
+        prompts = [formatted_proxy_prompt(c, r, tokenizer, prompt_format)
+                   for c, r in zip(contexts, reasonings, strict=True)]
+        out.append(decision_logits(model, tokenizer, prompts, decisions, max_rows).softmax(-1))
+    return torch.stack(out)

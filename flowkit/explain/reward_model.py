@@ -58,13 +58,21 @@ def explanation_inputs(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) 
 
 
 class FlowRewardModel(nn.Module):
-    """φ plus the hyper-parameters of its use: σ of Z0, Euler steps, number of z0 draws per reward."""
+    """φ plus the hyper-parameters of its use: σ of Z0, Euler steps, number of z0 draws per reward, and
+    the rows per backbone pass when encoding contexts (``encode_batch_size``)."""
 
     def __init__(self, num_decisions: int, hidden_size: int, sigma: float = 1.0, num_steps: int = 8,
-                 num_draws: int = 16, time_dim: int = 64, projector_dim: int = 256, use_attention: bool = True):
+                 num_draws: int = 16, time_dim: int = 64, projector_dim: int = 256, use_attention: bool = True,
+                 encode_batch_size: int = 8):
         super().__init__()
         self.sigma, self.num_steps, self.num_draws = sigma, num_steps, num_draws
+        self.encode_batch_size = encode_batch_size
         self.flow = ExplanationFlow(num_decisions, hidden_size, time_dim, projector_dim, use_attention)
+
+    def encode(self, backbone, input_ids: Tensor, attention_mask: Tensor) -> ContextEncoding:
+        """:func:`encode_context` keeping the final hidden states only for the attention-free flow."""
+        return encode_context(backbone, input_ids, attention_mask, self.encode_batch_size,
+                              keep_hidden=not self.flow.use_attention)
 
     def loss(self, context: ContextEncoding, targets: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Eq. 3 on whole explanations: ``targets`` [B, |A|] = softmax of a proxy's logits per row."""
@@ -76,20 +84,23 @@ class FlowRewardModel(nn.Module):
         return flow_matching_loss(velocity, targets.float(), self.sigma, generator)
 
     @torch.no_grad()
-    def predict(self, context: ContextEncoding, generator: torch.Generator | None = None) -> Tensor:
-        """Mean over draws of z1 after the whole explanation: ``[B, |A|]``."""
+    def predict_draws(self, context: ContextEncoding, generator: torch.Generator | None = None) -> Tensor:
+        """The ``num_draws`` z1 samples after the whole explanation: ``[B, M, |A|]``."""
         batch = context.lengths.shape[0]
         prefixes = context.lengths[:, None].expand(-1, self.num_draws)
         z0 = self.sigma * torch.randn(batch, self.num_draws, self.flow.num_decisions, generator=generator,
                                       device=prefixes.device)
-        z1 = euler_sample(lambda t, z: self.flow(t, z, context, prefixes), z0, self.num_steps)
-        return z1.mean(1)
+        return euler_sample(lambda t, z: self.flow(t, z, context, prefixes), z0, self.num_steps)
+
+    def predict(self, context: ContextEncoding, generator: torch.Generator | None = None) -> Tensor:
+        """Mean over draws of z1 after the whole explanation: ``[B, |A|]``."""
+        return self.predict_draws(context, generator).mean(1)
 
     @torch.no_grad()
     def sentence_rewards(self, backbone, inputs: ExplanationInputs, decisions: Tensor,
                          generator: torch.Generator | None = None) -> SentenceRewards:
         """Eq. 5 rewards of every sentence from one backbone pass per explanation."""
-        context = encode_context(backbone, inputs.input_ids, inputs.attention_mask)
+        context = self.encode(backbone, inputs.input_ids, inputs.attention_mask)
         prefixes, prefix_mask = prefix_table(inputs.prompt_lengths, inputs.sentence_ends)
         return flow_sentence_rewards(self.flow, context, prefixes, prefix_mask, decisions, self.num_draws,
                                      self.num_steps, self.sigma, generator)

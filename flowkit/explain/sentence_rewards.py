@@ -1,7 +1,9 @@
 """Per-sentence rewards from the trained flow (seed 000 §3.2, Eq. 5) in one backbone pass per explanation.
 
 For explanation y = s^1..s^K the flow is evaluated at K + 1 prefixes — the prompt alone and the prompt
-plus s^{1:k} — each from the same M draws of z0, Euler-integrated to z1 ≈ softmax of the proxy logits.
+plus s^{1:k} — each from the same M draws of z0 (common random numbers: the draw noise is shared by
+p_k and p_{k−1} and largely cancels in their difference), Euler-integrated to z1 ≈ softmax of the proxy
+logits.
 p_k(a*) is the mean over draws of z1[a*]; r(s^k) = p_k(a*) − p_{k−1}(a*). Under causal attention the
 last-layer K/V of a prefix are the first entries of the full sequence's K/V, so all K + 1 prefixes read
 one :func:`encode_context` pass and differ only in ``prefix_lengths`` (keys [0, end_k)).
@@ -85,11 +87,14 @@ def flow_sentence_rewards(flow: ExplanationFlow, context: ContextEncoding, prefi
                           prefix_mask: Tensor, decisions: Tensor, num_draws: int, num_steps: int,
                           sigma: float = 1.0, generator: torch.Generator | None = None,
                           z0: Tensor | None = None) -> SentenceRewards:
-    """Sentence rewards of every row from one context encoding per row (see module docstring)."""
+    """Sentence rewards of every row from one context encoding per row (see module docstring).
+
+    ``z0`` [B, P, M, |A|] overrides the draws; by default one set of M draws per row serves all its prefixes.
+    """
     batch, num_prefixes = prefix_lengths.shape
     if z0 is None:
-        z0 = sigma * torch.randn(batch, num_prefixes, num_draws, flow.num_decisions, generator=generator,
-                                 device=prefix_lengths.device)
+        z0 = sigma * torch.randn(batch, 1, num_draws, flow.num_decisions, generator=generator,
+                                 device=prefix_lengths.device).expand(-1, num_prefixes, -1, -1)
     z1 = flow_samples(flow, context, prefix_lengths, z0, num_steps)
     true = z1.gather(-1, decisions.view(-1, 1, 1, 1).expand(-1, num_prefixes, z1.shape[2], 1)).squeeze(-1)
     probs = true.mean(-1)

@@ -1,11 +1,18 @@
 """Flow matching on hidden states: the velocity field and the path / loss / deviation math (RLFR §3)."""
 
-from flowkit.flow.matching import flow_matching_loss, sample_logit_normal, scored_token_mask, velocity_deviation_scores
+from flowkit.flow.matching import (
+    flow_matching_loss,
+    pretraining_flow_loss,
+    sample_logit_normal,
+    scored_token_mask,
+    velocity_deviation_scores,
+)
 from flowkit.flow.velocity_field import VelocityField
 
 __all__ = [
     "VelocityField",
     "flow_matching_loss",
+    "pretraining_flow_loss",
     "sample_logit_normal",
     "scored_token_mask",
     "velocity_deviation_scores",

@@ -12,11 +12,16 @@ import torch
 from torch import Tensor, nn
 
 
-def sinusoidal_embedding(values: Tensor, dim: int = 256, max_period: float = 10000.0, scale: float = 1000.0) -> Tensor:
-    """DiT-style embedding of scalars in [0, 1]: ``dim/2`` cosines and sines of ``scale·values``."""
+def sinusoidal_frequencies(dim: int = 256, max_period: float = 10000.0, device=None) -> Tensor:
+    """The ``dim/2`` frequencies ``exp(−ln(max_period)·i/(dim/2))`` (the official code stores them as a ``freqs`` buffer)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=values.device, dtype=torch.float32) / half)
-    args = scale * values.float()[:, None] * freqs[None]
+    return torch.exp(-math.log(max_period) * torch.arange(half, device=device, dtype=torch.float32) / half)
+
+
+def sinusoidal_embedding(values: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:
+    """``[cos(v·f), sin(v·f)]`` of scalars v in [0, 1]: t and the layer position ℓ = block/L, fed unscaled as the
+    official code does (no DiT-style ×1000), so converted official weights give the official outputs."""
+    args = values.float()[:, None] * sinusoidal_frequencies(dim, max_period, values.device)[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
@@ -39,15 +44,13 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
 
 
 class AdaLNBlock(nn.Module):
-    """RMSNorm → adaLN(shift, scale) → Linear→SiLU→Linear → gated residual; adaLN zero-initialised."""
+    """RMSNorm → adaLN(shift, scale) → Linear→SiLU→Linear → gated residual."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, norm_eps: float = 1e-6):
         super().__init__()
-        self.norm = nn.RMSNorm(width, eps=1e-6)
+        self.norm = nn.RMSNorm(width, eps=norm_eps)
         self.mlp = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
         self.ada_ln = nn.Sequential(nn.SiLU(), nn.Linear(width, 3 * width))
-        nn.init.zeros_(self.ada_ln[1].weight)
-        nn.init.zeros_(self.ada_ln[1].bias)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         shift, scale, gate = self.ada_ln(y).chunk(3, dim=-1)
@@ -61,10 +64,16 @@ class VelocityField(nn.Module):
         hidden_size: d, the policy's hidden size (the latents' dimension).
         width: w, the field's width (default d).
         depth: number of residual adaLN blocks (paper: 4 for ≤3B policies, 6 for 7B/8B).
-        conditioned: whether a condition latent c (the next token's latent, §3.3) is given.
+        conditioned: whether a condition latent c (a neighbouring token's latent, §3.3) is given.
+        norm_eps: ε of the RMSNorms; the official code uses the backbone's ``rms_norm_eps``
+            (:meth:`~flowkit.rewards.FlowReward.bind` passes it).
+
+    Initialisation (official): every Linear xavier-uniform with zero bias, then the adaLN projections and the
+    output Linear zeroed (adaLN-Zero), so a fresh field outputs v = 0.
     """
 
-    def __init__(self, hidden_size: int, width: int | None = None, depth: int = 4, conditioned: bool = True):
+    def __init__(self, hidden_size: int, width: int | None = None, depth: int = 4, conditioned: bool = True,
+                 norm_eps: float = 1e-6):
         super().__init__()
         width = width or hidden_size
         self.hidden_size, self.width, self.depth, self.conditioned = hidden_size, width, depth, conditioned
@@ -72,13 +81,16 @@ class VelocityField(nn.Module):
         self.t_embed = ScalarEmbedder(width)
         self.layer_embed = ScalarEmbedder(width)
         self.cond_proj = nn.Linear(hidden_size, width) if conditioned else None
-        self.blocks = nn.ModuleList(AdaLNBlock(width) for _ in range(depth))
-        self.final_norm = nn.RMSNorm(width, eps=1e-6)
+        self.blocks = nn.ModuleList(AdaLNBlock(width, norm_eps) for _ in range(depth))
+        self.final_norm = nn.RMSNorm(width, eps=norm_eps)
         self.final_ada_ln = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
         self.output_proj = nn.Linear(width, hidden_size)
-        for layer in (self.final_ada_ln[1], self.output_proj):
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        for layer in (*(block.ada_ln[1] for block in self.blocks), self.final_ada_ln[1], self.output_proj):
             nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
 
     def forward(self, x_t: Tensor, t: Tensor, layer_position: Tensor, condition: Tensor | None = None) -> Tensor:
         """x_t: M×d, t: M, layer_position: M (h/L), condition: M×d or None → velocity M×d."""

@@ -112,6 +112,7 @@ def velocity_deviation_in_chunks(
     seed: int,
     mask: torch.Tensor,
     max_rows: int | None = None,
+    token_offset: int = 0,
 ) -> torch.Tensor:
     """Prologue → ``velocity`` → epilogue over chunks of tokens, at most ``max_rows`` stacked rows per call.
 
@@ -125,6 +126,7 @@ def velocity_deviation_in_chunks(
             tokens ``tokens`` (a slice of range(N)).
         x1, timesteps, weights, seed, mask: as in :func:`velocity_deviation`.
         max_rows: row budget per call; None runs all ``P·T·N`` rows at once.
+        token_offset: global index of token 0 of ``x1`` (non-zero when ``x1`` is a micro-batch of a larger batch).
 
     Returns:
         ``(N,)`` scores, as :func:`velocity_deviation`.
@@ -138,8 +140,9 @@ def velocity_deviation_in_chunks(
     def score_chunk(tokens: slice) -> torch.Tensor:
         # a function, so the chunk's x_t and v are freed before the next chunk allocates its own
         x1_chunk = x1[:, tokens].contiguous()
-        v = velocity(interpolate_latents(x1_chunk, timesteps, seed, token_offset=tokens.start), tokens)
-        return velocity_deviation(v, x1_chunk, timesteps, weights, seed, mask[tokens], token_offset=tokens.start)
+        offset = token_offset + tokens.start
+        v = velocity(interpolate_latents(x1_chunk, timesteps, seed, token_offset=offset), tokens)
+        return velocity_deviation(v, x1_chunk, timesteps, weights, seed, mask[tokens], token_offset=offset)
 
     scores = [score_chunk(slice(start, min(start + chunk, num_tokens))) for start in range(0, num_tokens, chunk)]
     return torch.cat(scores) if scores else x1.new_zeros(0, dtype=torch.float32)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -14,6 +19,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from transformers.utils import logging as hf_logging
+
+from flowkit.errors import ConfigError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -21,8 +29,17 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
+# Files that hold a tokenizer's vocabulary; a local model directory without any loads an empty tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 class BackboneError(ValueError):
     """A model path or hub id that cannot be loaded as a causal LM (one-line message)."""
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def resolve_backbone_path(name_or_path: str) -> str:
@@ -40,7 +57,7 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in _DTYPES:
-        raise BackboneError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
+        raise ConfigError(f"dtype must be one of {', '.join(sorted(_DTYPES))}, got {name!r}")
     return _DTYPES[name]
 
 
@@ -52,28 +69,50 @@ def load_backbone(
     """Load ``(model, tokenizer)`` with ``from_pretrained``; errors are one line naming the path.
 
     A local path that does not exist fails before any hub lookup, so a typo never turns into a
-    download attempt.
+    download attempt. A bad ``dtype`` is a :class:`~flowkit.errors.ConfigError`, found before anything loads;
+    a config that is not a causal LM's, weights that do not load (e.g. a truncated file) and a local directory
+    without tokenizer files are each a :class:`BackboneError`.
     """
+    torch_dtype(dtype)
     path = resolve_backbone_path(name_or_path)
     looks_local = path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
+    if looks_local and Path(path).expanduser().is_file():
+        raise BackboneError(f"model path {path!r} is a file; give the model's directory (config, weights, tokenizer)")
     if looks_local and not Path(path).expanduser().is_dir():
         raise BackboneError(f"model path {path!r} does not exist")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as err:  # HF raises OSError/ValueError/EnvironmentError variants
-        raise BackboneError(f"cannot load a model config from {path!r}: {str(err).splitlines()[0]}") from None
+        raise BackboneError(f"cannot load a model config from {path!r}: {_first_line(err)}") from None
+    remote_causal_lm = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not remote_causal_lm:
+        raise BackboneError(f"{path!r} is not a causal LM (config type {config.model_type!r})")
+    if looks_local and not any((Path(path).expanduser() / name).is_file() for name in _TOKENIZER_FILES):
+        raise BackboneError(f"model directory {path!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
-        )
-    except ValueError as err:
-        raise BackboneError(
-            f"{path!r} is not a causal LM (config type {config.model_type!r}): {str(err).splitlines()[0]}"
-        ) from None
+        with _weights_bar_only_on_a_terminal():
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+            )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # e.g. truncated or mismatched weights
+        raise BackboneError(f"cannot load the weights of {path!r}: {_first_line(err)}") from None
     tokenizer = load_tokenizer(path, trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _weights_bar_only_on_a_terminal() -> Iterator[None]:
+    """transformers' "Loading weights" bar, redrawn in place on a terminal, is a stack of lines in a redirected log."""
+    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

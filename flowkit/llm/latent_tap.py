@@ -11,16 +11,18 @@ from flowkit.llm.backbone import decoder_layers
 
 
 def tapped_layer_indices(percentiles: Sequence[float], num_layers: int) -> list[int]:
-    """Hidden-state indices ``h = min(round(p·L), L−1)`` (at least 1) for layer percentiles ``p``.
+    """Hidden-state indices ``h = min(round(p·L), L−1) + 1`` for layer percentiles ``p``, as the official RLFR code taps.
 
-    Indices follow HF's ``output_hidden_states`` convention: ``h`` is the output of decoder block
-    ``h − 1``; ``h = L`` (the last block, shaped by the LM head) is excluded (RLFR App. B).
+    The official code hooks decoder block ``model.layers[min(round(p·L), L−1)]`` (0-based); its output is HF's
+    ``output_hidden_states`` entry ``h`` = block index + 1 (for L = 28: 8 / 15 / 22 at P = 0.25 / 0.5 / 0.75).
+    The block index is clamped to L−1 only because block L does not exist; the tap records the block's own output,
+    so at h = L it is the last block's output before the final norm (HF's last hidden state is after it).
     """
     indices = []
     for p in percentiles:
         if not 0.0 < p <= 1.0:
             raise ValueError(f"layer percentile must be in (0, 1], got {p}")
-        indices.append(max(1, min(round(p * num_layers), num_layers - 1)))
+        indices.append(min(round(p * num_layers), num_layers - 1) + 1)
     return indices
 
 
@@ -42,8 +44,8 @@ class LatentTap:
 
     @property
     def layer_positions(self) -> list[float]:
-        """The layer-position value ``h / L`` fed to the velocity field for each tap."""
-        return [h / self.num_layers for h in self.indices]
+        """The layer-position value fed to the velocity field for each tap: block index / L = (h − 1) / L (official)."""
+        return [(h - 1) / self.num_layers for h in self.indices]
 
     def __enter__(self) -> LatentTap:
         self._captured = [None] * len(self.indices)

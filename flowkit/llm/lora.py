@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
 
@@ -18,6 +19,10 @@ class LoraSettings:
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+
+
+# Saved in the hyper-parameters of every LoRA run's checkpoint, which Lightning and flowkit load with weights_only.
+torch.serialization.add_safe_globals([LoraSettings])
 
 
 def apply_lora(model: PreTrainedModel, settings: LoraSettings):

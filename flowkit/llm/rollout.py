@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from flowkit.batch import RolloutBatch
 from flowkit.llm.latent_tap import LatentTap
@@ -25,6 +25,17 @@ def forward_logits(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
     return model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids(batch.attention_mask)
     ).logits
+
+
+def forward_hidden(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
+    """Last hidden state (B×S×d) of a causal LM over the batch, positioned as during generation, without
+    the LM head: callers put only the positions they need through ``model.get_output_embeddings()`` (see
+    :func:`flowkit.rl.logprobs.lm_head_logprobs`). Works through PEFT wrappers, whose injected LoRA layers
+    live inside the decoder. Assumes logits = lm_head(hidden) (true of Llama / Qwen / Mistral-style models;
+    not of models that soft-cap or rescale logits after the head)."""
+    return model.get_decoder()(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids(batch.attention_mask)
+    ).last_hidden_state
 
 
 def _zero3_partitioned(model: torch.nn.Module) -> bool:
@@ -43,8 +54,30 @@ def _response_mask(generated: Tensor, eos_token_id: int | None) -> Tensor:
     return (~after_eos).float()
 
 
+class _NonFiniteGuard(LogitsProcessor):
+    """Notes non-finite next-token scores (NaN / inf weights) and replaces them by finite ones, so sampling
+    does not crash inside ``generate`` and the caller can apply its own non-finite policy afterwards."""
+
+    def __init__(self):
+        self.seen = False
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if torch.isfinite(scores).all():
+            return scores
+        self.seen = True
+        return torch.nan_to_num(scores, nan=0.0, posinf=torch.finfo(scores.dtype).max, neginf=torch.finfo(scores.dtype).min)
+
+
 class RolloutEngine:
-    """Samples ``n`` responses per prompt with HF ``generate`` and packs them into a :class:`RolloutBatch`."""
+    """Samples ``n`` responses per prompt with HF ``generate`` and packs them into a :class:`RolloutBatch`.
+
+    Args:
+        rollout_batch_size: sequences (prompts × n) per ``generate`` call, which bounds the KV cache; a multiple
+            of ``n`` (whole groups per call). None: all prompts in one call.
+
+    After each :meth:`generate`, :attr:`saw_nonfinite_logits` says whether any next-token score was NaN or
+    inf (the sequences are then garbage; the policy module skips or fails the step).
+    """
 
     def __init__(
         self,
@@ -53,9 +86,12 @@ class RolloutEngine:
         max_new_tokens: int = 1024,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        rollout_batch_size: int | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.rollout_batch_size = rollout_batch_size
+        self.saw_nonfinite_logits = False
 
     @torch.no_grad()
     def generate(
@@ -67,11 +103,23 @@ class RolloutEngine:
     ) -> RolloutBatch:
         """``n`` samples per prompt (rows grouped: prompt i → rows i·n … i·n+n−1); temperature 0 is greedy."""
         temperature = self.temperature if temperature is None else temperature
+        self.saw_nonfinite_logits = False
+        per_call = len(prompts) if self.rollout_batch_size is None else max(1, self.rollout_batch_size // n)
+        chunks = [self._generate(prompts[i:i + per_call], n, answers[i:i + per_call] if answers is not None else None,
+                                 temperature) for i in range(0, len(prompts), per_call)]
+        if len(chunks) == 1:
+            return chunks[0]
+        batch = RolloutBatch.cat(chunks)
+        batch.group_ids = torch.arange(len(prompts), device=batch.group_ids.device).repeat_interleave(n)
+        return batch
+
+    def _generate(self, prompts: list[str], n: int, answers: list[str] | None, temperature: float) -> RolloutBatch:
         device = next(self.model.parameters()).device
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
         sampling = {"do_sample": True, "temperature": temperature, "top_p": self.top_p} if temperature > 0 else {"do_sample": False}
         was_training = self.model.training
         self.model.eval()
+        guard = _NonFiniteGuard()
         output = self.model.generate(
             **encoded,
             max_new_tokens=self.max_new_tokens,
@@ -79,9 +127,11 @@ class RolloutEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
             synced_gpus=_zero3_partitioned(self.model),
+            logits_processor=LogitsProcessorList([guard]),
             **sampling,
         )
         self.model.train(was_training)
+        self.saw_nonfinite_logits |= guard.seen
         prompt_len = encoded["input_ids"].shape[1]
         generated = output[:, prompt_len:]
         response_mask = _response_mask(generated, self.tokenizer.eos_token_id)

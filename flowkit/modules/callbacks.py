@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from flowkit.checkpointing import replaced_directory
 from flowkit.strategies import full_parameters
 
 
@@ -14,18 +15,35 @@ class ExportArtifacts(L.Callback):
     """At the end of fit, write the module's deployable artifacts into ``<log_dir>/export``.
 
     The module must define ``export_artifacts(directory) -> dict[str, Path]`` (the policy in HF format
-    and the flow in safetensors for :class:`~flowkit.modules.policy.PolicyModule`).
+    and the flow in safetensors for :class:`~flowkit.modules.policy.PolicyModule`). The directory is
+    replaced whole (:func:`~flowkit.checkpointing.replaced_directory`). A fit that trains nothing because it
+    resumed a finished run (killed after its final checkpoint, before the export) exports too, at its end.
     """
 
     def __init__(self, subdir: str = "export"):
         self.subdir = subdir
+        self._exported = False
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._exported = False
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.export(trainer, pl_module)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning skips the training loop, and with it on_train_end, when the restored run already met its
+        # stopping condition ("max_steps reached").
+        if not self._exported:
+            self.export(trainer, pl_module)
+
+    def export(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Every rank must take part: `log_dir` is a broadcast, and ZeRO-3 gathers the sharded weights.
         directory = Path(trainer.log_dir or trainer.default_root_dir) / self.subdir
+        self._exported = True
         with full_parameters(trainer, pl_module):
             if not trainer.is_global_zero:
                 return
-            paths = pl_module.export_artifacts(directory)
+            with replaced_directory(directory) as staging:
+                paths = pl_module.export_artifacts(staging)
         for name, path in paths.items():
-            rank_zero_info(f"exported {name}: {path}")
+            rank_zero_info(f"exported {name}: {directory / path.relative_to(staging)}")

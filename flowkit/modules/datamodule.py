@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
+from transformers import PreTrainedTokenizerBase
 
-from flowkit.data.records import load_records
+from flowkit.data.records import LOAD_DATASET_PREFIX, RecordError, load_records
+from flowkit.errors import ConfigError, check_range
 from flowkit.llm.backbone import ASSETS
+from flowkit.llm.chat import PROMPT_FORMATS, PromptFormat, format_prompt, is_conversation, resolve_prompt_format
+from flowkit.seeding import run_seed
 
 BUNDLED_ARITHMETIC = ASSETS / "arithmetic"
 
 
-def resolve_data_path(path: str) -> Path:
-    """``bundled:NAME/split.jsonl`` → a file under ``flowkit/assets``; anything else unchanged."""
+def resolve_data_path(path: str) -> Path | str:
+    """``bundled:NAME/split.jsonl`` → a file under ``flowkit/assets``; a ``hf:`` load_dataset spec stays a string."""
     if path.startswith("bundled:"):
         return ASSETS / path.removeprefix("bundled:")
+    if path.startswith(LOAD_DATASET_PREFIX):
+        return path
     return Path(path).expanduser()
 
 
 def _normalize(record: dict[str, Any], prompt_key: str, answer_key: str, solution_key: str | None,
-               template: str) -> dict[str, str]:
-    row = {"prompt": template.replace("{prompt}", str(record[prompt_key])), "answer": str(record[answer_key])}
+               render: Callable[[Any], str]) -> dict[str, str]:
+    row = {"prompt": render(record[prompt_key]), "answer": str(record[answer_key])}
     if solution_key is not None and solution_key in record:
         row["solution"] = str(record[solution_key])
     return row
@@ -70,18 +76,29 @@ class RolloutDataModule(L.LightningDataModule):
     """Prompts (+ reference answers and, for offline flow pretraining, expert solutions).
 
     Args:
-        train_path: JSONL / parquet / ``datasets`` dir of training prompts, or ``bundled:arithmetic/train.jsonl``.
+        train_path: JSONL / parquet / ``datasets`` dir of training prompts, ``bundled:arithmetic/train.jsonl``, or a
+            ``datasets.load_dataset`` spec ``hf:NAME?split=train`` (hub id or local data dir; also for the eval paths).
         val_path: held-out split for ``validate`` (pass@1 / pass@k).
         eval_paths: extra named eval sets, e.g. ``{math500: ../shared/data/math_eval/math500.jsonl}``;
             rows use ``problem`` or ``prompt`` and ``answer``.
         prompt_key, answer_key, solution_key: field names in the training data.
-        prompt_template: how a prompt is shown to the policy; ``{prompt}`` is replaced by the record's
-            prompt (e.g. a chat template with a "put your final answer within \\boxed{}" instruction).
-        batch_size: prompts per RL step (each is sampled ``n`` times by the policy).
+        prompt_format: how a prompt record becomes the policy's input (:mod:`flowkit.llm.chat`): ``chat`` renders
+            it with the policy tokenizer's chat template (``apply_chat_template(..., add_generation_prompt=True)``;
+            a string prompt is one user message, a conversational record ``[{"role", "content"}, ...]`` is used
+            as it is); ``text`` uses ``prompt_template`` alone; ``auto`` (default) is ``chat`` when the tokenizer
+            has a chat template (instruct models), else ``text``.
+        prompt_template: the text of a string prompt, ``{prompt}`` replaced by the record's prompt (e.g. with a
+            "put your final answer within \\boxed{}" instruction); in ``chat`` format, the user message's text.
+        batch_size: prompts per RL step (optimizer step) across all ranks, as in the paper (128 prompts × n
+            samples); each of the W ranks takes ``batch_size / W`` of them (it must divide).
         val_batch_size: prompts per validation batch.
         max_val_examples: cap on each eval set (``None`` for all).
-        on_error: ``raise`` on a bad record, or ``skip`` it and log a count.
-        seed: shuffling seed of the training stream.
+        on_error: ``raise`` on a bad record, or ``skip`` it and log a count. Records are checked in ``setup``
+            (:func:`~flowkit.data.records.load_records`); with the trained module's tokenizer, a prompt must also
+            encode and, with the module's ``max_new_tokens``, fit its model's context (``max_position_embeddings``);
+            prompts are never truncated. Fewer usable training records than ``batch_size`` is an error.
+        seed: shuffling seed of the training stream; ``None`` (default): the run's global seed
+            (``seed_everything``), so one seed varies the prompt order too; an int pins it.
     """
 
     def __init__(
@@ -92,26 +109,84 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         solution_key: str | None = "solution",
+        prompt_format: PromptFormat = "auto",
         prompt_template: str = "{prompt}",
         batch_size: int = 8,
         val_batch_size: int = 64,
         max_val_examples: int | None = None,
         on_error: Literal["raise", "skip"] = "raise",
-        seed: int = 0,
+        seed: int | None = None,
     ):
         super().__init__()
+        check_range("RolloutDataModule", "batch_size", batch_size, 1)
+        check_range("RolloutDataModule", "val_batch_size", val_batch_size, 1)
+        check_range("RolloutDataModule", "max_val_examples", max_val_examples, 1)
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"RolloutDataModule.on_error must be 'raise' or 'skip', got {on_error!r}")
         self.train_path, self.val_path, self.eval_paths = train_path, val_path, dict(eval_paths or {})
         self.prompt_key, self.answer_key, self.solution_key = prompt_key, answer_key, solution_key
-        self.prompt_template = prompt_template
+        if prompt_format not in PROMPT_FORMATS:
+            raise ConfigError(f"RolloutDataModule.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
+                              f"got {prompt_format!r}")
+        self.prompt_format, self.prompt_template = prompt_format, prompt_template
+        self.tokenizer: PreTrainedTokenizerBase | None = None  # the policy's (see use_module)
+        self._module: L.LightningModule | None = None
+        self._resolved_format: Literal["chat", "text"] | None = None  # prompt_format with `auto` decided, in setup
         self.batch_size, self.val_batch_size, self.max_val_examples = batch_size, val_batch_size, max_val_examples
-        self.on_error, self.seed = on_error, seed
+        self.on_error, self.seed = on_error, run_seed(seed)
         self.train_records: list[dict[str, str]] = []
         self.val_sets: dict[str, list[dict[str, str]]] = {}
         self.next_index = 0
 
     def _load(self, path: str, prompt_key: str, answer_key: str, solution_key: str | None) -> list[dict[str, str]]:
-        records = load_records(resolve_data_path(path), [prompt_key, answer_key], self.on_error)
-        return [_normalize(r, prompt_key, answer_key, solution_key, self.prompt_template) for r in records]
+        text = [answer_key] + ([solution_key] if solution_key else [])
+        budget = self._token_budget()
+        records = load_records(resolve_data_path(path), [prompt_key, answer_key], self.on_error, text,
+                               validate=lambda record: self._check_prompt(record, prompt_key, solution_key, budget))
+        return [_normalize(r, prompt_key, answer_key, solution_key, self._format_prompt) for r in records]
+
+    def _check_prompt(self, record: dict[str, Any], prompt_key: str, solution_key: str | None,
+                      budget: tuple[int | None, int, int] | None) -> None:
+        """A prompt is text (a number becomes text) or a conversation. With the policy's tokenizer (``budget`` from
+        :meth:`_token_budget`) it must encode, and its tokens plus ``max_new_tokens`` must fit the policy's context, as
+        must prompt plus expert solution: prompts are never truncated."""
+        prompt = record[prompt_key]
+        if isinstance(prompt, bool) or (not isinstance(prompt, (str, int, float)) and not is_conversation(prompt)):
+            raise ValueError(f"field {prompt_key!r} must be a string or a conversation [{{'role': ..., 'content': "
+                             f"...}}, ...], got {type(prompt).__name__} {repr(prompt)[:40]}")
+        text = self._format_prompt(prompt)
+        if budget is None:
+            return
+        context, max_new_tokens, longest_token = budget
+        if context is not None and len(text) > context * longest_token:  # tokenizing a 50 MB prompt takes minutes
+            raise ValueError(f"the prompt is {len(text)} characters, at least {-(-len(text) // longest_token)} tokens: "
+                             f"beyond the policy's context of {context} tokens (max_position_embeddings)")
+        try:
+            length = len(self.tokenizer(text)["input_ids"])
+        except Exception as err:  # the Rust tokenizers raise TypeError / pyo3 exceptions for text they cannot take
+            raise ValueError(f"the tokenizer cannot encode the prompt ({type(err).__name__}: {err})") from None
+        if context is not None and length + max_new_tokens > context:
+            raise ValueError(f"the prompt is {length} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+                             f"policy's context of {context} tokens (max_position_embeddings)")
+        if context is not None and solution_key in record:
+            total = length + len(self.tokenizer(record[solution_key], add_special_tokens=False)["input_ids"])
+            if total > context:
+                raise ValueError(f"prompt and {solution_key!r} are {total} tokens, beyond the policy's context of "
+                                 f"{context} tokens (max_position_embeddings)")
+
+    def _token_budget(self) -> tuple[int | None, int, int] | None:
+        """With a tokenizer: (the trained model's context in tokens or None, the module's ``max_new_tokens`` or 0,
+        the most characters one token covers, its longest vocabulary entry); else None."""
+        if self.tokenizer is None:
+            return None
+        module = self._module
+        model = getattr(module, "policy", None) or getattr(module, "backbone", None)
+        context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        max_new_tokens = int(getattr(module, "hparams", {}).get("max_new_tokens", 0))
+        return context, max_new_tokens, max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def _format_prompt(self, prompt: Any) -> str:
+        return format_prompt(prompt, self.tokenizer, self._resolved_format, self.prompt_template)
 
     def _load_eval(self, path: str) -> list[dict[str, str]]:
         first = load_records(resolve_data_path(path), [], "raise")[:1]
@@ -119,9 +194,23 @@ class RolloutDataModule(L.LightningDataModule):
         rows = self._load(path, prompt_key, self.answer_key, None)
         return rows[: self.max_val_examples] if self.max_val_examples else rows
 
+    def use_module(self, module: L.LightningModule) -> None:
+        """Render and check prompts for ``module``: its tokenizer (chat template), context length, max_new_tokens.
+
+        ``setup`` takes the trained module; the CLI calls this and ``setup`` before the Trainer is built, so a bad
+        record is reported before any work starts."""
+        self._module = module
+        self.tokenizer = getattr(module, "tokenizer", None)
+
     def setup(self, stage: str | None = None) -> None:
+        if self._module is None and self.trainer is not None:
+            self.use_module(self.trainer.lightning_module)
+        self._resolved_format = resolve_prompt_format(self.prompt_format, self.tokenizer)
         if stage in (None, "fit") and not self.train_records:
             self.train_records = self._load(self.train_path, self.prompt_key, self.answer_key, self.solution_key)
+            if len(self.train_records) < self.batch_size:
+                raise RecordError(f"{resolve_data_path(self.train_path)}: {len(self.train_records)} usable record(s) "
+                                  f"cannot fill one batch of RolloutDataModule.batch_size {self.batch_size}")
         if not self.val_sets:
             sources = ({"heldout": self.val_path} if self.val_path else {}) | self.eval_paths
             self.val_sets = {name: self._load_eval(path) for name, path in sources.items()}
@@ -132,9 +221,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        stream = PromptStream(self.train_records, self.batch_size, self.seed, rank, world_size)
+        stream = PromptStream(self.train_records, self.per_rank_batch_size(world_size), self.seed, rank, world_size)
         stream.start_index = self.next_index
         return DataLoader(stream, batch_size=None)
+
+    def per_rank_batch_size(self, world_size: int) -> int:
+        """Prompts each rank draws per step: ``batch_size`` is the global batch of all ``world_size`` ranks."""
+        if self.batch_size % world_size:
+            raise ConfigError(f"RolloutDataModule.batch_size ({self.batch_size}, prompts per step across all ranks) "
+                              f"must be divisible by the number of ranks ({world_size})")
+        return self.batch_size // world_size
 
     def val_dataloader(self) -> list[DataLoader]:
         return [DataLoader(rows, batch_size=self.val_batch_size, collate_fn=collate_records) for rows in self.val_sets.values()]
@@ -142,10 +238,10 @@ class RolloutDataModule(L.LightningDataModule):
     def expert_batches(self, batch_size: int, seed: int) -> Iterator[dict[str, list[str]]]:
         """Endless shuffled batches of (prompt, solution) pairs for offline flow pretraining."""
         rows = [r for r in self.train_records if "solution" in r]
-        if not rows:
-            raise ValueError(f"offline flow pretraining needs a {self.solution_key!r} field in {self.train_path}")
-        stream = PromptStream(rows, min(batch_size, len(rows)), seed)
-        yield from iter(stream)
+        if not rows:  # raised here, when pretraining asks for its batches, before its first step
+            raise RecordError(f"{resolve_data_path(self.train_path)}: offline flow pretraining (flow_pretrain_steps > 0)"
+                              f" needs expert solutions, and no record has a {self.solution_key!r} field")
+        return iter(PromptStream(rows, min(batch_size, len(rows)), seed))
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if self.trainer is not None and self.trainer.training and isinstance(batch, dict) and "index" in batch:

@@ -42,7 +42,8 @@ class FlowRewardModule(L.LightningModule):
         self.backbone.requires_grad_(False).eval()
         self.reward_model = reward_model or FlowReward()
         self.tap = LatentTap(self.backbone, self.reward_model.percentiles)
-        self.reward_model.bind(self.backbone.config.hidden_size, self.tap.layer_positions)
+        self.reward_model.bind(self.backbone.config.hidden_size, self.tap.layer_positions,
+                               getattr(self.backbone.config, "rms_norm_eps", None))
         self.generator = torch.Generator()
 
     def on_fit_start(self) -> None:

@@ -1,11 +1,15 @@
 """RBRL (seed 002): ``SelectorModule`` (attention rule policy + discrete SAC) and ``RuleEnvDataModule``
 (the environment-step data source whose replay buffer feeds the training steps).
 
-Per training step (Alg. 1): the module asks the DataModule to take ``env_steps_per_update`` agent
-steps with the current policy (rules generated, one selected, acted on, judged, transition stored),
-then does one SAC update on a replay batch. At the end of ``fit`` it evaluates, over the DataModule's
-evaluation seeds, the trained selector against uniform-random rule choice and every fixed rule, prints
-the table and writes it to ``<log_dir>/results.json``.
+Per training step, as the official ``sac_attention.py``: the DataModule takes one step in each of its
+``num_envs`` environments with the current policy (Alg. 1: rules generated, one sampled, acted on, judged,
+transitions stored), then the module does ``critic_updates`` critic updates and ``actor_updates`` actor
+(+ temperature) updates, each on its own replay batch; every ``target_update_interval`` steps the target
+critics move by τ (τ = 1: a hard copy); every ``eval_interval`` steps the greedy selector plays the
+DataModule's ``eval_envs`` fixed-seed episodes and episode return, rule reward and the entropy of the rule
+choice are logged (``eval/*``) and appended to ``<log_dir>/eval_curve.jsonl``. At the end of ``fit`` it
+evaluates, over the DataModule's evaluation seeds, the trained selector against uniform-random rule
+choice and every fixed rule, prints the table and writes it to ``<log_dir>/results.json``.
 """
 
 from __future__ import annotations
@@ -20,19 +24,34 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, IterableDataset
 
+from flowkit.errors import ConfigError
 from flowkit.rbrl import sac
-from flowkit.rbrl.agent import Observation, RuleAgent, StepRecord, evaluate, fixed_rule_chooser, random_chooser
+from flowkit.rbrl.agent import (
+    Observation, RuleAgent, StepRecord, evaluate, fixed_rule_chooser, random_chooser, run_episode,
+)
 from flowkit.rbrl.encoder import EmbeddingCache
-from flowkit.rbrl.envs import make_env
+from flowkit.rbrl.envs import ENVIRONMENTS, make_env
+from flowkit.rbrl.backends import ChatBackend
 from flowkit.rbrl.judges import Judge
+from flowkit.rbrl.llm_source import CoTLLMAgent
+from flowkit.rbrl.numeric import NumericPPO, NumericSAC
 from flowkit.rbrl.policy import RuleAttentionNetwork, masked_log_softmax
 from flowkit.rbrl.replay import ReplayBuffer, pad_rules
 from flowkit.rbrl.sources import RuleSource
 
 TRAIN_SEED_OFFSET = 1_000_000  # training episodes never reuse an evaluation episode's seed
+CURVE_SEED_OFFSET = 500_000  # the learning curve's fixed evaluation episodes
 
 
-class _ReplayBatches(IterableDataset):
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+class _TrainingSteps(IterableDataset):
+    """One item per training step (its index): the module samples its own replay batches, several per
+    step (``critic_updates`` + ``actor_updates``), after the step's environment interaction."""
+
     def __init__(self, datamodule: RuleEnvDataModule):
         self.datamodule = datamodule
 
@@ -40,9 +59,7 @@ class _ReplayBatches(IterableDataset):
         return self.datamodule.updates_per_epoch
 
     def __iter__(self):
-        dm = self.datamodule
-        for _ in range(dm.updates_per_epoch):
-            yield dm.buffer.sample(dm.batch_size, dm.generator)
+        yield from range(self.datamodule.updates_per_epoch)
 
 
 class RuleEnvDataModule(LightningDataModule):
@@ -53,8 +70,19 @@ class RuleEnvDataModule(LightningDataModule):
         rules: where candidate rules and rule-following actions come from.
         judge: the rule-reward judge.
         max_rules: rule sets are truncated/padded to this many.
+        num_envs: environments stepped in lockstep, one transition each per training step (official 4).
+        batch_size / buffer_size: replay batch and capacity (official 16 / 4096).
+        updates_per_epoch: training steps per epoch.
         embedding_cache: file for cached rule embeddings (default ``<default_root_dir>/rule_embeddings.pt``).
+        eval_envs: fixed-seed episodes of each learning-curve evaluation (official 4, greedy rule choice).
         eval_seeds / eval_episodes: the end-of-fit comparison (episodes per seed).
+        numeric_sac_steps: when > 0, the comparison also trains and evaluates the numeric baseline
+            (:class:`flowkit.rbrl.numeric.NumericSAC`: discrete SAC on the raw state over environment
+            actions, no rules) for this many training steps.
+        numeric_ppo_transitions: when > 0, the comparison also trains and evaluates
+            :class:`flowkit.rbrl.numeric.NumericPPO` (PPO on the raw state) for this many environment transitions.
+        cot_backend: when set, the comparison also runs the chain-of-thought LLM agent baseline
+            (:class:`flowkit.rbrl.llm_source.CoTLLMAgent`, actions straight from the LLM) with this backend.
         log_explanations: append every training step's rule, action and explanation to
             ``<log_dir>/explanations.jsonl``.
     """
@@ -66,32 +94,55 @@ class RuleEnvDataModule(LightningDataModule):
         judge: Judge,
         env_kwargs: dict | None = None,
         max_rules: int = 10,
+        num_envs: int = 4,
         batch_size: int = 16,
         buffer_size: int = 4096,
         updates_per_epoch: int = 500,
         embedding_cache: str | None = None,
+        eval_envs: int = 4,
         eval_seeds: list[int] = [1, 2, 3],  # noqa: B006  (jsonargparse reads the default)
         eval_episodes: int = 10,
+        numeric_sac_steps: int = 0,
+        numeric_ppo_transitions: int = 0,
+        cot_backend: ChatBackend | None = None,
         log_explanations: bool = True,
     ):
         super().__init__()
+        name = type(self).__name__
+        _require(env in ENVIRONMENTS, f"{name}.env must be one of {sorted(ENVIRONMENTS)}, got {env!r}")
+        for option, value in (
+            ("max_rules", max_rules), ("num_envs", num_envs), ("batch_size", batch_size),
+            ("updates_per_epoch", updates_per_epoch), ("eval_envs", eval_envs), ("eval_episodes", eval_episodes),
+        ):
+            _require(value >= 1, f"{name}.{option} must be >= 1, got {value}")
+        _require(buffer_size >= batch_size, f"{name}.buffer_size must be >= batch_size ({batch_size}), got {buffer_size}")
+        _require(len(eval_seeds) >= 1, f"{name}.eval_seeds must list at least one seed, got {eval_seeds}")
+        _require(numeric_sac_steps >= 0, f"{name}.numeric_sac_steps must be >= 0 (0: no numeric baseline), got {numeric_sac_steps}")
+        _require(numeric_ppo_transitions >= 0,
+                 f"{name}.numeric_ppo_transitions must be >= 0 (0: no PPO baseline), got {numeric_ppo_transitions}")
         self.env_name = env
         self.env_kwargs = dict(env_kwargs or {})
         self.source = rules
         self.judge = judge
         self.max_rules = max_rules
+        self.num_envs = num_envs
         self.batch_size = batch_size
         self.buffer = ReplayBuffer(buffer_size)
         self.updates_per_epoch = updates_per_epoch
         self.embedding_cache = embedding_cache
+        self.eval_envs = eval_envs
         self.eval_seeds = list(eval_seeds)
         self.eval_episodes = eval_episodes
+        self.numeric_sac_steps = numeric_sac_steps
+        self.numeric_ppo_transitions = numeric_ppo_transitions
+        self.cot_backend = cot_backend
         self.log_explanations = log_explanations
         self.generator = torch.Generator().manual_seed(0)
         self.embeddings: EmbeddingCache | None = None
-        self.agent: RuleAgent | None = None
-        self.observation: Observation | None = None
-        self.episode_return = 0.0
+        self.agent: RuleAgent | None = None  # the first training env; its env gives the state size
+        self.agents: list[RuleAgent] = []
+        self.observations: list[Observation | None] = []
+        self.episode_returns: list[float] = []
         self.episodes_done = 0
         self.recent_returns: list[float] = []
         self.explanation_file: Path | None = None
@@ -107,7 +158,10 @@ class RuleEnvDataModule(LightningDataModule):
             return
         root = Path(self.trainer.default_root_dir) if self.trainer else Path(".")
         self.embeddings = EmbeddingCache(self.embedding_cache or root / "rule_embeddings.pt")
-        self.agent = self.make_agent()
+        self.agents = [self.make_agent() for _ in range(self.num_envs)]
+        self.observations = [None] * self.num_envs
+        self.episode_returns = [0.0] * self.num_envs
+        self.agent = self.agents[0]
         self.agent.env.reset(seed=0)
         self.state_dim = self.agent.env.state_dim
         seed = int(torch.initial_seed()) % 2**31
@@ -122,29 +176,34 @@ class RuleEnvDataModule(LightningDataModule):
         return self.embeddings.dim
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_ReplayBatches(self), batch_size=None)
+        return DataLoader(_TrainingSteps(self), batch_size=None)
+
+    def sample(self) -> dict[str, torch.Tensor]:
+        return self.buffer.sample(self.batch_size, self.generator)
 
     # ---- interaction ------------------------------------------------------------------------------
 
     def collect(self, choose, steps: int) -> list[float]:
-        """Take ``steps`` agent steps with ``choose(obs) -> (rule index, probabilities)``; store the
-        transitions; return the environment returns of episodes finished meanwhile."""
+        """Take ``steps`` steps in each of the ``num_envs`` environments with
+        ``choose(obs) -> (rule index, probabilities)``; store the transitions; return the environment
+        returns of episodes finished meanwhile."""
         finished = []
         for _ in range(steps):
-            if self.observation is None:
-                self.observation = self.agent.reset(TRAIN_SEED_OFFSET + int(self._episode_seed.integers(2**30)))
-                self.episode_return = 0.0
-            obs = self.observation
-            chosen, probabilities = choose(obs) if obs.rules else (None, None)
-            env_reward, rule_reward, done, next_obs, record = self.agent.step(obs, chosen, probabilities)
-            self.episode_return += env_reward
-            self._log_record(record)
-            if chosen is not None and (done or next_obs.rules):
-                self.buffer.add(self._transition(obs, chosen, env_reward, rule_reward, done, next_obs))
-            self.observation = next_obs
-            if done:
-                finished.append(self.episode_return)
-                self.episodes_done += 1
+            for i, agent in enumerate(self.agents):
+                if self.observations[i] is None:
+                    self.observations[i] = agent.reset(TRAIN_SEED_OFFSET + int(self._episode_seed.integers(2**30)))
+                    self.episode_returns[i] = 0.0
+                obs = self.observations[i]
+                chosen, probabilities = choose(obs) if obs.rules else (None, None)
+                env_reward, rule_reward, done, next_obs, record = agent.step(obs, chosen, probabilities)
+                self.episode_returns[i] += env_reward
+                self._log_record(record)
+                if chosen is not None and (done or next_obs.rules):
+                    self.buffer.add(self._transition(obs, chosen, env_reward, rule_reward, done, next_obs))
+                self.observations[i] = next_obs
+                if done:
+                    finished.append(self.episode_returns[i])
+                    self.episodes_done += 1
         self.embeddings.save()
         return finished
 
@@ -177,6 +236,30 @@ class RuleEnvDataModule(LightningDataModule):
 
     # ---- evaluation ---------------------------------------------------------------------------------
 
+    def curve_point(self, greedy_with_probs) -> dict[str, float]:
+        """One learning-curve evaluation: the ``eval_envs`` fixed-seed episodes (the same every time),
+        rules chosen by ``greedy_with_probs(obs) -> (index, probabilities)``. Returns the mean episode
+        return, the mean rule reward per step and the mean entropy of the rule choice per step."""
+        agent = self.make_agent()
+        entropies: list[float] = []
+
+        def choose(obs: Observation) -> int:
+            chosen, probs = greedy_with_probs(obs)
+            p = np.asarray(probs)
+            entropies.append(float(-(p[p > 0] * np.log(p[p > 0])).sum()))
+            return chosen
+
+        returns, rule_rewards = [], []
+        for k in range(self.eval_envs):
+            total, records = run_episode(agent, choose, CURVE_SEED_OFFSET + k)
+            returns.append(total)
+            rule_rewards += [r.rule_reward for r in records if r.chosen is not None]
+        return {
+            "episode_return": float(np.mean(returns)),
+            "rule_reward": float(np.mean(rule_rewards)) if rule_rewards else 0.0,
+            "rule_entropy": float(np.mean(entropies)) if entropies else 0.0,
+        }
+
     def compare(self, trained_chooser) -> dict[str, np.ndarray]:
         """Mean return per evaluation seed for the trained selector, random choice and each fixed rule."""
         agent = self.make_agent()
@@ -186,6 +269,19 @@ class RuleEnvDataModule(LightningDataModule):
         }
         for name in getattr(self.source, "rule_names", []):
             results[f"fixed: {name}"] = evaluate(agent, lambda seed, n=name: fixed_rule_chooser(n), self.eval_seeds, self.eval_episodes)
+        if self.numeric_sac_steps:
+            baseline = NumericSAC(lambda: make_env(self.env_name, **self.env_kwargs), num_envs=self.num_envs,
+                                  batch_size=self.batch_size, seed=int(torch.initial_seed()) % 2**31)
+            baseline.train(self.numeric_sac_steps)
+            results["numeric SAC (raw state, no rules)"] = baseline.evaluate(self.eval_seeds, self.eval_episodes)
+        if self.numeric_ppo_transitions:
+            ppo = NumericPPO(lambda: make_env(self.env_name, **self.env_kwargs), num_envs=self.num_envs,
+                             seed=int(torch.initial_seed()) % 2**31)
+            ppo.train(self.numeric_ppo_transitions)
+            results["numeric PPO (raw state, no rules)"] = ppo.evaluate(self.eval_seeds, self.eval_episodes)
+        if self.cot_backend is not None:
+            cot = CoTLLMAgent(self.cot_backend)
+            results["CoT LLM agent (no rules)"] = np.asarray(cot.evaluate(make_env(self.env_name, **self.env_kwargs), self.eval_seeds, self.eval_episodes))
         return results
 
 
@@ -195,16 +291,34 @@ def format_results(title: str, results: dict[str, np.ndarray], seeds: list[int],
         f"{'policy':32s} {'mean':>9s} {'± std':>8s}   per-seed means",
     ]
     for name, per_seed in sorted(results.items(), key=lambda kv: -kv[1].mean()):
-        per = " ".join(f"{v:8.2f}" for v in per_seed)
-        lines.append(f"{name:32s} {per_seed.mean():9.2f} {per_seed.std(ddof=1) if len(per_seed) > 1 else 0.0:8.2f}   {per}")
+        per = " ".join(f"{v:8.3f}" for v in per_seed)
+        lines.append(f"{name:32s} {per_seed.mean():9.3f} {per_seed.std(ddof=1) if len(per_seed) > 1 else 0.0:8.3f}   {per}")
     return "\n".join(lines)
 
 
 class SelectorModule(LightningModule):
-    """The rule selector π_θ (seed 002 §5.2) trained with discrete SAC (§5.4): twin Q networks of the
-    actor's shape with target copies, auto-tuned temperature α, reward r̃ = r_env + c · r_rule.
+    """The rule selector π_θ (seed 002 §5.2) trained with discrete SAC (§5.4, App. Alg. 3): twin Q networks
+    of the actor's shape with target copies, auto-tuned temperature α, reward r̃ = r_env + c · r_rule.
 
-    Networks are built in ``setup`` once the DataModule knows the state and embedding sizes.
+    Defaults are the official ``sac_attention.py``'s; flowkit's earlier choices stay as options:
+
+    - ``heads`` 4, ``dropout`` 0.05, ``projection`` ``"layernorm_silu"`` (earlier: 1, 0, ``"linear"``);
+    - ``lr`` 1e-4 for actor, critics and (unless ``alpha_lr``) the temperature;
+    - ``tau`` 1 every ``target_update_interval`` = 64 steps, a hard copy (earlier: Polyak τ 0.005 every step);
+    - ``twin_q`` ``"softmin"``: the target blends the twin Qs by softmin(10 Q) (earlier: ``"min"``);
+    - ``init_alpha`` 0.1, ``target_entropy_ratio`` 0.89: target entropy 0.89 · log |R| (earlier 0.2, 0.5);
+    - ``critic_updates`` 4 and ``actor_updates`` 4 per step (each actor update followed by a temperature
+      update), each on a fresh replay batch, after one step in each of the DataModule's ``num_envs`` = 4 envs;
+    - ``eval_interval`` 64: learning-curve evaluation on the DataModule's ``eval_envs`` = 4 fixed-seed
+      episodes with greedy rule choice (0 disables it).
+
+    ``warmup_steps`` transitions are collected with uniform-random rule choice before the first update.
+    The updates use manual optimization (three Adams: actor, critics, temperature), so Lightning's
+    ``global_step`` counts optimizer steps (4 + 2 · 4 = 12 per training step with the defaults); the run
+    length is ``max_epochs × updates_per_epoch`` training steps, and ``steps_done`` counts those.
+    Networks are built in ``setup`` once the DataModule knows the state and embedding sizes; in a training
+    step they act and give targets in eval mode (no dropout) and only the network being updated runs in
+    train mode, as in the official code.
     ``torch_threads`` (default 1) is applied with ``torch.set_num_threads`` in ``setup`` and undone in ``teardown``.
     """
 
@@ -212,28 +326,60 @@ class SelectorModule(LightningModule):
         self,
         hidden: int = 16,
         num_layers: int = 2,
-        heads: int = 1,
+        heads: int = 4,
+        dropout: float = 0.05,
+        projection: str = "layernorm_silu",
         gamma: float = 0.95,
         lr: float = 1e-4,
         alpha_lr: float | None = None,
-        tau: float = 0.005,
-        init_alpha: float = 0.2,
-        target_entropy_ratio: float = 0.5,
+        tau: float = 1.0,
+        target_update_interval: int = 64,
+        twin_q: str = "softmin",
+        init_alpha: float = 0.1,
+        target_entropy_ratio: float = 0.89,
         rule_reward_coef: float = 0.1,
         reward_scale: float = 1.0,
-        env_steps_per_update: int = 1,
+        critic_updates: int = 4,
+        actor_updates: int = 4,
         warmup_steps: int = 256,
+        eval_interval: int = 64,
         torch_threads: int | None = 1,
     ):
         super().__init__()
+        name = type(self).__name__
+        for option, value in (
+            ("hidden", hidden), ("num_layers", num_layers), ("heads", heads), ("target_update_interval", target_update_interval),
+            ("critic_updates", critic_updates), ("warmup_steps", warmup_steps),
+        ):
+            _require(value >= 1, f"{name}.{option} must be >= 1, got {value}")
+        _require(hidden % heads == 0, f"{name}.hidden must be a multiple of heads ({heads}), got {hidden}")
+        _require(0.0 <= dropout < 1.0, f"{name}.dropout must be in [0, 1), got {dropout}")
+        _require(projection in RuleAttentionNetwork.PROJECTIONS,
+                 f"{name}.projection must be one of {RuleAttentionNetwork.PROJECTIONS}, got {projection!r}")
+        _require(0.0 <= gamma <= 1.0, f"{name}.gamma must be in [0, 1], got {gamma}")
+        _require(lr > 0, f"{name}.lr must be > 0, got {lr}")
+        _require(alpha_lr is None or alpha_lr > 0, f"{name}.alpha_lr must be > 0 (or null: lr), got {alpha_lr}")
+        _require(0.0 < tau <= 1.0, f"{name}.tau must be in (0, 1], got {tau}")
+        _require(twin_q in sac.TWIN_Q_BLENDS, f"{name}.twin_q must be one of {sac.TWIN_Q_BLENDS}, got {twin_q!r}")
+        _require(init_alpha > 0, f"{name}.init_alpha must be > 0, got {init_alpha}")
+        _require(0.0 <= target_entropy_ratio < 1.0, f"{name}.target_entropy_ratio must be in [0, 1), got {target_entropy_ratio}")
+        _require(math.isfinite(rule_reward_coef) and rule_reward_coef >= 0,
+                 f"{name}.rule_reward_coef must be a finite value >= 0, got {rule_reward_coef}")
+        _require(reward_scale > 0 and math.isfinite(reward_scale), f"{name}.reward_scale must be a finite value > 0, got {reward_scale}")
+        _require(actor_updates >= 0, f"{name}.actor_updates must be >= 0, got {actor_updates}")
+        _require(eval_interval >= 0, f"{name}.eval_interval must be >= 0 (0: no learning-curve evaluation), got {eval_interval}")
+        _require(torch_threads is None or torch_threads >= 1, f"{name}.torch_threads must be >= 1 or null, got {torch_threads}")
         self.save_hyperparameters()
+        self.automatic_optimization = False  # several critic/actor/temperature updates per step
         self.actor: RuleAttentionNetwork | None = None
+        self.steps_done = 0  # training steps (one environment step in each env + the updates)
+        self.curve_file: Path | None = None
 
     def build_networks(self, state_dim: int, embed_dim: int) -> None:
         if self.actor is not None:
             return
         hp = self.hparams
-        make = lambda: RuleAttentionNetwork(state_dim, embed_dim, hp.hidden, hp.num_layers, hp.heads)
+        make = lambda: RuleAttentionNetwork(state_dim, embed_dim, hp.hidden, hp.num_layers, hp.heads, hp.dropout, hp.projection)
         self.actor, self.q1, self.q2 = make(), make(), make()
         self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
         for p in (*self.q1_target.parameters(), *self.q2_target.parameters()):
@@ -254,21 +400,21 @@ class SelectorModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["network_dims"] = self.network_dims
+        checkpoint["selector_steps_done"] = self.steps_done
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.build_networks(*checkpoint["network_dims"])
+        self.steps_done = checkpoint.get("selector_steps_done", 0)
 
     def configure_optimizers(self):
         hp = self.hparams
-        # foreach: one fused update per group instead of a Python loop per tensor (tiny nets)
-        return torch.optim.Adam(
-            [
-                {"params": self.actor.parameters()},
-                {"params": [*self.q1.parameters(), *self.q2.parameters()]},
-                {"params": [self.log_alpha], "lr": hp.alpha_lr or hp.lr},
-            ],
-            lr=hp.lr, foreach=True,
-        )
+        # three optimizers as the official code (its temperature Adam uses eps 1e-4); foreach: one fused
+        # update per optimizer instead of a Python loop per tensor (tiny nets)
+        return [
+            torch.optim.Adam(self.actor.parameters(), lr=hp.lr, foreach=True),
+            torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=hp.lr, foreach=True),
+            torch.optim.Adam([self.log_alpha], lr=hp.alpha_lr or hp.lr, eps=1e-4),
+        ]
 
     # ---- acting -------------------------------------------------------------------------------------
 
@@ -285,6 +431,10 @@ class SelectorModule(LightningModule):
     def greedy_rule(self, obs: Observation) -> int:
         return int(self.rule_log_probs(obs).argmax())
 
+    def _greedy_with_probs(self, obs: Observation) -> tuple[int, list[float]]:
+        probs = self.rule_log_probs(obs).exp()
+        return int(probs.argmax()), probs.tolist()
+
     def _uniform_rule(self, obs: Observation) -> tuple[int, list[float]]:
         n = len(obs.rules)
         return int(torch.randint(n, ())), [1.0 / n] * n
@@ -293,47 +443,86 @@ class SelectorModule(LightningModule):
 
     def on_fit_start(self) -> None:
         dm = self.trainer.datamodule
-        dm.collect(self._uniform_rule, self.hparams.warmup_steps)
+        if len(dm.buffer) < self.hparams.warmup_steps:
+            dm.collect(self._uniform_rule, math.ceil(self.hparams.warmup_steps / dm.num_envs))
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Collect, then one SAC update. The three losses touch disjoint parameters (the actor loss
-        sees detached Q values, the temperature loss a detached policy, the critic target no graph),
-        so one backward of their sum and one Adam step equal three separate updates."""
+    def _reward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hp = self.hparams
+        return hp.reward_scale * (batch["env_reward"] + hp.rule_reward_coef * batch["rule_reward"])
+
+    def critic_loss(self, batch: dict[str, torch.Tensor], alpha: torch.Tensor) -> torch.Tensor:
+        """L_Q on one batch, target y = r̃ + γ (1 − done) V̄(s') from the target critics and the actor."""
+        hp = self.hparams
+        with torch.no_grad():
+            nxt = (batch["next_state"], batch["next_rules"], batch["next_mask"])
+            next_log_pi = masked_log_softmax(self.actor(*nxt), batch["next_mask"])
+            target = sac.soft_q_target(
+                self._reward(batch), batch["done"], next_log_pi, self.q1_target(*nxt), self.q2_target(*nxt),
+                batch["next_mask"], alpha, hp.gamma, hp.twin_q,
+            )
+        now = (batch["state"], batch["rules"], batch["mask"])
+        return sac.critic_loss(self.q1(*now), self.q2(*now), batch["action"], target)
+
+    def actor_loss(self, batch: dict[str, torch.Tensor], alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L_π, log π) on one batch; the critics are evaluated without gradient."""
+        now = (batch["state"], batch["rules"], batch["mask"])
+        log_pi = masked_log_softmax(self.actor(*now), batch["mask"])
+        with torch.no_grad():
+            q1, q2 = self.q1(*now), self.q2(*now)
+        return sac.actor_loss(log_pi, q1, q2, batch["mask"], alpha), log_pi
+
+    def _update(self, optimizer, networks, loss: torch.Tensor) -> None:
+        """One optimizer step on ``loss``; the networks it trained (in train mode) go back to eval mode."""
+        optimizer.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        optimizer.step()
+        for net in networks:
+            net.eval()
+
+    def training_step(self, step_index: int, batch_idx: int) -> None:
+        """One official SAC iteration: environment steps, then the critic, actor and temperature updates."""
         hp = self.hparams
         dm = self.trainer.datamodule
-        for episode_return in dm.collect(self.sample_rule, hp.env_steps_per_update):
+        actor_opt, critic_opt, alpha_opt = self.optimizers()
+        self.eval()  # act and compute targets without dropout; each update switches on its own network
+        for episode_return in dm.collect(self.sample_rule, 1):
             dm.recent_returns = (dm.recent_returns + [episode_return])[-20:]
-        alpha = self.log_alpha.exp().detach()
-        reward = hp.reward_scale * (batch["env_reward"] + hp.rule_reward_coef * batch["rule_reward"])
 
-        with torch.no_grad():
-            next_log_pi = masked_log_softmax(self.actor(batch["next_state"], batch["next_rules"], batch["next_mask"]), batch["next_mask"])
-            target = sac.soft_q_target(
-                reward, batch["done"], next_log_pi,
-                self.q1_target(batch["next_state"], batch["next_rules"], batch["next_mask"]),
-                self.q2_target(batch["next_state"], batch["next_rules"], batch["next_mask"]),
-                batch["next_mask"], alpha, hp.gamma,
-            )
-        q1 = self.q1(batch["state"], batch["rules"], batch["mask"])
-        q2 = self.q2(batch["state"], batch["rules"], batch["mask"])
-        critic_loss = sac.critic_loss(q1, q2, batch["action"], target)
-        log_pi = masked_log_softmax(self.actor(batch["state"], batch["rules"], batch["mask"]), batch["mask"])
-        actor_loss = sac.actor_loss(log_pi, q1, q2, batch["mask"], alpha)
-        alpha_loss = sac.temperature_loss(self.log_alpha, log_pi.detach(), batch["mask"], hp.target_entropy_ratio)
+        for _ in range(hp.critic_updates):
+            alpha = self.log_alpha.exp().detach()
+            self.q1.train(), self.q2.train()
+            critic_loss = self.critic_loss(dm.sample(), alpha)
+            self._update(critic_opt, (self.q1, self.q2), critic_loss)
+        for _ in range(hp.actor_updates):
+            alpha = self.log_alpha.exp().detach()
+            self.actor.train()
+            actor_loss, log_pi = self.actor_loss(batch := dm.sample(), alpha)
+            self._update(actor_opt, (self.actor,), actor_loss)
+            alpha_loss = sac.temperature_loss(self.log_alpha, log_pi.detach(), batch["mask"], hp.target_entropy_ratio)
+            self._update(alpha_opt, (), alpha_loss)
 
+        self.steps_done += 1
+        if self.steps_done % hp.target_update_interval == 0:
+            sac.target_update(self.q1_target, self.q1, hp.tau)
+            sac.target_update(self.q2_target, self.q2, hp.tau)
         if (batch_idx + 1) % self.trainer.log_every_n_steps == 0:  # when Lightning writes logs; self.log is costly
-            metrics = {
-                "critic_loss": critic_loss, "actor_loss": actor_loss, "alpha": alpha,
-                "entropy": sac.entropy(log_pi.detach(), batch["mask"]).mean(),
-            }
+            metrics = {"critic_loss": critic_loss.detach(), "alpha": self.log_alpha.exp().detach()}
+            if hp.actor_updates:
+                metrics |= {"actor_loss": actor_loss.detach(), "entropy": sac.entropy(log_pi.detach(), batch["mask"]).mean()}
             if dm.recent_returns:
                 metrics["episode_return"] = float(np.mean(dm.recent_returns))
             self.log_dict(metrics, prog_bar=True)
-        return critic_loss + actor_loss + alpha_loss
+        if hp.eval_interval and self.steps_done % hp.eval_interval == 0:
+            self._log_curve_point(dm)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        sac.soft_update(self.q1_target, self.q1, self.hparams.tau)
-        sac.soft_update(self.q2_target, self.q2, self.hparams.tau)
+    def _log_curve_point(self, dm: RuleEnvDataModule) -> None:
+        point = dm.curve_point(self._greedy_with_probs)
+        self.log_dict({f"eval/{k}": v for k, v in point.items()})
+        if self.curve_file is None:
+            self.curve_file = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval_curve.jsonl"
+            self.curve_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.curve_file.open("a") as f:
+            f.write(json.dumps({"step": self.steps_done, "episodes": dm.episodes_done} | point) + "\n")
 
     def on_fit_end(self) -> None:
         dm = self.trainer.datamodule

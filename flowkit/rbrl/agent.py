@@ -1,5 +1,10 @@
 """One RBRL agent step (seed 002 Alg. 1 lines 3–10) and episode evaluation.
 
+A step runs in the paper's order: rules for s_t (line 3, done when the state is observed), the rule
+chosen by the caller (line 4), the action from the rule (line 5), the environment step (line 6), the
+explanation of the applied action (line 7), the rule reward (line 8); both about the prompt p_t of the
+state the action was chosen in.
+
 The rule selection itself is a callback ``choose(observation) -> rule index`` so the same loop serves
 the trained selector, uniform-random choice and fixed-rule baselines.
 """
@@ -18,7 +23,7 @@ from flowkit.rbrl.encoder import EmbeddingCache
 from flowkit.rbrl.judges import Judge
 from flowkit.rbrl.language import LanguageEnv
 from flowkit.rbrl.rules import Rule
-from flowkit.rbrl.sources import RuleGenerationError, RuleSource
+from flowkit.rbrl.sources import Decision, RuleGenerationError, RuleSource
 
 log = logging.getLogger(__name__)
 
@@ -84,23 +89,23 @@ class RuleAgent:
         """Apply rule ``chosen`` (None when the source gave no rules: a random valid action, not stored).
 
         Returns (env_reward, rule_reward, done, next observation or None when done, record)."""
-        valid = self.env.valid_actions()
+        before = self.env.snapshot()
+        valid = before.valid_actions()
+        action = int(self.env.np_random.choice(sorted(valid))) if chosen is None else self.source.act(self.env, obs.rules[chosen])
+        _, env_reward, terminated, truncated, _ = self.env.step(action)
         if chosen is None:
-            action = int(self.env.np_random.choice(sorted(valid)))
-            rule, rule_reward = None, 0.0
+            rule_reward = 0.0
             explanation = "no valid rules were produced for this state; a random valid action was taken"
         else:
             rule = obs.rules[chosen]
-            decision = self.source.act(self.env, rule)
-            action, explanation = decision.action, decision.explanation
-            rule_reward = self.judge.score(self.env, rule, decision)
+            explanation = self.source.explain(before, rule, action)
+            rule_reward = self.judge.score(before, rule, Decision(action, explanation))
         record = StepRecord(
-            t=self.t, state_text=self.env.describe(), rules=[r.as_json() | {"name": r.name} for r in obs.rules],
+            t=self.t, state_text=before.describe(), rules=[r.as_json() | {"name": r.name} for r in obs.rules],
             chosen=chosen, action=action, action_text=valid.get(action, f"invalid action {action}"),
-            explanation=explanation, env_reward=0.0, rule_reward=rule_reward, probabilities=probabilities or [],
+            explanation=explanation, env_reward=float(env_reward), rule_reward=rule_reward,
+            probabilities=probabilities or [],
         )
-        _, env_reward, terminated, truncated, _ = self.env.step(action)
-        record.env_reward = float(env_reward)
         self.t += 1
         done = terminated or truncated
         return float(env_reward), rule_reward, done, (None if done else self.observe()), record

@@ -11,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 
+from flowkit.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
@@ -27,11 +29,21 @@ class ChatBackend:
         raise NotImplementedError
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects are not followed: urllib would re-send every header, the Authorization bearer key
+    included, to whatever host the Location names (and turn the POST into a body-less GET)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # the 30x then surfaces as an HTTPError
+
+
 class HTTPChatBackend(ChatBackend):
     """POST ``{base_url}/chat/completions`` (OpenAI-compatible).
 
     The API key is read from the environment variable named ``api_key_env`` at each call (never from the
     config, never logged); when unset no Authorization header is sent, as local servers expect.
+    The key goes to ``base_url`` only: a 3xx redirect is never followed (it fails at once, naming the
+    status), so credentials cannot be forwarded to another host; point ``base_url`` at the final address.
     Timeouts, connection errors and HTTP 429/500/502/503/504 are retried up to ``max_retries`` times
     with exponential backoff (``backoff_s · 2^k`` plus jitter, or the server's Retry-After if it is
     shorter than ``max_backoff_s``); other HTTP errors fail at once.
@@ -51,7 +63,16 @@ class HTTPChatBackend(ChatBackend):
         temperature: float = 0.7,
         max_tokens: int = 1024,
     ):
+        if not base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"HTTPChatBackend.base_url must start with http:// or https://, got {base_url!r}")
+        if not timeout_s > 0:
+            raise ConfigError(f"HTTPChatBackend.timeout_s must be > 0, got {timeout_s}")
+        if max_retries < 0:
+            raise ConfigError(f"HTTPChatBackend.max_retries must be >= 0, got {max_retries}")
+        if max_tokens < 1:
+            raise ConfigError(f"HTTPChatBackend.max_tokens must be >= 1, got {max_tokens}")
         self.url = base_url.rstrip("/") + "/chat/completions"
+        self._opener = urllib.request.build_opener(_RefuseRedirects)
         self.model = model
         self.api_key_env = api_key_env
         self.timeout_s = timeout_s
@@ -83,13 +104,18 @@ class HTTPChatBackend(ChatBackend):
         for attempt in range(self.max_retries + 1):
             retry_after = None
             try:
-                with urllib.request.urlopen(self._request(messages), timeout=self.timeout_s) as response:
+                with self._opener.open(self._request(messages), timeout=self.timeout_s) as response:
                     payload = json.loads(response.read().decode())
                 try:
                     return payload["choices"][0]["message"]["content"]
                 except (KeyError, IndexError, TypeError):
                     raise ChatBackendError(f"{self.url}: response has no choices[0].message.content") from None
             except urllib.error.HTTPError as err:
+                if 300 <= err.code < 400:
+                    raise ChatBackendError(
+                        f"{self.url}: HTTP {err.code} redirect not followed (the API key is only sent to base_url); "
+                        "set base_url to the final address"
+                    ) from None
                 if err.code not in self.RETRY_STATUS:
                     raise ChatBackendError(f"{self.url}: HTTP {err.code} {err.reason}") from None
                 last_error = f"HTTP {err.code} {err.reason}"

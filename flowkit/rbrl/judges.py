@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from flowkit.rbrl.backends import ChatBackend, ChatBackendError
-from flowkit.rbrl.language import LanguageEnv
+from flowkit.rbrl.language import LanguageEnv, PromptSnapshot
 from flowkit.rbrl.rules import Rule
 from flowkit.rbrl.sources import Decision
 
@@ -13,9 +13,10 @@ log = logging.getLogger(__name__)
 
 
 class Judge:
-    """Base class: ``score(env, rule, decision)`` in [0, 1], called before the action is applied."""
+    """Base class: ``score(env, rule, decision)`` in [0, 1]. The agent calls it after the action was
+    applied and explained (Alg. 1 line 8) with ``env`` the :class:`PromptSnapshot` of the state before it."""
 
-    def score(self, env: LanguageEnv, rule: Rule, decision: Decision) -> float:
+    def score(self, env: LanguageEnv | PromptSnapshot, rule: Rule, decision: Decision) -> float:
         raise NotImplementedError
 
 
@@ -26,7 +27,7 @@ class ConsistencyJudge(Judge):
     (the rule does not pin the action down), 0 if the rule does not allow it.
     """
 
-    def score(self, env: LanguageEnv, rule: Rule, decision: Decision) -> float:
+    def score(self, env: LanguageEnv | PromptSnapshot, rule: Rule, decision: Decision) -> float:
         if not rule.preferred:
             raise ValueError("ConsistencyJudge needs executable (template) rules; use LLMJudge for LLM-written rules")
         if decision.action not in rule.preferred:
@@ -73,7 +74,7 @@ class LLMJudge(Judge):
         log.warning("judge answer is neither yes nor no (%d so far): %.80r", self.unparsed, answer)
         return 0.0
 
-    def score(self, env: LanguageEnv, rule: Rule, decision: Decision) -> float:
+    def score(self, env: LanguageEnv | PromptSnapshot, rule: Rule, decision: Decision) -> float:
         fields = {
             "prompt": env.prompt(), "rule": rule.rule, "background": rule.background,
             "relevance": rule.state_relevance, "action": env.valid_actions().get(decision.action, str(decision.action)),

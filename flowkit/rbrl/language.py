@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gymnasium as gym
 import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptSnapshot:
+    """The prompt p_t frozen before the action is applied: Alg. 1 explains (line 7) and judges (line 8)
+    after the environment step (line 6), about the state the action was chosen in. It offers the
+    ``prompt()`` / ``describe()`` / ``valid_actions()`` a :class:`LanguageEnv` offers."""
+
+    prompt_text: str
+    description: str
+    actions: dict[int, str]
+
+    def prompt(self) -> str:
+        return self.prompt_text
+
+    def describe(self) -> str:
+        return self.description
+
+    def valid_actions(self) -> dict[int, str]:
+        return dict(self.actions)
 
 
 class LanguageEnv(gym.Wrapper):
@@ -14,6 +36,7 @@ class LanguageEnv(gym.Wrapper):
     """
 
     task: str = ""
+    example_rules: tuple[str, ...] = ()  # shown to the LLM when it writes rules (seed 002 §5.1)
 
     def describe(self) -> str:
         """The current state in natural language (``lang(s_t)`` of seed 002 §4.2)."""
@@ -34,3 +57,6 @@ class LanguageEnv(gym.Wrapper):
         """``p_t = f(task, lang(s_t))`` with the valid actions listed."""
         actions = "\n".join(f"{a}: {text}" for a, text in self.valid_actions().items())
         return f"Task: {self.task}\n\nCurrent state: {self.describe()}\n\nValid actions:\n{actions}"
+
+    def snapshot(self) -> PromptSnapshot:
+        return PromptSnapshot(self.prompt(), self.describe(), self.valid_actions())

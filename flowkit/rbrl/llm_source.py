@@ -1,47 +1,94 @@
-"""Rules and actions written by a chat LLM (seed 002 §5.1, §5.3; prompts after its Fig. 11)."""
+"""Thoughts, rules, actions and explanations written by a chat LLM (seed 002 §5.1, §5.3, Alg. 1)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
+from flowkit.errors import ConfigError
 from flowkit.rbrl.backends import ChatBackend, ChatBackendError
-from flowkit.rbrl.language import LanguageEnv
+from flowkit.rbrl.language import LanguageEnv, PromptSnapshot
 from flowkit.rbrl.rules import Rule, RuleParseError, parse_rules
-from flowkit.rbrl.sources import Decision, RuleGenerationError, RuleSource
+from flowkit.rbrl.sources import RuleGenerationError, RuleSource
 
 log = logging.getLogger(__name__)
 
-SYSTEM = "You are a careful decision-making assistant. Reply with JSON only, no prose."
+SYSTEM = "You are a careful decision-making assistant."
+
+THOUGHTS_PROMPT = """{prompt}
+
+### Thoughts
+Reason step by step before deciding. Write at most 5 short thoughts about: the current state; the
+reward or cost at stake; how each action would change the future state; what you expect to happen next."""
 
 RULES_PROMPT = """{prompt}
-
-Write {n} different candidate rules for choosing the next action. A rule is a prioritisation
-statement of the form "if/when ..., prioritise/do ...". Reply with a JSON list of {n} objects, each with
-exactly these string fields: "background" (why the rule makes sense for this task), "rule" (the
-statement), "state_relevance" (how it applies to the current state)."""
+{thoughts}
+### Rule generation
+Write {n} different candidate rules for choosing the next action. A rule is a prioritisation statement of
+the form "if/when ..., prioritise/do ...", reusable in other states, that determines the action in the
+current state. The rules must differ: when the best action is uncertain, they should lead to different
+actions. Reply with JSON only: a list of {n} objects, each with exactly these string fields: "background"
+(why the rule makes sense for this task, thinking ahead), "rule" (the statement), "state_relevance" (how
+it applies to the current state).{examples}"""
 
 ACTION_PROMPT = """{prompt}
-
-Follow this rule: {rule}
+{thoughts}
+### Selected rule
+{rule}
 Background: {background}
 Relevance to the current state: {relevance}
 
-Reply with a JSON object {{"action": <one of the valid action numbers>, "explanation": "<why this action follows from the rule>"}}."""
+### Action
+Choose the action this rule leads to in the current state. Reply with JSON only: {{"action": <one of the valid action numbers>}}."""
+
+EXPLANATION_PROMPT = """{prompt}
+{thoughts}
+### Selected rule
+{rule}
+Background: {background}
+
+### Action taken
+{action}
+
+### Explanation
+Explain to a person who cannot see your reasoning why this action was taken, in at most three short
+sentences: the facts of the state you used, the rule you applied, and why it leads to this action."""
+
+
+def _section(title: str, text: str) -> str:
+    return f"\n### {title}\n{text}\n" if text else ""
 
 
 class LLMRuleSource(RuleSource):
-    """Rule sets and rule-following actions from any :class:`ChatBackend`.
+    """Thoughts, rule sets, rule-following actions and explanations from any :class:`ChatBackend`, in
+    the order of seed 002 Alg. 1 (prompts after its Fig. 11 and the official ``agents.py``):
+
+    1. ``generate``: the chain-of-thought for p_t (``thoughts``, default on), then ``num_rules`` rules
+       written from p_t and the thoughts, with the env's example rules (``example_rules``: a list of
+       JSON rule strings; default the environment's own ``example_rules``; ``[]`` for none);
+    2. ``act``: the action from p_t, the thoughts and the selected rule;
+    3. ``explain``: after the action was applied, its explanation from p_t, the thoughts, the rule and
+       the action.
 
     Output that fails :func:`parse_rules` (or a backend error) is retried up to ``max_attempts`` times;
     then the state is skipped (:class:`RuleGenerationError`) and counted in ``skipped``. Likewise an
     action reply that is not a valid action is retried, then replaced by the first valid action and
-    counted in ``fallback_actions``.
+    counted in ``fallback_actions``; a failed explanation is replaced by a note saying so.
     """
 
-    def __init__(self, backend: ChatBackend, num_rules: int = 10, max_attempts: int = 3, max_chars: int = 8000):
+    def __init__(
+        self, backend: ChatBackend, num_rules: int = 10, thoughts: bool = True, example_rules: list[str] | None = None,
+        max_attempts: int = 3, max_chars: int = 8000,
+    ):
+        if num_rules < 1:
+            raise ConfigError(f"LLMRuleSource.num_rules must be >= 1, got {num_rules}")
+        if max_attempts < 1:
+            raise ConfigError(f"LLMRuleSource.max_attempts must be >= 1, got {max_attempts}")
         self.backend = backend
         self.num_rules = num_rules
+        self.thoughts = thoughts
+        self.example_rules = None if example_rules is None else list(example_rules)
         self.max_attempts = max_attempts
         self.max_chars = max_chars
         self.invalid_outputs = 0
@@ -54,12 +101,27 @@ class LLMRuleSource(RuleSource):
     def _ask(self, content: str) -> str:
         return self.backend.complete([{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}])
 
+    def _thoughts(self, env: LanguageEnv) -> str:
+        if not self.thoughts:
+            return ""
+        try:
+            return self._ask(THOUGHTS_PROMPT.format(prompt=env.prompt())).strip()
+        except ChatBackendError as err:
+            log.warning("no thoughts for this state (%s); writing rules without them", err)
+            return ""
+
     def generate(self, env: LanguageEnv) -> list[Rule]:
-        content = RULES_PROMPT.format(prompt=env.prompt(), n=self.num_rules)
+        thoughts = self._thoughts(env)
+        examples = env.example_rules if self.example_rules is None else self.example_rules
+        content = RULES_PROMPT.format(
+            prompt=env.prompt(), thoughts=_section("Thoughts", thoughts), n=self.num_rules,
+            examples=("\n\n### Example rules\n" + "\n".join(examples)) if examples else "",
+        )
         reason = ""
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return parse_rules(self._ask(content), max_chars=self.max_chars, max_rules=self.num_rules)
+                rules = parse_rules(self._ask(content), max_chars=self.max_chars, max_rules=self.num_rules)
+                return [dataclasses.replace(rule, thoughts=thoughts) for rule in rules]
             except (RuleParseError, ChatBackendError) as err:
                 self.invalid_outputs += 1
                 reason = str(err)
@@ -71,18 +133,97 @@ class LLMRuleSource(RuleSource):
         )
         raise RuleGenerationError(reason)
 
-    def act(self, env: LanguageEnv, rule: Rule) -> Decision:
+    def act(self, env: LanguageEnv, rule: Rule) -> int:
         valid = env.valid_actions()
-        content = ACTION_PROMPT.format(prompt=env.prompt(), rule=rule.rule, background=rule.background, relevance=rule.state_relevance)
+        content = ACTION_PROMPT.format(
+            prompt=env.prompt(), thoughts=_section("Thoughts", rule.thoughts), rule=rule.rule,
+            background=rule.background, relevance=rule.state_relevance,
+        )
+        action = self._valid_action(content, valid)
+        if action is None:
+            self.fallback_actions += 1
+            log.warning("no valid action from the LLM (%d fallbacks so far); taking the first valid action", self.fallback_actions)
+            return min(valid)
+        return action
+
+    def _valid_action(self, content: str, valid: dict[int, str]) -> int | None:
+        """Ask up to ``max_attempts`` times for ``{"action": n}`` with n a valid action; None if never."""
         for _ in range(self.max_attempts):
             try:
                 reply = json.loads(self._ask(content).strip().removeprefix("```json").removesuffix("```"))
-                action, explanation = int(reply["action"]), str(reply["explanation"])
+                action = int(reply["action"])
             except (ChatBackendError, json.JSONDecodeError, KeyError, TypeError, ValueError):
                 continue
             if action in valid:
-                return Decision(action, explanation)
-        self.fallback_actions += 1
-        log.warning("no valid action from the LLM (%d fallbacks so far); taking the first valid action", self.fallback_actions)
-        first = min(valid)
-        return Decision(first, f"(the LLM gave no valid action; fell back to: {valid[first]})")
+                return action
+        return None
+
+    def explain(self, before: PromptSnapshot, rule: Rule, action: int) -> str:
+        content = EXPLANATION_PROMPT.format(
+            prompt=before.prompt(), thoughts=_section("Thoughts", rule.thoughts), rule=rule.rule,
+            background=rule.background, action=before.valid_actions().get(action, str(action)),
+        )
+        try:
+            return self._ask(content).strip()
+        except ChatBackendError as err:
+            return f"(no explanation: {err})"
+
+
+COT_ACTION_PROMPT = """{prompt}
+{thoughts}
+### Action
+Choose the optimal action given your thoughts and the current state. Reply with JSON only: {{"action": <one of the valid action numbers>}}."""
+
+COT_EXPLANATION_PROMPT = """{prompt}
+{thoughts}
+### Action taken
+{action}
+
+### Explanation
+Explain to a person who cannot see your reasoning why this action was taken, in at most three short
+sentences: the facts of the state you used and why they lead to this action."""
+
+
+class CoTLLMAgent:
+    """The chain-of-thought LLM agent baseline of seed 002 §7 (the official ``BaseAgent``): per step the
+    thoughts for p_t, the action from p_t and the thoughts (no rules, no selector), the environment step,
+    then the explanation of the applied action. Invalid action replies are retried ``max_attempts`` times,
+    then the first valid action is taken and counted in ``fallback_actions``."""
+
+    def __init__(self, backend: ChatBackend, max_attempts: int = 3):
+        if max_attempts < 1:
+            raise ConfigError(f"CoTLLMAgent.max_attempts must be >= 1, got {max_attempts}")
+        self.source = LLMRuleSource(backend, num_rules=1, thoughts=True, max_attempts=max_attempts)
+        self.fallback_actions = 0
+
+    def step(self, env: LanguageEnv) -> tuple[float, bool, str]:
+        """One step: (environment reward, done, explanation)."""
+        source = self.source
+        before = env.snapshot()
+        thoughts = _section("Thoughts", source._thoughts(env))
+        valid = before.valid_actions()
+        action = source._valid_action(COT_ACTION_PROMPT.format(prompt=before.prompt(), thoughts=thoughts), valid)
+        if action is None:
+            self.fallback_actions += 1
+            action = min(valid)
+        _, reward, terminated, truncated, _ = env.step(action)
+        try:
+            explanation = source._ask(COT_EXPLANATION_PROMPT.format(prompt=before.prompt(), thoughts=thoughts, action=valid[action])).strip()
+        except ChatBackendError as err:
+            explanation = f"(no explanation: {err})"
+        return float(reward), terminated or truncated, explanation
+
+    def evaluate(self, env: LanguageEnv, seeds: list[int], episodes: int) -> list[float]:
+        """Mean episode return per evaluation seed, episode seeds ``1000·seed + k`` as the rule agents'."""
+        means = []
+        for seed in seeds:
+            returns = []
+            for k in range(episodes):
+                env.reset(seed=1000 * seed + k)
+                total, done = 0.0, False
+                while not done:
+                    reward, done, _ = self.step(env)
+                    total += reward
+                returns.append(total)
+            means.append(sum(returns) / len(returns))
+        return means

@@ -1,7 +1,7 @@
 """The attention policy over rules (seed 002 §5.2, Fig. 2, App. Alg. 2); also the shape of the Q networks.
 
-    q_i = Linear(e_i)            rule embeddings → queries          (R×h)
-    k   = Linear(s)              numeric state → key and value      (1×h)
+    q_i = P_q(e_i)               rule embeddings → queries          (R×h)
+    k   = P_k(s)                 numeric state → key and value      (1×h)
     h¹  = q + Attention(q, k, k)
     h^{j+1} = h^j + SelfAttention(h^j) among the rules, then a feed-forward block, j = 1..K−1
     out_i = Linear(h^K_i)        one logit (or one Q value) per rule
@@ -11,6 +11,11 @@ is 1, so Attention(q, k, k) = k for every rule and would erase which rule is whi
 ``q +`` keeps the rule identity (standard transformer practice). No positional encodings anywhere, so
 the network is permutation-equivariant over rules; ``mask`` (True = real rule) handles padded,
 variable-size rule sets.
+
+Projections ``P`` (``projection``): ``"layernorm_silu"`` (default, as the official ``CrossAttentionNetwork``
+with ``proj_type="linear"``: LayerNorm of the raw input, then Linear → SiLU → LayerNorm) or ``"linear"``
+(one Linear, flowkit's earlier choice). ``dropout`` (official 0.05) applies inside every attention layer;
+call ``.eval()`` to act without it. The official defaults are 4 heads and hidden size 16.
 """
 
 from __future__ import annotations
@@ -20,20 +25,35 @@ from torch import Tensor, nn
 
 
 class RuleAttentionNetwork(nn.Module):
-    def __init__(self, state_dim: int, embed_dim: int, hidden: int = 16, num_layers: int = 2, heads: int = 1):
+    PROJECTIONS = ("layernorm_silu", "linear")
+
+    def __init__(
+        self, state_dim: int, embed_dim: int, hidden: int = 16, num_layers: int = 2, heads: int = 4,
+        dropout: float = 0.05, projection: str = "layernorm_silu",
+    ):
         super().__init__()
         if num_layers < 1:
             raise ValueError("num_layers (K) counts the cross-attention layer, so K ≥ 1")
-        self.rule_proj = nn.Linear(embed_dim, hidden)
-        self.state_proj = nn.Linear(state_dim, hidden)
-        self.cross = nn.MultiheadAttention(hidden, heads, batch_first=True)
-        self.self_attn = nn.ModuleList(nn.MultiheadAttention(hidden, heads, batch_first=True) for _ in range(num_layers - 1))
+        if projection not in self.PROJECTIONS:
+            raise ValueError(f"projection must be one of {self.PROJECTIONS}, got {projection!r}")
+        self.rule_proj = self._projection(embed_dim, hidden, projection)
+        self.state_proj = self._projection(state_dim, hidden, projection)
+        self.cross = nn.MultiheadAttention(hidden, heads, dropout=dropout, batch_first=True)
+        self.self_attn = nn.ModuleList(
+            nn.MultiheadAttention(hidden, heads, dropout=dropout, batch_first=True) for _ in range(num_layers - 1)
+        )
         self.feed_forward = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, hidden))
             for _ in range(num_layers)
         )
         self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(num_layers - 1))
         self.head = nn.Linear(hidden, 1)
+
+    @staticmethod
+    def _projection(in_dim: int, hidden: int, kind: str) -> nn.Module:
+        if kind == "linear":
+            return nn.Linear(in_dim, hidden)
+        return nn.Sequential(nn.LayerNorm(in_dim), nn.Linear(in_dim, hidden), nn.SiLU(), nn.LayerNorm(hidden))
 
     def forward(self, state: Tensor, rules: Tensor, mask: Tensor) -> Tensor:
         """state B×S, rules B×R×E, mask B×R bool → B×R outputs (padded positions hold 0)."""

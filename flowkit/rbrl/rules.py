@@ -16,7 +16,9 @@ class Rule:
     ``preferred``: for executable (template) rules, the valid actions the rule allows in this state, best
     first — more than one means the rule does not pin the action down. Empty for LLM-written rules,
     whose action comes from the LLM (seed 002 Alg. 1 line 5). ``name`` identifies a template rule
-    across states (used for the fixed-rule baselines).
+    across states (used for the fixed-rule baselines). ``thoughts``: the chain-of-thought the rule was
+    written from (Alg. 1 line 3), passed on to the action and explanation prompts; not part of the rule's
+    JSON or embedding.
     """
 
     background: str
@@ -24,6 +26,7 @@ class Rule:
     state_relevance: str
     name: str | None = None
     preferred: tuple[int, ...] = field(default=())
+    thoughts: str = ""
 
     @property
     def embedding_text(self) -> str:

@@ -1,10 +1,10 @@
-"""Where rules and actions come from (seed 002 Alg. 1 lines 3 and 5), behind one interface."""
+"""Where rules, actions and explanations come from (seed 002 Alg. 1 lines 3, 5 and 7), behind one interface."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flowkit.rbrl.language import LanguageEnv
+from flowkit.rbrl.language import LanguageEnv, PromptSnapshot
 from flowkit.rbrl.rules import Rule
 
 
@@ -31,6 +31,11 @@ class RuleSource:
         """Candidate rules R_t for the env's current state; raises :class:`RuleGenerationError`."""
         raise NotImplementedError
 
-    def act(self, env: LanguageEnv, rule: Rule) -> Decision:
-        """The action the selected rule leads to in the current state, with its explanation."""
+    def act(self, env: LanguageEnv, rule: Rule) -> int:
+        """The valid action the selected rule leads to in the current state (Alg. 1 line 5)."""
+        raise NotImplementedError
+
+    def explain(self, before: PromptSnapshot, rule: Rule, action: int) -> str:
+        """The explanation of ``action``, written after it was applied (Alg. 1 line 7) about the state
+        ``before`` it, in which the rule was selected."""
         raise NotImplementedError

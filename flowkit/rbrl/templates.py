@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowkit.rbrl.language import LanguageEnv
+from flowkit.rbrl.language import LanguageEnv, PromptSnapshot
 from flowkit.rbrl.rules import Rule
-from flowkit.rbrl.sources import Decision, RuleSource
+from flowkit.rbrl.sources import RuleSource
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,8 @@ class TemplateRuleSource(RuleSource):
             order = self.rng.permutation(order)
         return [self.library[i].instantiate(env) for i in order[: self.num_rules]]
 
-    def act(self, env: LanguageEnv, rule: Rule) -> Decision:
-        action = rule.preferred[0]
-        text = env.valid_actions()[action]
-        return Decision(action, f"I {text} because of the rule: {rule.rule} {rule.state_relevance}")
+    def act(self, env: LanguageEnv, rule: Rule) -> int:
+        return rule.preferred[0]
+
+    def explain(self, before: PromptSnapshot, rule: Rule, action: int) -> str:
+        return f"I {before.valid_actions()[action]} because of the rule: {rule.rule} {rule.state_relevance}"

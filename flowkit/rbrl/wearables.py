@@ -114,6 +114,12 @@ class WearablesLanguage(LanguageEnv):
         "start above 38 °C, 120 bpm, 30 breaths/min and below 90 % SpO2 and grow exponentially. You have "
         "{budget} device uses per episode of {horizon} steps; you may also keep the device unused."
     )
+    example_rules = (
+        '{"background": "Penalties grow exponentially past the thresholds.", "rule": "Give the device to the patient '
+        'whose vital signs are furthest beyond a threshold.", "state_relevance": "Compare each patient\'s worst vital."}',
+        '{"background": "Device uses are limited, healthy patients gain nothing.", "rule": "When every patient is '
+        'within the thresholds, keep the device unused.", "state_relevance": "Check whether anyone is at risk now."}',
+    )
 
     def __init__(self, env: WearablesEnv | None = None, **env_kwargs):
         super().__init__(env or WearablesEnv(**env_kwargs))

@@ -2,41 +2,72 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed import ReduceOp
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int
-from flowkit.flow import VelocityField, flow_matching_loss, sample_logit_normal, velocity_deviation_scores
+from flowkit.errors import ConfigError, check_nonempty, check_range
+from flowkit.flow import VelocityField, flow_matching_loss, pretraining_flow_loss, velocity_deviation_scores
 from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, scored_token_mask
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rl.rejection import Metric, RolloutLatentBuffer, accept_rollouts
-from flowkit.rl.rewards import flow_token_rewards
+from flowkit.rl.rewards import NORMALIZATIONS, Normalization, flow_token_rewards
+from flowkit.seeding import run_seed
+
+
+def _check_rewarding_timestep(t: float) -> None:
+    """A rewarding timestep must lie in (0, 1) as a float32 and give a finite float32 weight t/(1−t) (eq. 7):
+    0.99999999 rounds to 1.0 in float32, where the weight is infinite and every score NaN or inf."""
+    t32 = torch.tensor(t, dtype=torch.float32)
+    if not (0 < t32 < 1 and torch.isfinite(t32 / (1 - t32))):
+        raise ConfigError(f"FlowReward.timesteps must lie in (0, 1) with a finite t/(1−t) weight in float32, "
+                          f"got {t!r} ({float(t32)!r} in float32)")
 
 
 class FlowReward(TokenRewardModel):
     """Dense reward r_k = −β·𝕀[r̂_k > η]·r̂_k from the debiased deviation R_CFM (eq. 7, 10).
 
     Args:
-        percentiles: layer percentiles P whose latents are scored (last layer excluded).
+        percentiles: layer percentiles P whose latents are scored: the outputs of decoder blocks
+            min(round(p·L), L−1), as the official code hooks them (:func:`~flowkit.llm.latent_tap.tapped_layer_indices`).
         depth, width: velocity-field size (width defaults to the backbone's hidden size).
         timesteps: rewarding timesteps T (weights t/(1−t)); also the online update's timesteps.
-        eta, beta, top_k: threshold η, scale β and optional top-k of eq. 10.
-        condition: which latent conditions the field: the next token's (§3.3), the previous, or none.
+        eta, beta, top_k: threshold η, scale β and optional top-k of eq. 10 (official scripts: 0.6, 0.01, 15;
+            top-k keeps exactly k tokens in rows with ≥ k survivors).
+        normalization: ``minmax`` (official scripts: r̂ ∈ [0, 1], penalties only), ``bilateral`` (the paper's
+            eq. 10 text: r̂ ∈ [−1, 1], |r̂| > η, bonuses for unusually low deviation) or ``mean`` (official
+            ``mean``: min-max minus the row mean, |r̂| > η); see :mod:`flowkit.rl.rewards`.
+        condition: which latent conditions the field of token j: ``next`` = h_{j+1} (the paper's text and the
+            official offline pretraining, ``token_pre``; the last response token is unscored) or ``previous`` =
+            h_{j−1} (the official RL scripts, ``token_post``; the first response token is scored against the last
+            prompt token; the default, as it reproduces the official runs), or ``none``. The official runs pretrain
+            with ``next`` and do RL with ``previous``.
         noise_draws: noise draws averaged per reward (variance reduction; the official code uses 1).
+        debias: weight each rewarding timestep's deviation by t/(1−t) (eq. 7, default); False averages the plain
+            R_FM of eq. 5 (the paper's "w/o debias" ablation).
         max_rows_per_call: velocity-field rows (token × percentile × timestep) per call when scoring; bounds the
             scoring memory for long rollouts without changing any score. None scores everything in one call.
-        seed: base seed of the reward noise; step s uses ``seed + 1000·s`` so rewards are reproducible.
+        seed: base seed of the reward noise (step s uses ``seed + 1000·s`` so rewards are reproducible) and of
+            the field's initialisation, which runs on its own RNG so it never shifts the policy's sampling.
+            ``None`` (default): the run's global seed (``seed_everything``); an int pins it.
         rejection_metric: which rollouts train the flow online (correct | entropy | both).
-        kappa: a flow update happens once at least κ accepted rollouts are buffered; it uses all of them.
+        kappa: a flow update happens once at least κ accepted rollouts are buffered; it uses all of them
+            (the paper's Alg. 1).
+        update_every_step: update the flow on every RL step that accepted any rollout, on that step's accepted
+            rollouts, ignoring κ (the official code's cadence). Under several ranks a step is taken when every
+            rank accepted at least one.
         online_update: set False to freeze the flow during RL (ablation).
-        pretrain_timesteps: logit-normal timesteps drawn per offline-pretraining batch.
-        weights: optional safetensors file of a pretrained velocity field to start from.
+        pretrain_timesteps: offline pretraining copies of every token, each with its own logit-normal t and
+            noise (the official ``flow_batch_mul``: 4 for Qwen2.5-1.5B, 2 for 7B).
+        weights: optional safetensors file of a pretrained velocity field to start from; a missing file, an unreadable
+            one, or one of another depth / width / hidden size is a :class:`~flowkit.errors.ConfigError`.
     """
 
     def __init__(
@@ -48,38 +79,72 @@ class FlowReward(TokenRewardModel):
         eta: float = 0.6,
         beta: float = 0.01,
         top_k: int | None = None,
-        condition: Condition = "next",
+        normalization: Normalization = "minmax",
+        condition: Condition = "previous",
         noise_draws: int = 1,
+        debias: bool = True,
         max_rows_per_call: int | None = DEFAULT_MAX_ROWS,
-        seed: int = 0,
+        seed: int | None = None,
         rejection_metric: Metric = "correct",
         kappa: int = 32,
+        update_every_step: bool = False,
         online_update: bool = True,
         pretrain_timesteps: int = 4,
         weights: str | None = None,
     ):
         super().__init__()
-        if any(not 0.0 < t < 1.0 for t in timesteps):
-            raise ValueError(f"rewarding timesteps must lie in (0, 1) (t/(1−t) weights), got {list(timesteps)}")
+        check_nonempty("FlowReward", "percentiles", percentiles)
+        for p in percentiles:
+            check_range("FlowReward", "percentiles", p, 0.0, 1.0, open_low=True)  # as tapped_layer_indices takes them
+        check_range("FlowReward", "depth", depth, 1)
+        check_range("FlowReward", "width", width, 1)
+        check_nonempty("FlowReward", "timesteps", timesteps)
+        for t in timesteps:
+            _check_rewarding_timestep(t)
+        check_range("FlowReward", "eta", eta, 0.0, 1.0)  # r̂ lies in [0, 1] (|r̂| in [0, 1] for bilateral / mean)
+        check_range("FlowReward", "beta", beta, 0.0)
+        check_range("FlowReward", "top_k", top_k, 1)
+        check_range("FlowReward", "noise_draws", noise_draws, 1)
+        check_range("FlowReward", "max_rows_per_call", max_rows_per_call, 1)
+        check_range("FlowReward", "seed", seed, 0)
+        check_range("FlowReward", "kappa", kappa, 1)
+        check_range("FlowReward", "pretrain_timesteps", pretrain_timesteps, 1)
+        if weights is not None and not Path(weights).is_file():
+            raise ConfigError(f"FlowReward.weights {weights!r} is not a file")
         self.percentiles = tuple(percentiles)
         self.depth, self.width = depth, width
         self.timesteps = tuple(timesteps)
         self.eta, self.beta, self.top_k = eta, beta, top_k
+        if normalization not in NORMALIZATIONS:
+            raise ConfigError(f"FlowReward.normalization must be one of {', '.join(NORMALIZATIONS)}, got {normalization!r}")
+        self.normalization: Normalization = normalization
         self.condition: Condition = condition
-        self.noise_draws, self.seed = noise_draws, seed
+        self.noise_draws, self.seed = noise_draws, run_seed(seed)
+        self.debias = debias
         self.max_rows_per_call = max_rows_per_call
         self.rejection_metric: Metric = rejection_metric
-        self.kappa, self.online_update = kappa, online_update
+        self.kappa, self.update_every_step, self.online_update = kappa, update_every_step, online_update
         self.pretrain_timesteps = pretrain_timesteps
         self.weights = weights
         self.field: VelocityField | None = None
         self.layer_positions: tuple[float, ...] = ()
         self.buffer = RolloutLatentBuffer()
+        self._candidates: list[tuple[int, Tensor, Tensor]] = []  # (step row, latents P×S×d on CPU, mask S)
+        self._sums: dict[str, float] = {}
         self._metrics: dict[str, float] = {}
 
-    def bind(self, hidden_size: int, layer_positions: Sequence[float]) -> None:
+    def bind(self, hidden_size: int, layer_positions: Sequence[float], rms_norm_eps: float | None = None) -> None:
+        """Build the velocity field for the backbone: width d, RMSNorm ε = the backbone's ``rms_norm_eps`` (official).
+
+        The initialisation draws from a generator seeded with ``seed`` inside a forked RNG, so binding a flow
+        reward leaves the global RNG (the policy's sampling stream) exactly where it was.
+        """
         self.layer_positions = tuple(layer_positions)
-        self.field = VelocityField(hidden_size, self.width, self.depth, conditioned=self.condition != "none")
+        eps = 1e-6 if rms_norm_eps is None else rms_norm_eps
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            self.field = VelocityField(hidden_size, self.width, self.depth, conditioned=self.condition != "none",
+                                       norm_eps=eps)
         if self.weights:
             self.load_field(self.weights)
 
@@ -88,55 +153,111 @@ class FlowReward(TokenRewardModel):
             raise RuntimeError("FlowReward.bind(hidden_size, layer_positions) must be called before use")
         return self.field
 
-    def deviation_scores(self, latents: Tensor, response_mask: Tensor, seed: int) -> Tensor:
-        """R_CFM per token (B×S, zero where unscored) for latents P×B×S×d."""
+    def deviation_scores(self, latents: Tensor, response_mask: Tensor, seed: int, token_offset: int = 0) -> Tensor:
+        """R_CFM per token (B×S, zero where unscored) for latents P×B×S×d; ``token_offset`` keys the noise of
+        a micro-batch by its global scored-token index (see :meth:`scored_token_counts`)."""
         return velocity_deviation_scores(
             self._require_field(), latents, response_mask, self.layer_positions, self.timesteps, seed,
-            self.condition, self.noise_draws, self.max_rows_per_call,
+            self.condition, self.noise_draws, self.max_rows_per_call, token_offset, self.debias,
         )
 
+    def scored_token_counts(self, response_mask: Tensor) -> Tensor:
+        return scored_token_mask(response_mask, self.condition).sum(-1)
+
     @torch.no_grad()
-    def token_rewards(self, batch: RolloutBatch, step: int) -> Tensor:
-        scores = self.deviation_scores(batch.latents, batch.response_mask, self.seed + 1000 * step)
+    def token_rewards(self, batch: RolloutBatch, step: int, token_offset: int = 0) -> Tensor:
+        """Eq. 10 rewards of a (micro-)batch; the same rows get the same rewards however the step is split
+        (min-max and top-k are per row, the noise is keyed by the global scored-token index)."""
+        scores = self.deviation_scores(batch.latents, batch.response_mask, self.seed + 1000 * step, token_offset)
         scored = scored_token_mask(batch.response_mask, self.condition)
-        rewards = flow_token_rewards(scores, scored, self.eta, self.beta, self.top_k)
-        nonzero = (rewards != 0).float().sum() / scored.float().sum().clamp(min=1)
-        self._metrics = {"flow/deviation_mean": float(scores[scored].mean()) if scored.any() else 0.0,
-                         "flow/reward_mean": float(rewards[scored].mean()) if scored.any() else 0.0,
-                         "flow/reward_nonzero_frac": float(nonzero),
-                         "flow/loss": float("nan")}  # NaN on steps without a flow update
+        rewards = flow_token_rewards(scores, scored, self.eta, self.beta, self.top_k, self.normalization)
+        for key, value in {"deviation": scores[scored].sum(), "reward": rewards[scored].sum(),
+                           "nonzero": (rewards[scored] != 0).sum(), "scored": scored.sum()}.items():
+            self._sums[key] = self._sums.get(key, 0.0) + float(value)
         return rewards
 
-    def update_loss(self, batch: RolloutBatch, step: int) -> Tensor | None:
-        """Alg. 1: buffer the accepted rollouts; once ≥ κ are buffered, the flow loss (eq. 4) on all of them."""
+    def observe(self, batch: RolloutBatch, first_row: int) -> None:
+        """Keep, on CPU, the latents of the rows the rejection metric may accept: the correct ones for
+        ``correct`` / ``both``; every row for ``entropy`` (its batch median is known only after the last
+        micro-batch). Everything else is dropped with the micro-batch. ``first_row == 0`` starts a new step
+        (what a skipped step left behind is dropped)."""
+        if first_row == 0:
+            self._candidates = []
         if not self.online_update:
-            return None
-        accepted = accept_rollouts(self.rejection_metric, batch.correct, batch.entropy)
-        if accepted.any():
-            self.buffer.add(batch.latents[:, accepted], batch.response_mask[accepted])
-        self._metrics["flow/accepted_frac"] = float(accepted.float().mean())
+            return
+        candidates = torch.ones_like(batch.correct, dtype=torch.bool) if self.rejection_metric == "entropy" else batch.correct.bool()
+        for row in candidates.nonzero().flatten().tolist():
+            mask = batch.response_mask[row]
+            length = int(mask.nonzero().max()) + 1 if mask.any() else 0
+            if length:
+                self._candidates.append((first_row + row, batch.latents[:, row, :length].cpu(), mask[:length].cpu()))
+
+    def update_losses(self, batch: RolloutBatch, step: int, micro_batch_size: int | None) -> list[Callable[[], Tensor]]:
+        """Alg. 1: buffer the accepted rollouts; once ≥ κ are buffered (or, with ``update_every_step``, ≥ 1),
+        the flow loss (eq. 4) on all of them, in pieces of ``micro_batch_size`` rollouts that sum to it."""
+        candidates, self._candidates = self._candidates, []
+        if not self.online_update:
+            return []
+        accepted = accept_rollouts(self.rejection_metric, batch.correct, batch.entropy).tolist()
+        for row, latents, mask in candidates:
+            if accepted[row]:
+                self.buffer.add_one(latents, mask)
+        self._metrics["flow/accepted_frac"] = sum(accepted) / max(1, len(accepted))
         # Under DDP / ZeRO the flow step runs collectives and ranks accept different numbers of rollouts (e.g. by
         # correctness): the smallest buffer over all ranks decides, so every rank takes or skips the step together.
-        if all_reduce_int(len(self.buffer), ReduceOp.MIN) < self.kappa:
+        needed = 1 if self.update_every_step else self.kappa
+        if all_reduce_int(len(self.buffer), ReduceOp.MIN) < needed:
             self._metrics["flow/buffer_size"] = float(len(self.buffer))
-            return None
+            return []
         latents, mask = self.buffer.pop(len(self.buffer))  # one flow step consumes every buffered rollout
         self._metrics["flow/buffer_size"] = float(len(self.buffer))
-        device = batch.latents.device
+        pieces = self._flow_loss_pieces(latents, mask, self.seed + 1000 * step + 1, micro_batch_size)
+        # every rank backpropagates the same number of pieces (each backward may run gradient collectives)
+        field = self._require_field()
+        pieces += [lambda: sum(p.sum() for p in field.parameters()) * 0.0] * (
+            all_reduce_int(len(pieces), ReduceOp.MAX) - len(pieces))
+        self._metrics["flow/loss"] = 0.0
+        return pieces
+
+    def _flow_loss_pieces(self, latents: Tensor, mask: Tensor, seed: int,
+                          micro_batch_size: int | None) -> list[Callable[[], Tensor]]:
+        """Eq. 4 over rollouts P×K×S×d (CPU) as per-chunk terms Σ_chunk / N_total, noise keyed by the global token.
+        Each piece is a function, so only the chunk being backpropagated has latents on the device and a graph."""
+        field = self._require_field()
+        device = next(field.parameters()).device
+        counts = self.scored_token_counts(mask)
+        total = int(counts.sum())
         timesteps = torch.tensor(self.timesteps, device=device)
-        loss = flow_matching_loss(self._require_field(), latents.to(device), mask.to(device), self.layer_positions,
-                                  timesteps, self.seed + 1000 * step + 1, self.condition)
-        self._metrics["flow/loss"] = float(loss.detach())
-        return loss
+        size = micro_batch_size or mask.shape[0]
+
+        def piece(rows: slice) -> Callable[[], Tensor]:
+            def loss() -> Tensor:
+                value = flow_matching_loss(field, latents[:, rows].to(device), mask[rows].to(device), self.layer_positions,
+                                           timesteps, seed, self.condition, token_offset=int(counts[:rows.start].sum()))
+                value = value * (int(counts[rows].sum()) / total)
+                self._metrics["flow/loss"] = self._metrics.get("flow/loss", 0.0) + float(value.detach())
+                return value
+            return loss
+
+        chunks = [slice(start, start + size) for start in range(0, mask.shape[0], size)]
+        return [piece(rows) for rows in chunks if int(counts[rows].sum()) > 0]
 
     def pretrain_loss(self, latents: Tensor, response_mask: Tensor, generator: torch.Generator) -> Tensor:
-        """Offline flow pretraining (eq. 4): logit-normal timesteps, fresh noise seed from ``generator``."""
-        timesteps = sample_logit_normal(self.pretrain_timesteps, generator, latents.device)
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-        return flow_matching_loss(self._require_field(), latents, response_mask, self.layer_positions, timesteps, seed, self.condition)
+        """Offline flow pretraining (eq. 4) as the official: ``pretrain_timesteps`` copies of every token, one
+        logit-normal t and one noise draw per copy, all from ``generator``."""
+        return pretraining_flow_loss(self._require_field(), latents, response_mask, self.layer_positions,
+                                     self.pretrain_timesteps, generator, self.condition)
 
     def step_metrics(self) -> dict[str, float]:
-        return dict(self._metrics)
+        sums, self._sums = self._sums, {}
+        scored = max(1.0, sums.get("scored", 0.0))
+        metrics = {"flow/deviation_mean": sums.get("deviation", 0.0) / scored,
+                   "flow/reward_mean": sums.get("reward", 0.0) / scored,
+                   "flow/reward_nonzero_frac": sums.get("nonzero", 0.0) / scored,
+                   "flow/loss": float("nan"),  # NaN on steps without a flow update
+                   **self._metrics}
+        self._metrics = {}
+        return metrics
 
     def save_field(self, path: str | Path) -> None:
         save_file({k: v.detach().cpu().contiguous() for k, v in self._require_field().state_dict().items()}, str(path))
@@ -144,7 +265,20 @@ class FlowReward(TokenRewardModel):
     def load_field(self, path: str | Path) -> None:
         if not Path(path).is_file():
             raise FileNotFoundError(f"flow weights {str(path)!r} do not exist")
-        self._require_field().load_state_dict(load_file(str(path)))
+        field = self._require_field()
+        try:
+            state = load_file(str(path))
+        except SafetensorError as err:  # e.g. a truncated file
+            raise ConfigError(f"flow weights {str(path)!r} are not a readable safetensors file ({err})") from None
+        expected = field.state_dict()
+        missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+        resized = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
+        if missing or unexpected or resized:
+            first = (missing or unexpected or resized)[0]
+            raise ConfigError(f"flow weights {str(path)!r} do not fit this FlowReward (depth {self.depth}, width "
+                              f"{field.width}, hidden size {field.hidden_size}): {len(missing)} missing, "
+                              f"{len(unexpected)} unexpected, {len(resized)} differently shaped tensors (first: {first!r})")
+        field.load_state_dict(state)
 
     def get_extra_state(self) -> dict:
         return {"buffer": self.buffer.state_dict()}

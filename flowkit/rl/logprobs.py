@@ -1,9 +1,19 @@
-"""Token log-probabilities and entropies aligned with ``input_ids``."""
+"""Token log-probabilities and entropies aligned with ``input_ids``.
+
+:func:`token_logprobs` / :func:`token_entropy` read full B×S×V logits (the reference computation).
+:func:`lm_head_logprobs` is what training uses: it never builds full-vocabulary logits (see there).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
+
+# Response tokens per LM-head chunk: 1024 tokens × 152k vocab × 4 bytes ≈ 0.6 GB of float32 logits at a time.
+DEFAULT_LM_HEAD_CHUNK = 1024
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
@@ -18,3 +28,67 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))
+
+
+def _chunk_logprobs(lm_head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor,
+                    temperature: float) -> tuple[Tensor, Tensor]:
+    """log p(target) (with gradient) and the entropy (no gradient) of N tokens from their N×d hidden states."""
+    logits = lm_head(hidden).float() / temperature
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normalizer
+    with torch.no_grad():
+        entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return picked, entropy
+
+
+def lm_head_logprobs(
+    hidden: Tensor,
+    lm_head: Callable[[Tensor], Tensor],
+    input_ids: Tensor,
+    response_mask: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = DEFAULT_LM_HEAD_CHUNK,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies of the response tokens from the last hidden state, in chunks of tokens.
+
+    Equal to :func:`token_logprobs` / :func:`token_entropy` of ``lm_head(hidden)`` on response positions (0
+    elsewhere), but only response positions go through the LM head, ``chunk_size`` tokens at a time; each chunk
+    is wrapped in (non-reentrant) activation checkpointing when a gradient is needed, so neither the forward
+    nor the backward ever holds more than one chunk of vocabulary-sized logits. ``lm_head`` is *called* (it is
+    the module, not its weight), so tied embeddings, LoRA-wrapped heads and ZeRO-3 (which gathers parameters in
+    module forward hooks, again during the recomputation) all work.
+
+    Args:
+        hidden: B×S×d last hidden state; position s−1 predicts ``input_ids[:, s]``.
+        lm_head: the output-embedding module (``model.get_output_embeddings()``).
+        input_ids, response_mask: B×S; log-probs are computed where ``response_mask`` is 1 (never at s = 0).
+        temperature: sampling temperature the log-probs refer to.
+        chunk_size: tokens per LM-head call; None runs all response tokens at once.
+
+    Returns:
+        B×S log-probs (with gradient through ``hidden`` and the head) and B×S entropies (detached).
+    """
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    response = response_mask.bool().clone()
+    response[:, 0] = False  # nothing predicts the first position
+    rows, cols = response.nonzero(as_tuple=True)
+    states, targets = hidden[rows, cols - 1], input_ids[rows, cols]
+    size = max(1, len(targets)) if chunk_size is None else chunk_size
+    checkpointed = torch.is_grad_enabled() and states.requires_grad
+    picked, entropy = [], []
+    for start in range(0, len(targets), size):
+        chunk = slice(start, start + size)
+        if checkpointed:
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, states[chunk], targets[chunk],
+                                                        temperature, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(lm_head, states[chunk], targets[chunk], temperature)
+        picked.append(lp)
+        entropy.append(ent)
+    logprobs = hidden.new_zeros(response.shape, dtype=torch.float32)
+    entropies = torch.zeros_like(logprobs)
+    if picked:
+        logprobs = logprobs.index_put((rows, cols), torch.cat(picked))
+        entropies[rows, cols] = torch.cat(entropy)
+    return logprobs, entropies

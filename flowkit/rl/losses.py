@@ -7,18 +7,44 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Aggregation = Literal["token-mean", "seq-mean"]
+Aggregation = Literal["token-mean", "seq-mean", "dr-grpo"]
 
 
-def masked_aggregate(values: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean") -> Tensor:
-    """token-mean: mean over all valid tokens of the batch (DAPO); seq-mean: mean of per-sequence means (GRPO)."""
+def aggregation_denominator(mask: Tensor, aggregation: Aggregation = "token-mean",
+                            max_new_tokens: int | None = None) -> Tensor:
+    """What :func:`masked_sum` is divided by over a whole (mini)batch, so that splitting the batch into
+    micro-batches and adding their ``masked_sum / denominator`` gives exactly :func:`masked_aggregate`.
+
+    token-mean: the number of valid tokens (DAPO); seq-mean: the number of sequences with a valid token (GRPO);
+    dr-grpo: B·max_new_tokens, a constant (Dr. GRPO, Liu et al. 2025, removes the length normalisation).
+    """
     mask = mask.float()
     if aggregation == "token-mean":
-        return (values * mask).sum() / mask.sum().clamp(min=1)
+        return mask.sum().clamp(min=1)
     if aggregation == "seq-mean":
-        per_sequence = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_sequence[mask.sum(-1) > 0].mean()
-    raise ValueError(f"aggregation must be 'token-mean' or 'seq-mean', got {aggregation!r}")
+        return (mask.sum(-1) > 0).float().sum().clamp(min=1)
+    if aggregation == "dr-grpo":
+        if max_new_tokens is None or max_new_tokens < 1:
+            raise ValueError(f"aggregation 'dr-grpo' needs max_new_tokens >= 1, got {max_new_tokens}")
+        return mask.new_tensor(float(mask.shape[0] * max_new_tokens))
+    raise ValueError(f"aggregation must be 'token-mean', 'seq-mean' or 'dr-grpo', got {aggregation!r}")
+
+
+def masked_sum(values: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean") -> Tensor:
+    """The numerator of :func:`masked_aggregate`: a sum over rows, so micro-batches' sums add up."""
+    mask = mask.float()
+    if aggregation in ("token-mean", "dr-grpo"):
+        return (values * mask).sum()
+    if aggregation == "seq-mean":
+        return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    raise ValueError(f"aggregation must be 'token-mean', 'seq-mean' or 'dr-grpo', got {aggregation!r}")
+
+
+def masked_aggregate(values: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean",
+                     max_new_tokens: int | None = None) -> Tensor:
+    """token-mean: mean over all valid tokens of the batch (DAPO); seq-mean: mean of per-sequence means (GRPO);
+    dr-grpo: sum over valid tokens / (B·max_new_tokens) (Dr. GRPO)."""
+    return masked_sum(values, mask, aggregation) / aggregation_denominator(mask, aggregation, max_new_tokens)
 
 
 def clipped_policy_loss(
@@ -29,19 +55,51 @@ def clipped_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     aggregation: Aggregation = "token-mean",
+    clip_ratio_c: float | None = None,
+    importance_weights: Tensor | None = None,
+    denominator: Tensor | float | None = None,
+    max_new_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) with ρ = exp(logπ − logπ_old), aggregated over ``mask``."""
+    """−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) with ρ = exp(logπ − logπ_old), aggregated over ``mask``.
+
+    Args:
+        clip_ratio_c: dual clip (Ye et al. 2020, verl's ``clip_ratio_c``, typically 3): for A < 0 the per-token
+            loss is capped at −c·A, so a huge ratio on a negative-advantage token cannot blow up the step.
+            Must be > 1; None is off.
+        importance_weights: B×S detached per-token weights multiplied into the loss, e.g. the truncated
+            importance-sampling correction min(exp(logπ_old − logπ_rollout), cap) for a rollout engine whose
+            sampler differs from the trainer (verl / TRL); None is 1.
+        denominator: the whole minibatch's :func:`aggregation_denominator` when this call sees one micro-batch of
+            it; the micro-batches' losses then add up to the minibatch loss. None: this call's own rows.
+        max_new_tokens: the generation budget, for ``dr-grpo``.
+
+    Returns:
+        The loss and, detached, ``clip_fraction`` and ``approx_kl`` (token means over this call's tokens).
+    """
     ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
-    loss = masked_aggregate(-torch.minimum(unclipped, clipped), mask, aggregation)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    per_token = torch.maximum(unclipped, clipped)
+    if clip_ratio_c is not None:
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -clip_ratio_c * advantages), per_token)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
+    if denominator is None:
+        denominator = aggregation_denominator(mask, aggregation, max_new_tokens)
+    loss = masked_sum(per_token, mask, aggregation) / denominator
     with torch.no_grad():
-        clip_fraction = masked_aggregate((clipped < unclipped).float(), mask, "token-mean")
+        clip_fraction = masked_aggregate((clipped > unclipped).float(), mask, "token-mean")
         approx_kl = masked_aggregate(old_logprobs - logprobs, mask, "token-mean")
     return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean") -> Tensor:
-    """k3 estimator of KL(π‖π_ref): exp(ref − logπ) − (ref − logπ) − 1 (Schulman 2020), non-negative."""
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean",
+               denominator: Tensor | float | None = None, max_new_tokens: int | None = None) -> Tensor:
+    """k3 estimator of KL(π‖π_ref): exp(ref − logπ) − (ref − logπ) − 1 (Schulman 2020), non-negative.
+
+    ``denominator`` / ``max_new_tokens`` as in :func:`clipped_policy_loss`.
+    """
     delta = ref_logprobs - logprobs
-    return masked_aggregate(torch.exp(delta) - delta - 1, mask, aggregation)
+    if denominator is None:
+        denominator = aggregation_denominator(mask, aggregation, max_new_tokens)
+    return masked_sum(torch.exp(delta) - delta - 1, mask, aggregation) / denominator

@@ -10,9 +10,15 @@ from torch import Tensor
 Metric = Literal["correct", "entropy", "both"]
 
 
+# Entropies closer than this (relative) to the batch median count as ties, not "above": identical responses (common in
+# a GRPO group) get entropies that differ by float noise that depends on how the batch was split into micro-batches.
+ENTROPY_TIE_TOLERANCE = 1e-5
+
+
 def accept_rollouts(metric: Metric, correct: Tensor, entropy: Tensor) -> Tensor:
-    """B bool: correct answers; mean entropy above the batch median; or both conditions."""
-    high_entropy = entropy > entropy.median()
+    """B bool: correct answers; mean entropy above the batch median (ties with it are not above); or both."""
+    median = entropy.median()
+    high_entropy = entropy - median > ENTROPY_TIE_TOLERANCE * median.abs().clamp(min=1.0)
     if metric == "correct":
         return correct.bool()
     if metric == "entropy":
@@ -37,8 +43,12 @@ class RolloutLatentBuffer:
         for row in range(response_mask.shape[0]):
             length = int(response_mask[row].nonzero().max()) + 1 if response_mask[row].any() else 0
             if length:
-                self.latents.append(latents[:, row, :length].cpu())
-                self.masks.append(response_mask[row, :length].cpu())
+                self.add_one(latents[:, row, :length], response_mask[row, :length])
+
+    def add_one(self, latents: Tensor, response_mask: Tensor) -> None:
+        """One rollout: latents P×S_i×d up to its last response token, response_mask S_i."""
+        self.latents.append(latents.cpu())
+        self.masks.append(response_mask.cpu())
 
     def pop(self, count: int) -> tuple[Tensor, Tensor]:
         """The oldest ``count`` rollouts as P×count×S×d latents and count×S masks (right-padded)."""

@@ -59,3 +59,19 @@ def test_sentence_rewards_telescope_and_land_on_sentence_ends(backbone, tokenize
     torch.testing.assert_close(out.rewards.sum(-1), out.probs[rows, last] - out.probs[:, 0])
     torch.testing.assert_close(out.true_logit_mean, out.probs[rows, last])
     assert (out.rewards[~out.mask] == 0).all() and (out.true_logit_std > 0).all()
+
+
+def test_every_prefix_of_an_explanation_reads_the_same_z0_draws(backbone, tokenizer):
+    """Common random numbers: a sentence that leaves the prefix's context unchanged gets exactly 0 reward
+    (the draw noise cancels in p_k − p_{k−1}); independent draws per prefix would give it noise."""
+    ids, mask, prompt_lengths, ends = _rows(tokenizer)
+    prefixes, prefix_mask = prefix_table(prompt_lengths, ends)
+    same = prefixes[:, -1:].expand_as(prefixes)  # every "prefix" is the whole explanation
+    flow = ExplanationFlow(4, backbone.config.hidden_size, time_dim=16, projector_dim=32)
+    context, decisions = encode_context(backbone, ids, mask), torch.tensor([0, 2, 1])
+    shared = flow_sentence_rewards(flow, context, same, prefix_mask, decisions, num_draws=4, num_steps=3,
+                                   generator=torch.Generator().manual_seed(0))
+    assert (shared.rewards == 0).all()
+    independent = flow_sentence_rewards(flow, context, same, prefix_mask, decisions, num_draws=4, num_steps=3,
+                                        z0=torch.randn(*same.shape, 4, 4, generator=torch.Generator().manual_seed(0)))
+    assert independent.rewards[independent.mask].abs().min() > 0

@@ -1,15 +1,55 @@
+import math
+
 import pytest
 import torch
 
 from flowkit import kernels
-from flowkit.flow import VelocityField, flow_matching_loss, scored_token_mask, velocity_deviation_scores
+from flowkit.flow import (
+    VelocityField,
+    flow_matching_loss,
+    pretraining_flow_loss,
+    scored_token_mask,
+    velocity_deviation_scores,
+)
+from flowkit.flow.velocity_field import sinusoidal_embedding
 
 
 def test_scored_tokens_need_their_condition_token():
     response = torch.tensor([[0, 0, 1, 1, 1, 0]])
     assert scored_token_mask(response, "next").int().tolist() == [[0, 0, 1, 1, 0, 0]]
-    assert scored_token_mask(response, "previous").int().tolist() == [[0, 0, 0, 1, 1, 0]]
+    # previous (official token_post): the first response token is scored against the last prompt token
+    assert scored_token_mask(response, "previous").int().tolist() == [[0, 0, 1, 1, 1, 0]]
     assert scored_token_mask(response, "none").int().tolist() == [[0, 0, 1, 1, 1, 0]]
+    # a token at position 0 has no previous token at all
+    assert scored_token_mask(torch.tensor([[1, 1, 0]]), "previous").int().tolist() == [[0, 1, 0]]
+
+
+def _random_field(hidden_size: int, conditioned: bool = True) -> VelocityField:
+    field = VelocityField(hidden_size=hidden_size, depth=1, conditioned=conditioned)
+    for p in field.parameters():  # leave the zero init so the field actually depends on its inputs
+        torch.nn.init.normal_(p, std=0.3)
+    return field
+
+
+@pytest.mark.parametrize("condition, offset", [("previous", -1), ("next", +1)])
+def test_condition_latent_by_hand(condition, offset):
+    """Token j is scored from h_j conditioned on h_{j−1} (previous) or h_{j+1} (next), one layer, one t."""
+    torch.manual_seed(3)
+    d, t, seed = 6, 0.8, 11
+    field = _random_field(d)
+    latents = torch.randn(1, 1, 6, d)
+    response = torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0, 0.0]])  # prompt at 0–1, response at 2–4
+    scores = velocity_deviation_scores(field, latents, response, [0.5], [t], seed=seed, condition=condition)
+    scored = [2, 3, 4] if condition == "previous" else [2, 3]  # next: the last response token has no condition
+    assert scores[0].nonzero().flatten().tolist() == scored
+    x1 = latents[0, 0, scored]
+    eps = kernels.flow_noise((len(scored), 1, 1, d), seed=seed)[:, 0, 0]  # token-major counters
+    x_t = t * x1 + (1 - t) * eps
+    cond = latents[0, 0, [j + offset for j in scored]]
+    with torch.no_grad():
+        v = field(x_t, torch.full((len(scored),), t), torch.full((len(scored),), 0.5), cond)
+    expected = t / (1 - t) * ((v - (x1 - eps)) ** 2).mean(-1)
+    torch.testing.assert_close(scores[0, scored], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_fresh_field_outputs_zero_velocity():
@@ -92,3 +132,71 @@ def test_rewarding_timestep_must_be_inside_unit_interval():
 
     with pytest.raises(ValueError, match="timesteps"):
         FlowReward(timesteps=[1.0])
+
+
+def test_pretraining_draws_one_logit_normal_t_per_row_by_hand():
+    """Official offline objective: each scored token × layer enters ``copies`` times, each with its own t."""
+    torch.manual_seed(4)
+    P, d, copies = 2, 5, 3
+    field = _random_field(d)
+    latents = torch.randn(P, 1, 4, d)
+    response = torch.tensor([[0.0, 1.0, 1.0, 1.0]])  # next: tokens 1, 2 are scored (N = 2)
+    loss = pretraining_flow_loss(field, latents, response, [0.25, 0.75], copies, torch.Generator().manual_seed(9))
+
+    replay = torch.Generator().manual_seed(9)
+    rows = P * copies * 2
+    t = torch.sigmoid(torch.randn(rows, generator=replay))
+    assert t.unique().numel() == rows  # one t per row, not one per batch
+    eps = kernels.flow_noise((rows, d), int(torch.randint(0, 2**31 - 1, (1,), generator=replay)))
+    x1 = latents[:, 0, 1:3].unsqueeze(1).expand(P, copies, 2, d).reshape(rows, d)  # rows (p, copy, n)
+    cond = latents[:, 0, 2:4].unsqueeze(1).expand(P, copies, 2, d).reshape(rows, d)
+    layer = torch.tensor([0.25, 0.75]).repeat_interleave(copies * 2)
+    with torch.no_grad():
+        v = field(t[:, None] * x1 + (1 - t[:, None]) * eps, t, layer, cond)
+    torch.testing.assert_close(loss.detach(), ((v - (x1 - eps)) ** 2).mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_sinusoidal_embedding_is_unscaled_by_hand():
+    """No ×1000 time scale (official): 4 features of v = 0.5 with frequencies exp(−ln(1e4)·i/2) = 1, 0.01."""
+    got = sinusoidal_embedding(torch.tensor([0.5]), dim=4)
+    expected = torch.tensor([[math.cos(0.5), math.cos(0.005), math.sin(0.5), math.sin(0.005)]])
+    torch.testing.assert_close(got, expected)
+
+
+def test_official_initialisation_and_norm_eps():
+    """xavier-uniform weights with zero biases; adaLN projections and the output Linear zero; ε as given."""
+    torch.manual_seed(0)
+    field = VelocityField(hidden_size=16, width=24, depth=2, norm_eps=1e-5)
+    bound = math.sqrt(6 / (16 + 24))  # xavier-uniform bound of input_proj (fan_in 16, fan_out 24)
+    w = field.input_proj.weight
+    assert w.abs().max() <= bound and w.abs().max() > 0.8 * bound and w.std() > 0.5 * bound / math.sqrt(3)
+    zeroed = {*(f"blocks.{i}.ada_ln.1.weight" for i in range(2)), "final_ada_ln.1.weight", "output_proj.weight"}
+    for name, param in field.named_parameters():
+        if name.endswith(".bias"):
+            assert torch.equal(param, torch.zeros_like(param)), name
+        elif name in zeroed:
+            assert torch.equal(param, torch.zeros_like(param)), name
+        elif "norm" not in name:
+            assert param.abs().min() < param.abs().max(), name  # a random matrix, not a constant
+    assert [m.eps for m in field.modules() if isinstance(m, torch.nn.RMSNorm)] == [1e-5] * 3
+
+
+def test_debias_weights_and_their_ablation_by_hand():
+    """T = {0.5, 0.8}: eq. 7 weights R_FM by t/(1−t) = 1, 4; debias=False averages the plain R_FM (ablation)."""
+    torch.manual_seed(5)
+    d, seed, times = 6, 2, (0.5, 0.8)
+    field = _random_field(d, conditioned=False)
+    latents = torch.randn(1, 1, 5, d)
+    response = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0]])
+    args = (field, latents, response, [0.5], list(times))
+    debiased = velocity_deviation_scores(*args, seed=seed, condition="none")[0, 1:]
+    plain = velocity_deviation_scores(*args, seed=seed, condition="none", debias=False)[0, 1:]
+    x1 = latents[0, 0, 1:]
+    eps = kernels.flow_noise((4, 1, 2, d), seed=seed)[:, 0]  # token-major counters: (token, layer, t)
+    r_fm = []
+    for i, t in enumerate(times):
+        with torch.no_grad():
+            v = field(t * x1 + (1 - t) * eps[:, i], torch.full((4,), t), torch.full((4,), 0.5))
+        r_fm.append(((v - (x1 - eps[:, i])) ** 2).mean(-1))
+    torch.testing.assert_close(debiased, (1.0 * r_fm[0] + 4.0 * r_fm[1]) / 2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain, (r_fm[0] + r_fm[1]) / 2, rtol=1e-5, atol=1e-6)

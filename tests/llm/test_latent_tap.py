@@ -6,13 +6,21 @@ from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 
 
 def test_layer_indices_by_hand():
-    # round(p·L), clamped to L−1 (the last block is excluded) and at least 1
-    assert tapped_layer_indices([0.25, 0.5, 0.75], 28) == [7, 14, 21]
-    assert tapped_layer_indices([0.25, 0.5, 0.75], 4) == [1, 2, 3]
-    assert tapped_layer_indices([1.0], 4) == [3]
-    assert tapped_layer_indices([0.01], 4) == [1]
+    # The official code hooks block round(p·L) (0-based; clamped to L−1): HF hidden-state index round(p·L) + 1.
+    assert tapped_layer_indices([0.25, 0.5, 0.75], 28) == [8, 15, 22]
+    assert tapped_layer_indices([0.25, 0.5, 0.75], 4) == [2, 3, 4]
+    assert tapped_layer_indices([1.0], 4) == [4]  # block 4 does not exist: the last block, 3
+    assert tapped_layer_indices([0.01], 4) == [1]  # block 0
     with pytest.raises(ValueError):
         tapped_layer_indices([0.0], 4)
+
+
+def test_layer_positions_are_block_index_over_depth():
+    """The flow sees the official layer value: the hooked block's 0-based index / L (7/28 = 0.25 for L = 28)."""
+    model = tiny_qwen2(len(char_tokenizer("0123456789+=")), hidden_size=64, num_layers=28)
+    tap = LatentTap(model, [0.25, 0.5, 0.75, 1.0])
+    assert tap.indices == [8, 15, 22, 28]
+    assert tap.layer_positions == [7 / 28, 14 / 28, 21 / 28, 27 / 28]
 
 
 def test_tap_equals_hf_hidden_states_and_is_detached():
@@ -22,9 +30,13 @@ def test_tap_equals_hf_hidden_states_and_is_detached():
     tap = LatentTap(model, [0.25, 0.5, 0.75])
     with tap:
         out = model(ids, output_hidden_states=True)
+    assert tap.indices == [2, 3, 4]
     assert tap.layer_positions == [0.25, 0.5, 0.75]
-    for slot, h in enumerate(tap.indices):
+    for slot, h in enumerate(tap.indices[:2]):
         assert torch.equal(tap.latents[slot], out.hidden_states[h])
+    # h = L is the last block's own output; HF's last hidden state is that after the final norm
+    assert not torch.equal(tap.latents[2], out.hidden_states[4])
+    torch.testing.assert_close(model.model.norm(tap.latents[2]), out.hidden_states[4])
     assert not tap.latents.requires_grad
     # hooks are removed on exit: another forward does not overwrite the captured latents
     before = tap.latents.clone()

@@ -31,3 +31,22 @@ def test_bad_training_file_names_file_and_line(tmp_path):
     path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n{not json\n")
     with pytest.raises(RecordError, match=r"train.jsonl:2: malformed JSON"):
         RolloutDataModule(train_path=str(path), val_path=None).setup("fit")
+
+
+def test_batch_size_is_prompts_per_step_across_all_ranks():
+    """``batch_size`` 8 on 2 ranks: each rank draws 4 prompts and together they cover the 8 of one global batch."""
+    from types import SimpleNamespace
+
+    from flowkit.errors import ConfigError
+
+    data = RolloutDataModule(batch_size=8, val_path=None)
+    data.setup("fit")
+    firsts = []
+    for rank in (0, 1):
+        data.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        firsts.append(next(iter(data.train_dataloader())))
+    assert [len(batch["prompt"]) for batch in firsts] == [4, 4]
+    assert not set(firsts[0]["prompt"]) & set(firsts[1]["prompt"])
+    data.trainer = SimpleNamespace(global_rank=0, world_size=3)
+    with pytest.raises(ConfigError, match=r"batch_size \(8, prompts per step across all ranks\) must be divisible by the number of ranks \(3\)"):
+        data.train_dataloader()

@@ -5,13 +5,14 @@ import lightning as L
 import pytest
 import torch
 
+from flowkit.errors import ConfigError
 from flowkit.llm.lora import LoraSettings
 from flowkit.modules.explanation import (
     ExplanationDataModule,
     ExplanationPolicyModule,
     ExplanationRewardModule,
     normalize_record,
-    whitened,
+    rank_share,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -37,13 +38,12 @@ def test_bundled_gridworld_loads_with_balanced_decisions():
     assert counts.min() > 0.15 * counts.sum()
 
 
-def test_whitened_advantages_are_zero_mean_unit_std_on_the_mask():
-    values = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 0.0, 9.0]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    out = whitened(values, mask)
-    picked = out[mask.bool()]
-    assert abs(picked.mean().item()) < 1e-6 and abs(picked.pow(2).mean().sqrt().item() - 1) < 1e-4
-    assert (out[~mask.bool()] == 0).all()
+def test_rank_shares_are_equal_disjoint_and_cover_all_but_the_remainder():
+    rows = list(range(10))
+    shares = [rank_share(rows, rank, 4) for rank in range(4)]
+    assert [len(s) for s in shares] == [2, 2, 2, 2]
+    assert sorted(x for s in shares for x in s) == list(range(8))
+    assert rank_share(rows, 0, 1) == rows
 
 
 def _fit(module, data, max_epochs):
@@ -82,6 +82,69 @@ def test_policy_rounds_train_flow_and_lora_and_log_the_metrics():
     assert changed and all("lora_" in n for n in changed)
     base = [p for n, p in module.policy.named_parameters() if "lora_" not in n]
     assert all(not p.requires_grad for p in base)
+
+
+def test_ppo_accumulates_rollouts_and_takes_ppo_epochs_steps_with_a_clip_that_acts():
+    """Two training batches form one PPO batch (gradient_accumulation 2); it gets ppo_epochs = 3 optimizer steps,
+    after the first of which the ratio moves off 1 and some tokens are clipped; the value head trains."""
+    torch.manual_seed(0)
+    module = _policy()
+    module.hparams.update(ppo_epochs=3, gradient_accumulation=2, lr=2e-2, clip=0.05)
+    value_before = module.value_head.weight.detach().clone()
+    metrics = _fit(module, _data(), max_epochs=1)
+    assert module.lr_schedulers().last_epoch == 3  # one PPO batch × 3 steps
+    assert float(metrics["train/clip_fraction"]) > 0
+    assert math.isfinite(float(metrics["train/value_loss"])) and math.isfinite(float(metrics["train/kl_to_initial"]))
+    assert not torch.equal(module.value_head.weight, value_before)
+
+
+def test_reinforce_advantage_has_no_value_head_and_bad_options_are_config_errors():
+    module = ExplanationPolicyModule(advantage="reinforce", lora=LoraSettings(r=4, alpha=4, target_modules=["q_proj"]))
+    assert module.value_head is None
+    for options in ({"advantage": "a2c"}, {"lam": 1.5}, {"gradient_accumulation": 0}, {"value_clip": 0.0}):
+        with pytest.raises(ConfigError, match=next(iter(options))):
+            ExplanationPolicyModule(**options)
+
+
+def test_sft_on_preferred_explanations_runs_before_the_first_round_and_lowers_their_loss():
+    torch.manual_seed(0)
+    module = _policy()
+    module.hparams.update(sft_epochs=3, sft_lr=1e-2)
+    _fit(module, _data(), max_epochs=1)
+    assert len(module.sft_losses) == 3 * 2  # 8 records in batches of 4, 3 epochs
+    assert sum(module.sft_losses[-2:]) < sum(module.sft_losses[:2])
+
+
+def test_sft_needs_a_preferred_explanation_in_every_record(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"context": "d=+1,+2 a=?", "decisions": ["north", "south", "east", "west"],
+                                "decision": "north"}))
+    module = _policy()
+    module.hparams.update(sft_epochs=1)
+    with pytest.raises(ValueError, match="preferred"):
+        _fit(module, ExplanationDataModule(train_path=str(path), test_path=str(path), batch_size=1), max_epochs=1)
+
+
+def test_a_held_out_evaluator_judges_the_final_evaluation_and_flowkit_validate():
+    torch.manual_seed(0)
+    module = _policy()
+    module = ExplanationPolicyModule(**{**module.hparams, "proxies": [f"bundled:explain_tiny/proxy{i}" for i in (0, 1)],
+                                        "evaluators": ["bundled:explain_tiny/proxy2"]})
+    judged = []
+    module.evaluators[0].register_forward_hook(lambda *_: judged.append(1))
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=1, limit_val_batches=1,
+                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, check_val_every_n_epoch=10)
+    data = _data()
+    trainer.fit(module, datamodule=data)
+    final = dict(trainer.logged_metrics)
+    for key in ("final/explanation_accuracy", "final/reward_mean", "final/reward_std"):
+        assert key in final and math.isfinite(float(final[key])), key
+    assert float(final["final/heldout_positives"]) + float(final["final/heldout_negatives"]) == 8
+    assert judged  # the evaluator, not only the proxies, scored the explanations
+    judged.clear()
+    (validated,) = trainer.validate(module, datamodule=data, verbose=False)
+    assert 0 <= validated["val/explanation_accuracy"] <= 1 and "val/reward_mean" in validated and judged
 
 
 @pytest.mark.slow

@@ -100,3 +100,53 @@ def test_max_grad_norm_becomes_deepspeeds_gradient_clipping():
     module.trainer = trainer({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0})
     with pytest.raises(ValueError, match="gradient_clipping 1.0"):
         module.setup("fit")
+
+
+def test_rollouts_generated_in_chunks_equal_one_call_when_greedy():
+    module = PolicyModule(num_samples=1, max_new_tokens=12, rollout_batch_size=2)
+    prompts, answers = ["47+38=", "12+13=", "5+6="], ["85", "25", "11"]
+    chunked = module.engine.generate(prompts, 1, answers, temperature=0)  # calls of 2 and 1 prompts
+    module.engine.rollout_batch_size = None
+    whole = module.engine.generate(prompts, 1, answers, temperature=0)
+    assert chunked.responses == whole.responses and chunked.answers == whole.answers
+    assert chunked.group_ids.tolist() == [0, 1, 2]
+    assert torch.equal(chunked.response_lengths, whole.response_lengths)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampling", "greedy"])
+def test_nan_weights_skip_in_generation_then_fail_after_max_consecutive_skips(tmp_path, caplog, temperature):
+    """NaN weights used to crash inside HF generate (sampling) or skip forever (greedy); now each step is skipped
+    by the ``nonfinite`` policy and the run fails with the reason after ``max_consecutive_skips``."""
+    import lightning as L
+
+    from flowkit.modules import RolloutDataModule
+
+    module = PolicyModule(num_samples=1 if temperature == 0 else 2, max_new_tokens=8, temperature=temperature,
+                          max_consecutive_skips=3)
+    with torch.no_grad():
+        module.policy.model.norm.weight.fill_(float("nan"))
+    trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    with pytest.raises(FloatingPointError, match="3 RL steps in a row were skipped .* non-finite generation logits"):
+        trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
+    assert module.skipped_steps == 3 and trainer.global_step == 0
+    assert "skipping RL step 0: non-finite generation logits" in caplog.text
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("micro_batch_size", 0, "micro_batch_size must be >= 1"),
+    ("rollout_batch_size", 12, "rollout_batch_size must be a positive multiple of num_samples"),
+    ("clip_ratio_c", 1.0, "clip_ratio_c must be > 1"),
+    ("aggregation", "sum", "aggregation must be token-mean, seq-mean or dr-grpo"),
+    ("scale_rewards", "std", "scale_rewards must be group, batch or none"),
+    ("lm_head_chunk_size", 0, "lm_head_chunk_size must be >= 1"),
+    ("rollout_is_cap", 0.0, "rollout_is_cap must be > 0"),
+    ("max_consecutive_skips", 0, "max_consecutive_skips must be >= 1"),
+])
+def test_rl_step_options_are_checked_before_the_backbone_loads(monkeypatch, option, value, message):
+    from flowkit.errors import ConfigError
+    from flowkit.modules import policy
+
+    monkeypatch.setattr(policy, "load_backbone", lambda *a: pytest.fail("loaded the backbone"))
+    with pytest.raises(ConfigError, match=message):
+        PolicyModule(**{option: value})

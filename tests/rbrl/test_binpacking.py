@@ -4,8 +4,8 @@ import pytest
 from flowkit.rbrl.binpacking import BinPackingEnv, BinPackingLanguage
 
 
-def _env_with(counts: dict[int, int], item: int) -> BinPackingEnv:
-    env = BinPackingEnv()
+def _env_with(counts: dict[int, int], item: int, **kwargs) -> BinPackingEnv:
+    env = BinPackingEnv(**({"reward_scale": 1.0} | kwargs))  # unscaled, so rewards read as waste units
     env.reset(seed=0)
     env.counts[:] = 0
     for level, n in counts.items():
@@ -38,12 +38,37 @@ def test_new_bag_costs_its_free_space():
 
 
 @pytest.mark.parametrize("counts,item,action", [({7: 1}, 3, 7), ({}, 2, 4), ({5: 1}, 2, 6)])
-def test_invalid_placement_is_penalised_and_changes_nothing(counts, item, action):
-    env = _env_with(counts, item)
+def test_penalty_variant_penalises_invalid_placement_and_changes_nothing(counts, item, action):
+    env = _env_with(counts, item, invalid_action="penalty")
     before = env.counts.copy()
-    _, reward, _, _, info = env.step(action)
-    assert info["invalid"] and reward == -env.invalid_penalty
+    _, reward, terminated, _, info = env.step(action)
+    assert info["invalid"] and reward == -env.invalid_penalty and not terminated
     np.testing.assert_array_equal(env.counts, before)
+
+
+def test_official_invalid_placement_ends_the_episode_with_minus_100_minus_last_waste_change():
+    # a new bag for a 3 (waste +6), then a 2 into a level-7 bag that does not exist: −100 − 6
+    env = _env_with({}, item=3)
+    _, reward, terminated, _, _ = env.step(0)
+    assert reward == -6.0 and not terminated
+    env.item = 2
+    _, reward, terminated, _, info = env.step(7)
+    assert info["invalid"] and terminated and reward == -106.0 and env.counts[3] == 1
+    # after a fill (waste change −size = −3) an overflow ends it with −100 + 3
+    env = _env_with({4: 1, 7: 1}, item=3)
+    assert env.step(4)[1] == 3.0
+    env.item = 3
+    _, reward, terminated, _, _ = env.step(7)  # 7 + 3 > 9
+    assert terminated and reward == -97.0
+    # before any placement the change is 0
+    env = _env_with({}, item=2)
+    assert env.step(5)[1:3] == (-100.0, True)
+
+
+def test_official_reward_scale_is_one_hundredth():
+    unscaled, scaled = _env_with({}, item=3), _env_with({}, item=3, reward_scale=0.01)
+    assert BinPackingEnv().reward_scale == 0.01 and BinPackingEnv().invalid_action == "end"
+    assert unscaled.step(0)[1] == -6.0 and scaled.step(0)[1] == pytest.approx(-0.06)
 
 
 def test_out_of_range_action_raises():
@@ -53,7 +78,7 @@ def test_out_of_range_action_raises():
 
 
 def test_episode_return_is_minus_final_waste_and_horizon_is_32():
-    env = BinPackingLanguage()
+    env = BinPackingLanguage(reward_scale=1.0)
     env.reset(seed=3)
     rng = np.random.default_rng(0)
     total, steps, done = 0.0, 0, False

@@ -148,3 +148,85 @@ def test_hf_backend_generates_from_a_saved_tiny_model(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     backend = HFChatBackend(str(tmp_path), max_new_tokens=4, temperature=0.0)
     assert backend.tokenizer.chat_template and len(backend.complete([{"role": "user", "content": "hi"}])) <= 4
+
+
+class RedirectingServer(ScriptedServer):
+    """Answers every POST with ``status`` and ``Location: location``; records the requests it saw."""
+
+    def __init__(self, status: int, location: str):
+        super().__init__([(200, reply("unused"), 0.0)])
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                server.requests.append({"path": self.path, "auth": self.headers.get("Authorization")})
+                self.send_response(status)
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd.server_close()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+
+class AnyMethodServer(ScriptedServer):
+    """Records the Authorization header of any GET or POST (a followed 302 turns the POST into a GET)."""
+
+    def __init__(self):
+        super().__init__([(200, reply("leaked"), 0.0)])
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                server.requests.append({"path": self.path, "auth": self.headers.get("Authorization")})
+                data = json.dumps(reply("leaked")).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd.server_close()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_redirect_to_another_origin_never_receives_the_key(monkeypatch, status):
+    # 127.0.0.1 on two ports = two origins; the second must never see the Authorization header
+    monkeypatch.setenv("FLOWKIT_TEST_KEY", SECRET)
+    with AnyMethodServer() as target:
+        with RedirectingServer(status, target.base_url + "/chat/completions") as first:
+            with pytest.raises(ChatBackendError, match=f"HTTP {status} redirect not followed") as err:
+                _backend(first).complete(MESSAGES)
+    assert len(first.requests) == 1 and first.requests[0]["auth"] == f"Bearer {SECRET}"
+    assert target.requests == []  # nothing at all reached the other origin, so no header either
+    assert SECRET not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"base_url": "127.0.0.1:8000/v1"}, "HTTPChatBackend.base_url must start with http"),
+        ({"timeout_s": 0.0}, "HTTPChatBackend.timeout_s must be > 0"),
+        ({"max_retries": -1}, "HTTPChatBackend.max_retries must be >= 0"),
+        ({"max_tokens": 0}, "HTTPChatBackend.max_tokens must be >= 1"),
+    ],
+)
+def test_http_backend_rejects_bad_options_at_construction(kwargs, message):
+    from flowkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        HTTPChatBackend(**({"base_url": "http://127.0.0.1:1/v1", "model": "m"} | kwargs))

@@ -54,11 +54,40 @@ def test_temperature_loss_hand_computed_and_direction():
     torch.testing.assert_close(sac.entropy(log_pi, mask), torch.tensor([math.log(2)]))
 
 
-def test_soft_update_is_polyak_average():
+def test_target_update_is_polyak_average_and_tau_one_a_hard_copy():
     target, source = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     torch.nn.init.zeros_(target.weight), torch.nn.init.ones_(source.weight)
-    sac.soft_update(target, source, tau=0.1)
+    sac.target_update(target, source, tau=0.1)
     torch.testing.assert_close(target.weight, torch.full((1, 2), 0.1))
+    with torch.no_grad():
+        source.weight.copy_(torch.tensor([[0.1 + 1e-7, -3.3]]))
+    sac.target_update(target, source, tau=1.0)
+    assert torch.equal(target.weight, source.weight) and torch.equal(target.bias, source.bias)
+
+
+def test_softmin_blend_hand_computed_and_tends_to_the_min():
+    q1, q2 = torch.tensor([1.0, 0.0, 5.0]), torch.tensor([1.1, 0.0, -5.0])
+    # weights softmax(−10 · (q1, q2)): (1, 1.1) → 1/(1+e^−1) on q1
+    w = 1.0 / (1.0 + math.exp(-1.0))
+    expected = torch.tensor([w * 1.0 + (1 - w) * 1.1, 0.0, -5.0])
+    torch.testing.assert_close(sac.blend_twin_q(q1, q2, "softmin"), expected)
+    torch.testing.assert_close(sac.blend_twin_q(q1, q2, "min"), torch.tensor([1.0, 0.0, -5.0]))
+    with pytest.raises(ValueError, match="softmin"):
+        sac.blend_twin_q(q1, q2, "mean")
+
+
+def test_soft_q_target_with_softmin_blend_hand_computed_and_padding_ignored():
+    # one state, two real rules π = (0.5, 0.5) and one pad holding huge values that must not matter
+    next_log_pi = torch.tensor([[math.log(0.5), math.log(0.5), -INF]])
+    q1 = torch.tensor([[1.0, 2.0, 1e9]])
+    q2 = torch.tensor([[1.1, 2.0, -1e9]])
+    mask = torch.tensor([[True, True, False]])
+    w = 1.0 / (1.0 + math.exp(-1.0))
+    blended = (w * 1.0 + (1 - w) * 1.1, 2.0)
+    value = 0.5 * (blended[0] - 0.1 * math.log(0.5)) + 0.5 * (blended[1] - 0.1 * math.log(0.5))
+    target = sac.soft_q_target(torch.tensor([0.5]), torch.tensor([0.0]), next_log_pi, q1, q2, mask, 0.1, 0.95, "softmin")
+    assert target.item() == pytest.approx(0.5 + 0.95 * value, abs=1e-6)
+    assert torch.isfinite(target).all()
 
 
 def test_padded_rules_give_finite_gradients():

@@ -20,10 +20,13 @@ def test_every_template_rule_gives_valid_actions_along_random_episodes(name):
             rules = source.generate(env)  # instantiate() asserts validity
             assert sorted(r.name for r in rules) == sorted(source.rule_names)
             rule = rules[int(rng.integers(len(rules)))]
-            decision = source.act(env, rule)
-            assert decision.action == rule.preferred[0] and rule.rule in decision.explanation
-            _, _, done, _, info = env.step(decision.action)
+            before = env.snapshot()
+            action = source.act(env, rule)
+            assert action == rule.preferred[0]
+            _, _, done, _, info = env.step(action)
             assert not info["invalid"]
+            explanation = source.explain(before, rule, action)
+            assert rule.rule in explanation and before.valid_actions()[action] in explanation
 
 
 def test_binpacking_rules_hand_checked():

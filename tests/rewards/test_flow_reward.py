@@ -1,8 +1,10 @@
 """FlowReward on the bundled tiny policy: offline pretraining makes held-out expert latents score lower."""
 
+import pytest
 import torch
 
 from flowkit.data.records import load_records
+from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.rollout import expert_latents
@@ -44,3 +46,23 @@ def test_pretrained_flow_scores_expert_latents_below_shuffled():
         fake = reward.deviation_scores(shuffled, mask, seed=5)
     scored = real != 0
     assert real[scored].mean() < 0.8 * fake[scored].mean(), (real[scored].mean(), fake[scored].mean())
+
+
+def test_bind_leaves_the_global_rng_alone_and_uses_the_backbone_eps():
+    """The flow's initialisation must not shift the policy's sampling stream (paired ablations)."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    reward = FlowReward(depth=1, seed=7)
+    reward.bind(16, [0.25, 0.5, 0.75], rms_norm_eps=1e-5)
+    torch.testing.assert_close(torch.rand(3), expected)
+    assert {m.eps for m in reward.field.modules() if isinstance(m, torch.nn.RMSNorm)} == {1e-5}
+    again = FlowReward(depth=1, seed=7)
+    again.bind(16, [0.25, 0.5, 0.75], rms_norm_eps=1e-5)
+    for a, b in zip(reward.field.parameters(), again.field.parameters()):
+        assert torch.equal(a, b)  # the field's seed alone decides its initialisation
+
+
+def test_unknown_normalization_is_a_config_error():
+    with pytest.raises(ConfigError, match="normalization"):
+        FlowReward(normalization="zscore")

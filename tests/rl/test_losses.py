@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from flowkit.rl.losses import clipped_policy_loss, kl_penalty
+from flowkit.rl.losses import aggregation_denominator, clipped_policy_loss, kl_penalty
 from flowkit.rl.metrics import pass_at_k
 from flowkit.rl.rejection import RolloutLatentBuffer, accept_rollouts
 
@@ -61,3 +61,53 @@ def test_latent_buffer_pops_oldest_padded():
     assert popped.shape == (2, 2, 3, 1) and len(buffer) == 0
     assert mask.tolist() == [[0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]
     assert torch.equal(popped[:, 0, :2], latents[:, 0, :2]) and torch.equal(popped[:, 0, 2], torch.zeros(2, 1))
+
+
+def test_dr_grpo_divides_by_rows_times_max_new_tokens():
+    zero = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, _ = clipped_policy_loss(zero, zero, adv, mask, aggregation="dr-grpo", max_new_tokens=4)
+    assert loss.item() == pytest.approx(-(1 + 2 + 3) / (2 * 4))  # ratio 1: −A summed, over B·max_new_tokens
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        clipped_policy_loss(zero, zero, adv, mask, aggregation="dr-grpo")
+
+
+def test_dual_clip_caps_negative_advantage_tokens_at_c():
+    old = torch.zeros(1, 2)
+    new = torch.log(torch.tensor([[5.0, 5.0]]))  # ratio 5 on both tokens
+    adv = torch.tensor([[-1.0, 1.0]])
+    mask = torch.ones(1, 2)
+    plain, _ = clipped_policy_loss(new, old, adv, mask, 0.2, 0.2)
+    assert plain.item() == pytest.approx((5.0 - 1.2) / 2)  # A<0: max(5, 1.2) = 5; A>0: max(−5, −1.2) = −1.2
+    dual, _ = clipped_policy_loss(new, old, adv, mask, 0.2, 0.2, clip_ratio_c=3.0)
+    assert dual.item() == pytest.approx((3.0 - 1.2) / 2)  # A<0 capped at −c·A = 3; A>0 unchanged
+
+
+def test_importance_weights_scale_each_token():
+    zero = torch.zeros(1, 2)
+    adv = torch.tensor([[1.0, 1.0]])
+    loss, _ = clipped_policy_loss(zero, zero, adv, torch.ones(1, 2), importance_weights=torch.tensor([[0.5, 2.0]]))
+    assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean", "dr-grpo"])
+def test_micro_batch_losses_over_the_minibatch_denominator_add_up(aggregation):
+    generator = torch.Generator().manual_seed(0)
+    new, old, adv = (torch.randn(5, 6, generator=generator) * 0.1 for _ in range(3))
+    mask = (torch.rand(5, 6, generator=generator) > 0.3).float()
+    mask[2] = 0.0  # an empty response counts in no aggregation but dr-grpo's B
+    whole, _ = clipped_policy_loss(new, old, adv, mask, aggregation=aggregation, max_new_tokens=6)
+    denominator = aggregation_denominator(mask, aggregation, max_new_tokens=6)
+    parts = [clipped_policy_loss(new[r], old[r], adv[r], mask[r], aggregation=aggregation, denominator=denominator)[0]
+             for r in (slice(0, 1), slice(1, 4), slice(4, 5))]
+    assert sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)
+    kl_whole = kl_penalty(new, old, mask, aggregation, max_new_tokens=6)
+    kl_parts = [kl_penalty(new[r], old[r], mask[r], aggregation, denominator) for r in (slice(0, 2), slice(2, 5))]
+    assert sum(kl_parts).item() == pytest.approx(kl_whole.item(), rel=1e-6)
+
+
+def test_entropy_ties_with_the_median_are_not_above_it():
+    """Identical responses get entropies equal up to float noise of the batched forward; that noise must not decide."""
+    entropy = torch.tensor([0.5, 0.5 + 1e-7, 0.5 - 1e-7, 0.9, 0.1, 0.5])
+    assert accept_rollouts("entropy", torch.zeros(6, dtype=torch.bool), entropy).tolist() == [False] * 3 + [True] + [False] * 2

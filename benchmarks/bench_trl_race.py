@@ -1,0 +1,191 @@
+"""Step-time race: flowkit's PolicyModule vs TRL's GRPOTrainer as plain GRPO on the bundled tiny task.
+
+    python benchmarks/bench_trl_race.py [--steps 12] [--warmup 2] [--rounds 2] [--trl-venv build/trl_venv]
+
+Both sides: the bundled ``tiny_adder`` policy in fp32, the same 16 prompts per step in the same order (flowkit's
+prompt stream, written to a JSONL file that TRL reads unshuffled), 8 samples per prompt, 28 new tokens,
+temperature 1, top-p 1, lr 5e-5 (constant, AdamW, no weight decay), grad-norm clip 1, clip ε 0.2, no KL, token-mean
+loss over the 128 completions (TRL ``loss_type="dapo"`` with one gradient-accumulation step), group-normalised
+advantages, one update per generation, the same binary verifier (flowkit's grader), no gradient checkpointing, no
+vLLM, no evaluation, no checkpoints, logging only past the last step. Each side runs in its own process with one
+thread; ``--rounds`` alternates them back to back (flowkit, TRL, flowkit, TRL, ...) so machine load hits both alike.
+Reports the median s/step after ``--warmup`` steps per side (over all rounds) and the ratio flowkit / TRL
+(issue 10's target: ≤ 0.9), and appends one row per side with the library versions.
+
+TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
+local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
+worker imports nothing of flowkit but the grader module, loaded from its file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TINY_ADDER = REPO / "flowkit" / "assets" / "tiny_adder"
+PROMPTS, SAMPLES, NEW_TOKENS, LR = 16, 8, 28, 5e-5
+TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "math-verify==0.9.0")  # math-verify: the grader's fallback
+
+
+def single_thread_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1"}
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """The TRL venv's python, creating the venv on first use."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import trl, math_verify"], capture_output=True).returncode == 0:
+        return python
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    for pin in TRL_PINS:  # torch first: trl's unpinned torch requirement would otherwise pull a CUDA build
+        subprocess.run([python, "-m", "pip", "install", "-q", pin], check=True)
+    return python
+
+
+def write_prompt_stream(path: Path, steps: int) -> None:
+    """flowkit's training prompts for ``steps`` steps, in order (PolicyModule's datamodule defaults, seed 0)."""
+    from flowkit.modules import RolloutDataModule
+    from flowkit.modules.datamodule import PromptStream
+
+    data = RolloutDataModule(val_path=None, batch_size=PROMPTS)
+    data.setup("fit")
+    stream = PromptStream(data.train_records, PROMPTS, data.seed)
+    with path.open("w") as f:
+        for index in range(steps):
+            batch = stream.batch(index)
+            for prompt, answer in zip(batch["prompt"], batch["answer"]):
+                f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------- workers
+def flowkit_worker(steps: int, warmup: int) -> dict:
+    import lightning
+    import torch
+    import transformers
+
+    import flowkit
+    from bench_rl_step import time_steps
+
+    torch.set_num_threads(1)
+    times = time_steps(None, steps, warmup)
+    return {"times": times, "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
+                                        f"transformers {transformers.__version__}, torch {torch.__version__}"}
+
+
+def trl_worker(steps: int, warmup: int, prompts_path: Path) -> dict:
+    import importlib.util
+
+    import torch
+    import transformers
+    import trl
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("flowkit_grader", REPO / "flowkit" / "rewards" / "grader.py")
+    grader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grader)
+
+    def binary_reward(completions, answer, **_):
+        return [grader.outcome_reward(c, a, "binary", 1.0) for c, a in zip(completions, answer)]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_begin(self, *args, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.times.append(time.perf_counter() - self._start)
+
+    config = trl.GRPOConfig(
+        output_dir=str(prompts_path.parent / "trl_out"), max_steps=steps + warmup, seed=0,
+        num_generations=SAMPLES, per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
+        num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", use_vllm=False,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, shuffle_dataset=False,
+        eval_strategy="no", save_strategy="no", report_to="none", logging_steps=10 ** 6, log_completions=False,
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(TINY_ADDER, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_ADDER)
+    timer = StepTimer()
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=binary_reward, args=config, processing_class=tokenizer,
+                              train_dataset=load_dataset("json", data_files=str(prompts_path), split="train"),
+                              callbacks=[timer])
+    trainer.train()
+    return {"times": timer.times[warmup:], "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, "
+                                                       f"torch {torch.__version__}"}
+
+
+# ------------------------------------------------------------------------------------------------- driver
+def run_worker(python: Path, side: str, args: argparse.Namespace, prompts_path: Path) -> dict:
+    out = prompts_path.parent / f"{side}.json"
+    command = [python, __file__, "--worker", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--prompts-file", str(prompts_path), "--result", str(out)]
+    subprocess.run(command, check=True, env=single_thread_env(), cwd=prompts_path.parent)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per run, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="flowkit/TRL run pairs, back to back")
+    parser.add_argument("--trl-venv", default=str(REPO / "build" / "trl_venv"))
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--worker", choices=["flowkit", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        sys.path.insert(0, str(HERE))
+        result = (flowkit_worker(args.steps, args.warmup) if args.worker == "flowkit"
+                  else trl_worker(args.steps, args.warmup, Path(args.prompts_file)))
+        Path(args.result).write_text(json.dumps(result))
+        return
+
+    import tempfile
+
+    sys.path.insert(0, str(HERE))
+    from common import append_csv, timestamp
+
+    trl_python = ensure_trl_venv(Path(args.trl_venv))
+    times: dict[str, list[float]] = {"flowkit": [], "trl": []}
+    versions: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_trl_race_") as tmp:
+        prompts_path = Path(tmp) / "prompts.jsonl"
+        write_prompt_stream(prompts_path, args.steps + args.warmup)
+        for _ in range(args.rounds):
+            for side, python in (("flowkit", Path(sys.executable)), ("trl", trl_python)):
+                result = run_worker(python, side, args, prompts_path)
+                times[side] += result["times"]
+                versions[side] = result["versions"]
+    medians = {side: statistics.median(t) for side, t in times.items()}
+    for side, t in times.items():
+        ordered = sorted(t)
+        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+        print(f"{side:8s} median {medians[side]:.3f} s/step  p20 {pick(0.2):.3f}  p80 {pick(0.8):.3f}  "
+              f"({len(t)} steps; {versions[side]})")
+        append_csv(args.csv, {
+            "timestamp": timestamp(), "benchmark": "trl_race", "implementation": side, "device": "cpu",
+            "dtype": "float32", "size": f"tiny_adder {PROMPTS}x{SAMPLES}, {NEW_TOKENS} new", "threads": 1,
+            "median_ms": 1e3 * medians[side], "p20_ms": 1e3 * pick(0.2), "p80_ms": 1e3 * pick(0.8),
+            "versions": versions[side],
+        })
+    print(f"step time ratio flowkit / TRL: {medians['flowkit'] / medians['trl']:.2f} (target <= 0.9)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Errors that mean "the input is wrong", which the ``flowkit`` CLI prints as one line (exit code 2).
+
+Raise :class:`ConfigError` for a bad option value as early as possible (in ``__init__``), naming the option
+and the allowed range: ``ConfigError("PolicyModule.num_samples must be >= 1, got 0")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+
+
+class ConfigError(ValueError):
+    """A bad option value or combination of options, found before any work starts."""
+
+
+def check_range(owner: str, name: str, value: float | None, low: float | None = None, high: float | None = None,
+                *, open_low: bool = False, open_high: bool = False) -> None:
+    """Raise :class:`ConfigError` unless ``low ≤ value ≤ high`` (``<`` on an ``open_`` side; ``None``: unbounded).
+
+    ``value is None`` passes: it is the "off" value of the options that accept it. NaN never passes.
+    ``check_range("PolicyModule", "num_samples", 0, 1)`` → ``PolicyModule.num_samples must be >= 1, got 0``.
+    """
+    if value is None:
+        return
+    above = low is None or (value > low if open_low else value >= low)
+    below = high is None or (value < high if open_high else value <= high)
+    if above and below:
+        return
+    if high is None:
+        allowed = f"{'>' if open_low else '>='} {low}"
+    elif low is None:
+        allowed = f"{'<' if open_high else '<='} {high}"
+    else:
+        allowed = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    raise ConfigError(f"{owner}.{name} must be {allowed}, got {value!r}")
+
+
+def check_nonempty(owner: str, name: str, values: Sized) -> None:
+    """Raise :class:`ConfigError` if the list option ``values`` is empty."""
+    if len(values) == 0:
+        raise ConfigError(f"{owner}.{name} must not be empty")

@@ -1,0 +1,117 @@
+"""TRL-style reward functions: ``f(prompts, completions, **columns) -> list[float]``, summed with weights.
+
+A reward function receives one entry per rollout (a prompt is repeated for each of its ``n`` samples):
+``prompts`` (the policy's input texts), ``completions`` (the generated texts) and, as keyword columns,
+``answer`` (the reference answers). It returns one float per rollout, or ``None`` where it does not apply
+(TRL's convention: such an entry adds nothing). A function written for TRL's ``GRPOTrainer`` with
+``**kwargs`` in its signature works unchanged.
+
+In a config, ``PolicyModule.reward_functions`` lists them with weights::
+
+    reward_functions:
+      - {function: flowkit.rewards.functions.boxed_format_reward, weight: 0.1}
+      - {class_path: my_project.rewards.LengthPenalty, init_args: {max_chars: 200}, weight: 0.5}
+
+The rollout's outcome reward is the math grader's reward (``outcome_reward``; ``none`` turns it off) plus
+Σ_i weight_i · f_i.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowkit.errors import ConfigError
+from flowkit.rewards.grader import extract_boxed
+
+RewardFunction = Callable[..., Sequence[float | None]]
+SPEC_KEYS = {"function", "class_path", "init_args", "weight", "name"}
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    """One reward function, its weight and the name its mean is logged under (``train/reward/<name>``)."""
+
+    name: str
+    function: RewardFunction
+    weight: float = 1.0
+
+
+def boxed_format_reward(completions: Sequence[str], **columns: Any) -> list[float]:
+    """1 for a completion with a complete ``\\boxed{...}``, else 0 — a format reward, as TRL's recipes use."""
+    return [float(extract_boxed(c) is not None) for c in completions]
+
+
+def build_reward_functions(specs: Sequence[dict[str, Any]] | None) -> list[WeightedReward]:
+    """``[{function: dotted.path | class_path: dotted.Class, init_args: {...}, weight: w, name: n}]`` → callables.
+
+    ``function`` names a callable (a function, or any object with ``__call__``); ``class_path`` names a class that
+    is instantiated with ``init_args`` (for reward functions with settings or state). ``weight`` defaults to 1,
+    ``name`` to the function's or class's name.
+    """
+    built, names = [], set()
+    for i, spec in enumerate(specs or []):
+        where = f"PolicyModule.reward_functions[{i}]"
+        if not isinstance(spec, dict) or ("function" in spec) == ("class_path" in spec):
+            raise ConfigError(f"{where} must be a mapping with exactly one of 'function' or 'class_path', got {spec!r}")
+        unknown = set(spec) - SPEC_KEYS
+        if unknown:
+            raise ConfigError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(SPEC_KEYS)}")
+        if "function" in spec:
+            if "init_args" in spec:
+                raise ConfigError(f"{where}: init_args need a class_path, not a function")
+            function = _import(spec["function"], where)
+            default_name = getattr(function, "__name__", str(spec["function"]).rpartition(".")[2])
+        else:
+            cls = _import(spec["class_path"], where)
+            try:
+                function = cls(**(spec.get("init_args") or {}))
+            except TypeError as err:
+                raise ConfigError(f"{where}: cannot build {spec['class_path']} ({err})") from None
+            default_name = cls.__name__
+        if not callable(function):
+            raise ConfigError(f"{where}: {spec.get('function') or spec.get('class_path')} is not callable")
+        weight = spec.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"{where}.weight must be a finite number, got {weight!r}")
+        name = str(spec.get("name") or default_name)
+        if name in names:
+            raise ConfigError(f"{where}: two reward functions are named {name!r}; give one a 'name'")
+        names.add(name)
+        built.append(WeightedReward(name, function, float(weight)))
+    return built
+
+
+def weighted_rewards(functions: Sequence[WeightedReward], prompts: Sequence[str], completions: Sequence[str],
+                     **columns: Sequence[Any]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Σ_i weight_i · f_i(prompts, completions, **columns) per rollout, and each f_i's values (NaN where it
+    returned ``None``) for logging. Returns float32 tensors of length ``len(completions)``."""
+    rows = len(completions)
+    total = torch.zeros(rows, dtype=torch.float32)
+    values: dict[str, Tensor] = {}
+    for reward in functions:
+        out = list(reward.function(prompts=list(prompts), completions=list(completions), **columns))
+        if len(out) != rows:
+            raise ValueError(f"reward function {reward.name!r} returned {len(out)} values for {rows} completions")
+        try:
+            row = torch.tensor([math.nan if v is None else float(v) for v in out], dtype=torch.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward function {reward.name!r} must return floats or None, got {out[:3]!r}") from None
+        values[reward.name] = row
+        # None adds nothing; an inf stays, for the module's nonfinite check.
+        total += reward.weight * torch.where(row.isnan(), 0.0, row)
+    return total, values
+
+
+def _import(dotted: Any, where: str) -> Any:
+    module, _, attr = str(dotted).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"{where}: cannot import {dotted!r} ({err})") from None

@@ -1,0 +1,38 @@
+"""The benchmarks' own building blocks: the padded tokenizer of the random policies and the GPU scale rehearsal's
+code path, run on CPU at toy size so that gpu_check.sh does not find it broken on a lent device."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_rl_memory import ALPHABET, padded_char_tokenizer  # noqa: E402
+
+
+def test_padded_tokenizer_covers_the_vocab_and_encodes_characters():
+    tokenizer = padded_char_tokenizer(1000)
+    assert len(tokenizer) == 1000
+    ids = tokenizer("47+38=")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 1 + len("47+38=")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "47+38="
+    assert max(ids) < 4 + len(set(ALPHABET))  # fillers are never produced by encoding
+    assert tokenizer.decode([999]) == "<filler" + str(999 - 4 - len(set(ALPHABET))) + ">"  # a random policy's id decodes
+
+
+def test_scale_rehearsal_runs_on_cpu_at_toy_size(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_rl_scale.py"), "--shape", "toy", "--device", "cpu",
+         "--dtype", "float32", "--steps", "1", "--prompts", "2", "--samples", "2", "--new-tokens", "8",
+         "--micro-batch-size", "2", "--rollout-batch-size", "4", "--kappa", "1", "--csv", str(tmp_path / "results.csv")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    step = next(line for line in result.stdout.splitlines() if line.startswith("step 0:"))
+    for phase in ("step_s", "generate", "update", "flow", "flow_token_rewards"):
+        assert f" {phase} " in step, step
+    assert "(online flow loss in 0 pieces)" not in step, step  # κ = 1: the online flow step ran
+    assert "peak memory: peak_rss" in result.stdout
+    assert "rl_scale" in (tmp_path / "results.csv").read_text()

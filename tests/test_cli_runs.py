@@ -1,0 +1,145 @@
+"""Runs never collide, one seed varies everything, the progress bar reads well in a log, and the CLI's structure.
+
+The runs are the tiny RLFR config shrunk to a step or two of 2 prompts × 2 samples (a few seconds each).
+"""
+
+import ast
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flowkit.cli import FlowkitCLI, main
+from flowkit.modules.datamodule import PromptStream
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = str(ROOT / "configs" / "rlfr_tiny.yaml")
+SHORT = ["--model.init_args.flow_pretrain_steps", "0", "--model.init_args.num_samples", "2",
+         "--data.init_args.batch_size", "2", "--trainer.enable_model_summary", "false"]
+
+
+def fit(run_dir: Path, steps: int, *extra: str) -> None:
+    main(["fit", "--config", CONFIG, *SHORT, "--trainer.default_root_dir", str(run_dir),
+          "--trainer.max_steps", str(steps), *extra])
+
+
+def test_two_runs_never_share_a_checkpoint_and_last_resumes_the_named_run(tmp_path, monkeypatch, capsys, single_thread):
+    monkeypatch.chdir(tmp_path)
+    fit(Path("runs/a"), 1)
+    fit(Path("runs/b"), 1)
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    for run in (a, b):  # logs, config, checkpoint and exports of a run live together under its directory
+        assert {p.name for p in (run / "checkpoints").iterdir()} == {"last.ckpt"}
+        for artifact in ["metrics.csv", "config.yaml", "export/flow.safetensors", "export/hf_policy/config.json"]:
+            assert (run / "version_0" / artifact).is_file(), (run, artifact)
+    assert not (tmp_path / "lightning_logs").exists()
+    saved = yaml.safe_load((a / "version_0" / "config.yaml").read_text())["trainer"]
+    assert saved["logger"] is None and saved["callbacks"][0]["init_args"]["dirpath"] is None  # reusable elsewhere
+    b_checkpoint = (b / "checkpoints" / "last.ckpt").read_bytes()
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:  # a fresh run into a used directory would overwrite its last.ckpt
+        fit(Path("runs/a"), 1)
+    assert refused.value.code == 2
+    assert "runs/a already holds a run" in capsys.readouterr().err
+
+    fit(Path("runs/a"), 2, "--ckpt_path", "last")
+    resumed = torch.load(a / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert resumed["global_step"] == 2  # continued run a's step-1 checkpoint
+    assert (a / "version_1" / "metrics.csv").is_file()
+    assert (b / "checkpoints" / "last.ckpt").read_bytes() == b_checkpoint  # run b untouched
+
+
+def cli(tmp_path: Path, *extra: str) -> FlowkitCLI:
+    return FlowkitCLI(run=False, args=["--config", CONFIG, *SHORT, "--trainer.logger", "false",
+                                       "--trainer.default_root_dir", str(tmp_path), *extra])
+
+
+def test_one_seed_varies_prompt_order_and_reward_noise_unless_pinned(tmp_path, single_thread):
+    runs = {seed: cli(tmp_path, "--seed_everything", str(seed)) for seed in (1, 2)}
+    pinned = cli(tmp_path, "--seed_everything", "2", "--data.init_args.seed", "1",
+                 "--model.init_args.reward_model.init_args.seed", "1")
+
+    def first_prompts(run: FlowkitCLI) -> list[str]:
+        run.datamodule.setup("fit")
+        return PromptStream(run.datamodule.train_records, 8, run.datamodule.seed).batch(0)["prompt"]
+
+    def deviations(run: FlowkitCLI, field_from: FlowkitCLI) -> torch.Tensor:
+        """Deviation scores of fixed latents with one shared field: they differ only by the reward noise."""
+        reward = run.model.reward_model
+        reward.field.load_state_dict(field_from.model.reward_model.field.state_dict())
+        hidden = run.model.policy.config.hidden_size
+        latents = torch.randn(len(reward.percentiles), 2, 5, hidden, generator=torch.Generator().manual_seed(0))
+        return reward.deviation_scores(latents, torch.ones(2, 5), reward.seed)
+
+    assert [runs[s].datamodule.seed for s in (1, 2)] == [1, 2]
+    assert [runs[s].model.reward_model.seed for s in (1, 2)] == [1, 2]
+    assert first_prompts(runs[1]) != first_prompts(runs[2])
+    assert not torch.equal(deviations(runs[1], runs[1]), deviations(runs[2], runs[1]))
+    # A part pinned on purpose keeps its own seed whatever --seed_everything says.
+    assert pinned.datamodule.seed == 1 and pinned.model.reward_model.seed == 1
+    assert first_prompts(pinned) == first_prompts(runs[1])
+    assert torch.equal(deviations(pinned, runs[1]), deviations(runs[1], runs[1]))
+
+
+def test_progress_is_one_readable_line_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, capsys, single_thread):
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "run", 2, "--trainer.callbacks+=flowkit.modules.progress.RLProgressBar",
+            "--trainer.callbacks.line_every_n_steps", "1")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2
+    for step, line in enumerate(lines, start=1):
+        fields = line.split(" | ")
+        assert fields[0] == f"step {step}/2"
+        assert [f.split(" ")[0] for f in fields[1:-1]] == ["reward", "acc", "flow_nz", "tok/s"]
+        assert fields[-1].endswith(" s")
+    assert "Epoch" not in line and "v_num" not in line
+    messages = [str(w.message) for w in caught]
+    # Neither warning a user cannot act on: the policy's modes (HF loads in eval mode) and pytest's own argv.
+    assert not [m for m in messages if "in eval mode" in m or "args parameter is intended" in m], messages
+
+
+def imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_commands_and_cli_meet_only_in_the_registry():
+    registry = ROOT / "flowkit" / "registry.py"
+    assert not [n for n in imports(registry) if n.startswith("flowkit")]
+    for path in (ROOT / "flowkit" / "commands").glob("*.py"):
+        assert "flowkit.cli" not in imports(path), path
+    cli_top_level = {n for node in ast.parse((ROOT / "flowkit" / "cli.py").read_text()).body
+                     if isinstance(node, (ast.Import, ast.ImportFrom)) for n in imports_of(node)}
+    assert not [n for n in cli_top_level if n.startswith("flowkit.commands")]  # loaded lazily by main()
+
+
+def imports_of(node: ast.AST) -> list[str]:
+    return [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+
+
+def test_user_subcommands_still_register_through_flowkit_cli(capsys):
+    from flowkit.cli import subcommand
+
+    @subcommand("count-params")
+    def count_params(trainer, model, datamodule, trainable_only: bool = True):
+        """Print the number of parameters of the configured model."""
+        print(sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only))
+
+    with pytest.raises(SystemExit) as done:
+        main(["count-params", "--help"])
+    assert done.value.code == 0 and "--trainable_only" in capsys.readouterr().out
+    with pytest.raises(TypeError, match="first parameters must be"):
+        subcommand("bad")(lambda model, trainer, datamodule: None)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "flowkit plot: draw a run's training curves" in " ".join(capsys.readouterr().out.split())
