@@ -1,5 +1,6 @@
 """Every YAML in configs/ parses and validates; each is instantiated on CPU as far as possible offline."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ CPU_OVERRIDES = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--tr
 OFFLINE_OVERRIDES = {
     "rlfr_qwen.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                        "--model.init_args.dtype", "float32",
-                                       "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"],
+                                       "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"]
+                      + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout_engine", "hf"]),
     "rlfr_qwen_offline.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                                "--model.init_args.dtype", "float32"],
     "explain_llama.yaml": CPU_OVERRIDES + ["--model.init_args.policy", "bundled:explain_tiny/policy",

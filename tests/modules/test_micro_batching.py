@@ -6,6 +6,8 @@ gradient of every parameter (policy and flow) just before the step.
 
 from __future__ import annotations
 
+import importlib.util
+
 import lightning as L
 import pytest
 import torch
@@ -123,9 +125,12 @@ def test_paper_config_instantiates_on_cpu_with_its_batch_and_memory_settings(tmp
         "--config", "configs/rlfr_qwen.yaml", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path),
         "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
         "--trainer.precision", "32-true", "--model.init_args.backbone", "bundled:tiny_adder",
-        "--model.init_args.dtype", "float32", "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"])
+        "--model.init_args.dtype", "float32", "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
+        *([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout_engine", "hf"])])
     hp = cli.model.hparams
+    assert (hp.vllm_gpu_memory_utilization, hp.vllm_max_model_len, hp.vllm_enable_sleep_mode) == (0.35, 4096, True)
+    assert hp.max_new_tokens + 1024 == hp.vllm_max_model_len  # Qwen2.5-Math-7B's 4096-token context, prompt included
     assert (hp.num_samples, hp.clip_low, hp.clip_high) == (8, 0.2, 0.28)
     assert (hp.micro_batch_size, hp.lm_head_chunk_size, hp.gradient_checkpointing) == (4, 1024, True)
-    assert hp.rollout_batch_size % hp.num_samples == 0 and cli.model.engine.rollout_batch_size == hp.rollout_batch_size
+    assert hp.rollout_batch_size % hp.num_samples == 0
     assert cli.datamodule.batch_size == 128 and cli.datamodule.per_rank_batch_size(8) == 16
