@@ -88,15 +88,16 @@ class RolloutBatch:
             elif any(p is None for p in parts):
                 raise ValueError(f"RolloutBatch.cat: field {f.name!r} is set in some batches only")
             elif f.name == "latents":
-                values[f.name] = torch.cat([_pad_to(p, length, dim=2) for p in parts], dim=1)
+                values[f.name] = torch.cat([pad_columns(p, length, dim=2) for p in parts], dim=1)
             elif parts[0].dim() >= 2:
-                values[f.name] = torch.cat([_pad_to(p, length, dim=1) for p in parts], dim=0)
+                values[f.name] = torch.cat([pad_columns(p, length, dim=1) for p in parts], dim=0)
             else:
                 values[f.name] = torch.cat(parts, dim=0)
         return RolloutBatch(**values)
 
 
-def _pad_to(t: Tensor, length: int, dim: int) -> Tensor:
+def pad_columns(t: Tensor, length: int, dim: int = 1) -> Tensor:
+    """Right-pad ``t`` with zeros along ``dim`` to ``length``."""
     missing = length - t.shape[dim]
     if missing == 0:
         return t

@@ -15,7 +15,7 @@ from torch.distributed import ReduceOp
 from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
 
-from flowkit.batch import RolloutBatch
+from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint, PretrainingPreempted, sigterm_stops
 from flowkit.distributed import all_reduce_int
 from flowkit.errors import ConfigError, check_range
@@ -231,12 +231,12 @@ class PolicyModule(L.LightningModule):
         the latents of every row (for ``flowkit score``; training keeps latents one micro-batch at a time)."""
         parts = [self._score_rows(_rows(batch, rows)) for rows in self._micro_batches(batch.batch_size)]
         length = batch.input_ids.shape[1]
-        batch.old_logprobs = torch.cat([_pad_columns(p.old_logprobs, length) for p in parts])
+        batch.old_logprobs = torch.cat([pad_columns(p.old_logprobs, length) for p in parts])
         batch.entropy = torch.cat([p.entropy for p in parts])
         if self.tap is not None:
-            batch.latents = torch.cat([_pad_columns(p.latents, length, dim=2) for p in parts], dim=1)
+            batch.latents = torch.cat([pad_columns(p.latents, length, dim=2) for p in parts], dim=1)
         if self.reference is not None:
-            batch.ref_logprobs = torch.cat([_pad_columns(p.ref_logprobs, length) for p in parts])
+            batch.ref_logprobs = torch.cat([pad_columns(p.ref_logprobs, length) for p in parts])
         return batch
 
     def _score_rows(self, micro: RolloutBatch) -> RolloutBatch:
@@ -466,7 +466,7 @@ class PolicyModule(L.LightningModule):
                     return self._skip(bad)
                 for name in names:
                     if getattr(micro, name) is not None:
-                        parts[name].append(_pad_columns(getattr(micro, name), length))
+                        parts[name].append(pad_columns(getattr(micro, name), length))
         for name in names:
             setattr(batch, name, torch.cat(parts[name]) if parts[name] else None)
         timings["time/score_s"] = time.perf_counter() - start
@@ -674,16 +674,6 @@ def _rows(batch: RolloutBatch, rows: slice) -> RolloutBatch:
         if value is not None:
             setattr(micro, name, value[:, :length])
     return micro
-
-
-def _pad_columns(values: Tensor, length: int, dim: int = 1) -> Tensor:
-    """Right-pad ``values`` with zeros along ``dim`` to ``length`` (undo :func:`_rows`' cut)."""
-    missing = length - values.shape[dim]
-    if missing == 0:
-        return values
-    shape = list(values.shape)
-    shape[dim] = missing
-    return torch.cat([values, values.new_zeros(shape)], dim=dim)
 
 
 def _sequence_mean(values: Tensor, mask: Tensor) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -60,3 +61,21 @@ class LanguageEnv(gym.Wrapper):
 
     def snapshot(self) -> PromptSnapshot:
         return PromptSnapshot(self.prompt(), self.describe(), self.valid_actions())
+
+
+def mean_episode_returns(env: LanguageEnv, play_step: Callable[[LanguageEnv], tuple[float, bool]], seeds: list[int],
+                         episodes: int) -> np.ndarray:
+    """Mean episode return per evaluation seed, with the rule agents' episode seeds ``1000·seed + k``;
+    ``play_step(env)`` takes one step and returns (reward, done)."""
+    means = []
+    for seed in seeds:
+        returns = []
+        for k in range(episodes):
+            env.reset(seed=1000 * seed + k)
+            total, done = 0.0, False
+            while not done:
+                reward, done = play_step(env)
+                total += float(reward)
+            returns.append(total)
+        means.append(float(np.mean(returns)))
+    return np.asarray(means)

@@ -8,7 +8,7 @@ import logging
 
 from flowkit.errors import ConfigError
 from flowkit.rbrl.backends import ChatBackend, ChatBackendError
-from flowkit.rbrl.language import LanguageEnv, PromptSnapshot
+from flowkit.rbrl.language import LanguageEnv, PromptSnapshot, mean_episode_returns
 from flowkit.rbrl.rules import Rule, RuleParseError, parse_rules
 from flowkit.rbrl.sources import RuleGenerationError, RuleSource
 
@@ -215,15 +215,4 @@ class CoTLLMAgent:
 
     def evaluate(self, env: LanguageEnv, seeds: list[int], episodes: int) -> list[float]:
         """Mean episode return per evaluation seed, episode seeds ``1000·seed + k`` as the rule agents'."""
-        means = []
-        for seed in seeds:
-            returns = []
-            for k in range(episodes):
-                env.reset(seed=1000 * seed + k)
-                total, done = 0.0, False
-                while not done:
-                    reward, done, _ = self.step(env)
-                    total += reward
-                returns.append(total)
-            means.append(sum(returns) / len(returns))
-        return means
+        return mean_episode_returns(env, lambda env: self.step(env)[:2], seeds, episodes).tolist()

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from flowkit.rbrl import sac
-from flowkit.rbrl.language import LanguageEnv
+from flowkit.rbrl.language import LanguageEnv, mean_episode_returns
 
 
 def _mlp(inputs: int, outputs: int, hidden: int) -> nn.Module:
@@ -34,19 +34,12 @@ def evaluate_greedy(
     make_env: Callable[[], LanguageEnv], greedy_action: Callable[[LanguageEnv], int], seeds: list[int], episodes: int
 ) -> np.ndarray:
     """Mean greedy episode return per evaluation seed, with the rule agents' episode seeds ``1000·seed + k``."""
-    env = make_env()
-    means = []
-    for seed in seeds:
-        returns = []
-        for k in range(episodes):
-            env.reset(seed=1000 * seed + k)
-            total, done = 0.0, False
-            while not done:
-                _, reward, terminated, truncated, _ = env.step(greedy_action(env))
-                total, done = total + float(reward), terminated or truncated
-            returns.append(total)
-        means.append(float(np.mean(returns)))
-    return np.asarray(means)
+
+    def play_step(env: LanguageEnv) -> tuple[float, bool]:
+        _, reward, terminated, truncated, _ = env.step(greedy_action(env))
+        return float(reward), terminated or truncated
+
+    return mean_episode_returns(make_env(), play_step, seeds, episodes)
 
 
 def _step(optimizer: torch.optim.Optimizer, loss: Tensor) -> None:
