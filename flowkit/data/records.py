@@ -43,7 +43,7 @@ def load_records(
     required: Sequence[str],
     on_error: Literal["raise", "skip"] = "raise",
     text: Sequence[str] = (),
-    validate: Callable[[dict[str, Any]], None] | None = None,
+    convert: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Records:
     """Read the records at ``path`` and check that every ``required`` field is present and non-empty.
 
@@ -52,8 +52,9 @@ def load_records(
     ``datasets.load_dataset`` spec ``hf:NAME?split=...`` (see :func:`load_dataset_kwargs`). The ``text``
     fields, where present, must be strings; a number there is converted with ``str`` (``"answer": 46``) and a
     null counts as absent (``required`` fields must not be null).
-    Every string in a record must be encodable as UTF-8. ``validate(record)``, if given, runs after these
-    checks; a ``ValueError`` it raises is that record's problem (reported with its file and line, or skipped).
+    Every string in a record must be encodable as UTF-8. ``convert(record)``, if given, runs after these
+    checks and its result is what is kept; a ``ValueError`` it raises is that record's problem (reported with its
+    file and line, or skipped).
     A path without any (usable) record is an error.
     """
     if on_error not in ("raise", "skip"):
@@ -80,9 +81,9 @@ def load_records(
                 raise row
             _check_required(row, required, where)
             _check_text(row, text, where)
-            if validate is not None:
+            if convert is not None:
                 try:
-                    validate(row)
+                    row = convert(row)
                 except ValueError as err:
                     raise RecordError(f"{where}: {err}") from None
         except RecordError as err:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,9 +29,8 @@ def resolve_data_path(path: str) -> Path | str:
     return Path(path).expanduser()
 
 
-def _normalize(record: dict[str, Any], prompt_key: str, answer_key: str, solution_key: str | None,
-               render: Callable[[Any], str]) -> dict[str, str]:
-    row = {"prompt": render(record[prompt_key]), "answer": str(record[answer_key])}
+def _normalize(record: dict[str, Any], prompt: str, answer_key: str, solution_key: str | None) -> dict[str, str]:
+    row = {"prompt": prompt, "answer": str(record[answer_key])}
     if solution_key is not None and solution_key in record:
         row["solution"] = str(record[solution_key])
     return row
@@ -141,22 +140,26 @@ class RolloutDataModule(L.LightningDataModule):
     def _load(self, path: str, prompt_key: str, answer_key: str, solution_key: str | None) -> list[dict[str, str]]:
         text = [answer_key] + ([solution_key] if solution_key else [])
         budget = self._token_budget()
-        records = load_records(resolve_data_path(path), [prompt_key, answer_key], self.on_error, text,
-                               validate=lambda record: self._check_prompt(record, prompt_key, solution_key, budget))
-        return [_normalize(r, prompt_key, answer_key, solution_key, self._format_prompt) for r in records]
 
-    def _check_prompt(self, record: dict[str, Any], prompt_key: str, solution_key: str | None,
-                      budget: tuple[int | None, int, int] | None) -> None:
-        """A prompt is text (a number becomes text) or a conversation. With the policy's tokenizer (``budget`` from
-        :meth:`_token_budget`) it must encode, and its tokens plus ``max_new_tokens`` must fit the policy's context, as
-        must prompt plus expert solution: prompts are never truncated."""
+        def convert(record: dict[str, Any]) -> dict[str, str]:
+            prompt = self._checked_prompt(record, prompt_key, solution_key, budget)
+            return _normalize(record, prompt, answer_key, solution_key)
+
+        return list(load_records(resolve_data_path(path), [prompt_key, answer_key], self.on_error, text, convert))
+
+    def _checked_prompt(self, record: dict[str, Any], prompt_key: str, solution_key: str | None,
+                        budget: tuple[int | None, int, int] | None) -> str:
+        """The record's prompt as the policy sees it. A prompt is text (a number becomes text) or a conversation. With
+        the policy's tokenizer (``budget`` from :meth:`_token_budget`) it must encode, and its tokens plus
+        ``max_new_tokens`` must fit the policy's context, as must prompt plus expert solution: prompts are never
+        truncated."""
         prompt = record[prompt_key]
         if isinstance(prompt, bool) or (not isinstance(prompt, (str, int, float)) and not is_conversation(prompt)):
             raise ValueError(f"field {prompt_key!r} must be a string or a conversation [{{'role': ..., 'content': "
                              f"...}}, ...], got {type(prompt).__name__} {repr(prompt)[:40]}")
         text = self._format_prompt(prompt)
         if budget is None:
-            return
+            return text
         context, max_new_tokens, longest_token = budget
         if context is not None and len(text) > context * longest_token:  # tokenizing a 50 MB prompt takes minutes
             raise ValueError(f"the prompt is {len(text)} characters, at least {-(-len(text) // longest_token)} tokens: "
@@ -173,6 +176,7 @@ class RolloutDataModule(L.LightningDataModule):
             if total > context:
                 raise ValueError(f"prompt and {solution_key!r} are {total} tokens, beyond the policy's context of "
                                  f"{context} tokens (max_position_embeddings)")
+        return text
 
     def _token_budget(self) -> tuple[int | None, int, int] | None:
         """With a tokenizer: (the trained model's context in tokens or None, the module's ``max_new_tokens`` or 0,
