@@ -133,20 +133,28 @@ class RolloutEngine:
         self.model.train(was_training)
         self.saw_nonfinite_logits |= guard.seen
         prompt_len = encoded["input_ids"].shape[1]
-        generated = output[:, prompt_len:]
-        response_mask = _response_mask(generated, self.tokenizer.eos_token_id)
-        prompt_mask = encoded["attention_mask"].repeat_interleave(n, dim=0)
-        generated = torch.where(response_mask.bool(), generated, self.tokenizer.pad_token_id)
-        responses = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
-        return RolloutBatch(
-            input_ids=torch.cat([output[:, :prompt_len], generated], dim=1),
-            attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
-            response_mask=torch.cat([torch.zeros_like(prompt_mask, dtype=torch.float32), response_mask], dim=1),
-            group_ids=torch.arange(len(prompts), device=device).repeat_interleave(n),
-            prompts=[p for p in prompts for _ in range(n)],
-            responses=responses,
-            answers=[a for a in answers for _ in range(n)] if answers is not None else [],
-        )
+        return pack_rollouts(self.tokenizer, encoded, output[:, prompt_len:], prompts, n, answers)
+
+
+def pack_rollouts(tokenizer: PreTrainedTokenizerBase, encoded: dict[str, Tensor], generated: Tensor, prompts: list[str],
+                  n: int, answers: list[str] | None, rollout_logprobs: Tensor | None = None) -> RolloutBatch:
+    """Rows ``[left-padded prompt][response up to and including EOS][padding]``, ``n`` per prompt in prompt order, from
+    the left-padded ``encoded`` prompts and the ``generated`` ids (and the sampler's log-probs of them, if any)."""
+    response_mask = _response_mask(generated, tokenizer.eos_token_id)
+    generated = torch.where(response_mask.bool(), generated, tokenizer.pad_token_id)
+    prompt_mask = encoded["attention_mask"].repeat_interleave(n, dim=0)
+    prompt_zeros = torch.zeros_like(prompt_mask, dtype=torch.float32)
+    return RolloutBatch(
+        input_ids=torch.cat([encoded["input_ids"].repeat_interleave(n, dim=0), generated], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
+        response_mask=torch.cat([prompt_zeros, response_mask], dim=1),
+        group_ids=torch.arange(len(prompts), device=generated.device).repeat_interleave(n),
+        prompts=[p for p in prompts for _ in range(n)],
+        responses=tokenizer.batch_decode(generated, skip_special_tokens=True),
+        answers=[a for a in answers for _ in range(n)] if answers is not None else [],
+        rollout_logprobs=None if rollout_logprobs is None else torch.cat(
+            [prompt_zeros, rollout_logprobs * response_mask], dim=1),
+    )
 
 
 def encode_pairs(

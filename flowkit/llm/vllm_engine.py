@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flowkit.batch import RolloutBatch
 from flowkit.errors import ConfigError
-from flowkit.llm.rollout import _response_mask
+from flowkit.llm.rollout import pack_rollouts
 
 
 def require_vllm() -> None:
@@ -267,20 +267,6 @@ class VllmRolloutEngine:
             generated[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             sampler_logprobs[row, : len(tokens)] = torch.tensor(
                 [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
-        response_mask = _response_mask(generated, self.tokenizer.eos_token_id)
-        generated = torch.where(response_mask.bool(), generated, pad)
-        self.saw_nonfinite_logits = not bool(torch.isfinite(sampler_logprobs[response_mask.bool()]).all())
-        prompt_ids_padded = encoded["input_ids"].repeat_interleave(n, dim=0)
-        prompt_mask = encoded["attention_mask"].repeat_interleave(n, dim=0)
-        zeros = torch.zeros_like(prompt_mask, dtype=torch.float32)
-        device = next(self.model.parameters()).device
-        return RolloutBatch(
-            input_ids=torch.cat([prompt_ids_padded, generated], dim=1),
-            attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
-            response_mask=torch.cat([zeros, response_mask], dim=1),
-            group_ids=torch.arange(len(prompts)).repeat_interleave(n),
-            prompts=[p for p in prompts for _ in range(n)],
-            responses=self.tokenizer.batch_decode(generated, skip_special_tokens=True),
-            answers=[a for a in answers for _ in range(n)] if answers is not None else [],
-            rollout_logprobs=torch.cat([zeros, sampler_logprobs * response_mask], dim=1),
-        ).to(device)
+        batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
+        self.saw_nonfinite_logits = not bool(torch.isfinite(batch.rollout_logprobs[batch.response_mask.bool()]).all())
+        return batch.to(next(self.model.parameters()).device)
