@@ -40,7 +40,10 @@ class ScriptedServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._serve(Handler)
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -169,10 +172,8 @@ class RedirectingServer(ScriptedServer):
             def log_message(self, *args):
                 pass
 
-        self.httpd.server_close()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.httpd.server_close()  # the scripted server's, replaced by this handler's
+        self._serve(Handler)
 
 
 class AnyMethodServer(ScriptedServer):
@@ -197,10 +198,8 @@ class AnyMethodServer(ScriptedServer):
             def log_message(self, *args):
                 pass
 
-        self.httpd.server_close()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.httpd.server_close()  # the scripted server's, replaced by this handler's
+        self._serve(Handler)
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
