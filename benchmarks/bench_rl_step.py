@@ -37,10 +37,10 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def time_steps(reward_model, steps: int, warmup: int) -> list[float]:
+def time_steps(reward_model, steps: int, warmup: int, **options) -> list[float]:
     L.seed_everything(0)
     module = PolicyModule(reward_model=reward_model, num_samples=8, max_new_tokens=28, outcome_reward="binary", lr=5e-5,
-                          flow_lr=1e-3)
+                          flow_lr=1e-3, **options)
     data = RolloutDataModule(val_path=None, batch_size=16)
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, enable_checkpointing=False,

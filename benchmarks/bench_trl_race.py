@@ -8,9 +8,11 @@ temperature 1, top-p 1, lr 5e-5 (constant, AdamW, no weight decay), grad-norm cl
 loss over the 128 completions (TRL ``loss_type="dapo"`` with one gradient-accumulation step), group-normalised
 advantages, one update per generation, the same binary verifier (flowkit's grader), no gradient checkpointing, no
 vLLM, no evaluation, no checkpoints, logging only past the last step. Each side runs in its own process with one
-thread; ``--rounds`` alternates them back to back (flowkit, TRL, flowkit, TRL, ...) so machine load hits both alike.
+thread; ``--rounds`` alternates them back to back so machine load hits all alike.
 Reports the median s/step after ``--warmup`` steps per side (over all rounds) and the ratio flowkit / TRL
-(issue 10's target: ≤ 0.9), and appends one row per side with the library versions.
+(issue 10's target: ≤ 0.9), and appends one row per side with the library versions. A third side,
+``flowkit-every-row``, runs flowkit with ``skip_zero_advantage_rows: false`` (TRL forwards every row too), so the
+run also shows how much of the difference that option makes.
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
@@ -32,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TINY_ADDER = REPO / "flowkit" / "assets" / "tiny_adder"
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 16, 8, 28, 5e-5
+SIDES = ("flowkit", "flowkit-every-row", "trl")
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "math-verify==0.9.0")  # math-verify: the grader's fallback
 
 
@@ -67,7 +70,7 @@ def write_prompt_stream(path: Path, steps: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- workers
-def flowkit_worker(steps: int, warmup: int) -> dict:
+def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool) -> dict:
     import lightning
     import torch
     import transformers
@@ -76,7 +79,7 @@ def flowkit_worker(steps: int, warmup: int) -> dict:
     from bench_rl_step import time_steps
 
     torch.set_num_threads(1)
-    times = time_steps(None, steps, warmup)
+    times = time_steps(None, steps, warmup, skip_zero_advantage_rows=skip_zero_advantage_rows)
     return {"times": times, "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
                                         f"transformers {transformers.__version__}, torch {torch.__version__}"}
 
@@ -142,17 +145,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run, after the warm-up")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2, help="flowkit/TRL run pairs, back to back")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the three sides, back to back")
     parser.add_argument("--trl-venv", default=str(REPO / "build" / "trl_venv"))
     parser.add_argument("--csv", default=None)
-    parser.add_argument("--worker", choices=["flowkit", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         sys.path.insert(0, str(HERE))
-        result = (flowkit_worker(args.steps, args.warmup) if args.worker == "flowkit"
-                  else trl_worker(args.steps, args.warmup, Path(args.prompts_file)))
+        result = (trl_worker(args.steps, args.warmup, Path(args.prompts_file)) if args.worker == "trl"
+                  else flowkit_worker(args.steps, args.warmup, skip_zero_advantage_rows=args.worker == "flowkit"))
         Path(args.result).write_text(json.dumps(result))
         return
 
@@ -162,13 +165,14 @@ def main() -> None:
     from common import append_csv, timestamp
 
     trl_python = ensure_trl_venv(Path(args.trl_venv))
-    times: dict[str, list[float]] = {"flowkit": [], "trl": []}
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
     versions: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench_trl_race_") as tmp:
         prompts_path = Path(tmp) / "prompts.jsonl"
         write_prompt_stream(prompts_path, args.steps + args.warmup)
         for _ in range(args.rounds):
-            for side, python in (("flowkit", Path(sys.executable)), ("trl", trl_python)):
+            for side in SIDES:
+                python = trl_python if side == "trl" else Path(sys.executable)
                 result = run_worker(python, side, args, prompts_path)
                 times[side] += result["times"]
                 versions[side] = result["versions"]
@@ -176,7 +180,7 @@ def main() -> None:
     for side, t in times.items():
         ordered = sorted(t)
         pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-        print(f"{side:8s} median {medians[side]:.3f} s/step  p20 {pick(0.2):.3f}  p80 {pick(0.8):.3f}  "
+        print(f"{side:17s} median {medians[side]:.3f} s/step  p20 {pick(0.2):.3f}  p80 {pick(0.8):.3f}  "
               f"({len(t)} steps; {versions[side]})")
         append_csv(args.csv, {
             "timestamp": timestamp(), "benchmark": "trl_race", "implementation": side, "device": "cpu",
@@ -184,7 +188,8 @@ def main() -> None:
             "median_ms": 1e3 * medians[side], "p20_ms": 1e3 * pick(0.2), "p80_ms": 1e3 * pick(0.8),
             "versions": versions[side],
         })
-    print(f"step time ratio flowkit / TRL: {medians['flowkit'] / medians['trl']:.2f} (target <= 0.9)")
+    print(f"step time ratio flowkit / TRL: {medians['flowkit'] / medians['trl']:.2f} (target <= 0.9); "
+          f"flowkit-every-row / TRL: {medians['flowkit-every-row'] / medians['trl']:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,14 @@ batch gives the same logits as the generation did.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import Tensor
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase,
+)
 
 from flowkit.batch import RolloutBatch
 from flowkit.llm.latent_tap import LatentTap
@@ -68,6 +73,22 @@ class _NonFiniteGuard(LogitsProcessor):
         return torch.nan_to_num(scores, nan=0.0, posinf=torch.finfo(scores.dtype).max, neginf=torch.finfo(scores.dtype).min)
 
 
+@contextmanager
+def _sampling_as_requested(model: PreTrainedModel) -> Iterator[None]:
+    """``generate`` fills every option it is not given from the model's ``generation_config`` (instruct models ship
+    e.g. top_k 20 and repetition_penalty 1.05), then from global defaults (top_k 50). Each reshapes the sampling
+    distribution away from the policy's tempered softmax, so the rollouts would be off-policy for the loss, which
+    scores them under the full softmax. While generating, the model's config carries only its special tokens."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT reads the base model's
+    saved = base.generation_config
+    base.generation_config = GenerationConfig(bos_token_id=saved.bos_token_id, eos_token_id=saved.eos_token_id,
+                                              pad_token_id=saved.pad_token_id)
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
 class RolloutEngine:
     """Samples ``n`` responses per prompt with HF ``generate`` and packs them into a :class:`RolloutBatch`.
 
@@ -116,20 +137,22 @@ class RolloutEngine:
     def _generate(self, prompts: list[str], n: int, answers: list[str] | None, temperature: float) -> RolloutBatch:
         device = next(self.model.parameters()).device
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": self.top_p} if temperature > 0 else {"do_sample": False}
+        sampling = ({"do_sample": True, "temperature": temperature, "top_p": self.top_p, "top_k": 0} if temperature > 0
+                    else {"do_sample": False})
         was_training = self.model.training
         self.model.eval()
         guard = _NonFiniteGuard()
-        output = self.model.generate(
-            **encoded,
-            max_new_tokens=self.max_new_tokens,
-            num_return_sequences=n,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            synced_gpus=_zero3_partitioned(self.model),
-            logits_processor=LogitsProcessorList([guard]),
-            **sampling,
-        )
+        with _sampling_as_requested(self.model):
+            output = self.model.generate(
+                **encoded,
+                max_new_tokens=self.max_new_tokens,
+                num_return_sequences=n,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                synced_gpus=_zero3_partitioned(self.model),
+                logits_processor=LogitsProcessorList([guard]),
+                **sampling,
+            )
         self.model.train(was_training)
         self.saw_nonfinite_logits |= guard.seen
         prompt_len = encoded["input_ids"].shape[1]

@@ -114,6 +114,11 @@ class PolicyModule(L.LightningModule):
         vllm_max_model_len: longest prompt + response vLLM sizes its KV cache for; None = the model's maximum.
         vllm_enable_sleep_mode: on GPU, vLLM releases its memory while the trainer trains (weights offloaded to
             CPU, KV cache freed) and takes it back to generate; vLLM's CPU backend has no sleep mode.
+        skip_zero_advantage_rows: the clipped loss of a token is proportional to its advantage, so a row whose
+            advantages are all 0 (a group whose samples all earned the same reward, and no dense token reward)
+            adds exactly nothing to the loss or its gradient; skip its forward/backward (with a KL term, or a reward
+            model that needs the row's forward, every row runs). The loss normalisation still counts its tokens,
+            so the update is unchanged; ``train/entropy`` then averages the rows that ran.
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class PolicyModule(L.LightningModule):
         vllm_gpu_memory_utilization: float = 0.3,
         vllm_max_model_len: int | None = None,
         vllm_enable_sleep_mode: bool = True,
+        skip_zero_advantage_rows: bool = True,
     ):
         super().__init__()
         _check_options(reward_model, num_samples, max_new_tokens, temperature, top_p, outcome_reward, gamma, clip_low,
@@ -202,9 +208,27 @@ class PolicyModule(L.LightningModule):
         self.val_metrics = torch.nn.ModuleDict()
 
     # ----------------------------------------------------------------------------------------- forward passes
-    def _micro_batches(self, rows: int) -> list[slice]:
-        size = self.hparams.micro_batch_size or rows
-        return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+    def _micro_batches(self, rows: int, keep: Tensor | None = None) -> list[Tensor | None]:
+        """Row indices of each micro-batch. With ``keep`` (a bool per row), only the kept rows, in as many
+        micro-batches as the rank that keeps the most (at least one): every forward/backward is a collective under
+        DDP and ZeRO, so a rank with fewer adds ``None`` entries, for :meth:`_padding_backward`."""
+        index = torch.arange(rows) if keep is None else keep.cpu().nonzero().flatten()
+        parts: list[Tensor | None] = list(index.split(self.hparams.micro_batch_size or rows)) if len(index) else []
+        if keep is not None:
+            parts += [None] * (all_reduce_int(max(1, len(parts)), ReduceOp.MAX) - len(parts))
+        return parts
+
+    def _rows_with_gradient(self, advantages: Tensor) -> Tensor | None:
+        """Rows whose advantages (per row, or per token on response tokens) are not all 0, for
+        ``skip_zero_advantage_rows``; None: every row runs."""
+        if not self.hparams.skip_zero_advantage_rows or self.reference is not None:
+            return None
+        return advantages.reshape(len(advantages), -1).ne(0).any(-1)
+
+    def _padding_backward(self, batch: RolloutBatch) -> None:
+        """A zero loss through one row: this rank's share of a forward/backward that other ranks still run."""
+        logprobs = self._forward(_rows(batch, torch.tensor([0])), tap=False)[0]
+        self._backward(logprobs.sum() * 0.0)
 
     def _forward(self, batch: RolloutBatch, tap: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """Log-probs (B×S, with gradient if enabled), per-token entropies (B×S) and, with ``tap``, the latents."""
@@ -381,7 +405,7 @@ class PolicyModule(L.LightningModule):
         batch = self.grade_rollouts(batch)
         outcome = group_normalized_advantage(batch.outcome_rewards, batch.group_ids, scale_rewards=hp.scale_rewards)
         offsets = self._reward_token_offsets(batch)
-        batch.entropy = torch.zeros(batch.batch_size, device=self.device)
+        batch.entropy = torch.full((batch.batch_size,), float("nan"), device=self.device)  # NaN: the row did not run
         if hp.ppo_epochs * hp.num_minibatches == 1:
             stats = self._on_policy_update(batch, outcome, offsets, step, timings)
         else:
@@ -393,7 +417,7 @@ class PolicyModule(L.LightningModule):
         metrics = {
             "train/outcome_reward": batch.outcome_rewards.mean(),
             "train/accuracy": batch.correct.float().mean(),
-            "train/entropy": batch.entropy.mean(),
+            "train/entropy": batch.entropy.nanmean(),
             "train/response_length": batch.response_lengths.float().mean(),
             "train/tokens_per_s": generated / (time.perf_counter() - start),
             "train/skipped_steps": float(self.skipped_steps),
@@ -414,12 +438,13 @@ class PolicyModule(L.LightningModule):
         counts = self.reward_model.scored_token_counts(batch.response_mask).long().cpu()
         return [0, *torch.cumsum(counts, 0).tolist()]
 
-    def _rewards_and_advantages(self, micro: RolloutBatch, rows: slice, outcome: Tensor, offsets: list[int],
+    def _rewards_and_advantages(self, micro: RolloutBatch, rows: Tensor, outcome: Tensor, offsets: list[int],
                                 step: int) -> None:
         """Token rewards right after the micro-batch's forward, then its rows' advantages (eq. 9)."""
         if self.reward_model is not None:
-            micro.token_rewards = self.reward_model.token_rewards(micro, step, token_offset=offsets[rows.start])
-            self.reward_model.observe(micro, rows.start)
+            first = int(rows[0])  # rows are contiguous here: no row is skipped with a reward model
+            micro.token_rewards = self.reward_model.token_rewards(micro, step, token_offset=offsets[first])
+            self.reward_model.observe(micro, first)
         micro.latents = None  # the reward model kept what it needs
         advantages = (outcome_at_last_token_advantages if self.hparams.outcome_placement == "last_token"
                       else token_advantages)
@@ -432,7 +457,14 @@ class PolicyModule(L.LightningModule):
         start = time.perf_counter()
         denominator = aggregation_denominator(batch.response_mask, self.hparams.aggregation, self.hparams.max_new_tokens)
         stats = _Stats()
-        for rows in self._micro_batches(batch.batch_size):
+        keep = self._rows_with_gradient(outcome) if self.reward_model is None else None
+        for rows in self._micro_batches(batch.batch_size, keep):
+            if rows is None:
+                bad = _agreed_over_ranks([])  # the other ranks check their micro-batch here
+                if bad:
+                    return self._skip(bad)
+                self._padding_backward(batch)
+                continue
             micro = _rows(batch, rows)
             logprobs, entropy, micro.latents = self._forward(micro, tap=True)
             micro.old_logprobs = logprobs.detach()
@@ -478,7 +510,11 @@ class PolicyModule(L.LightningModule):
                 mini = batch.select(minibatch_rows)
                 denominator = aggregation_denominator(mini.response_mask, self.hparams.aggregation,
                                                       self.hparams.max_new_tokens)
-                for rows in self._micro_batches(mini.batch_size):
+                keep = self._rows_with_gradient(mini.advantages * mini.response_mask)
+                for rows in self._micro_batches(mini.batch_size, keep):
+                    if rows is None:
+                        self._padding_backward(mini)
+                        continue
                     micro = _rows(mini, rows)
                     logprobs = self._forward(micro, tap=False)[0]
                     self._backward(self._policy_loss(micro, logprobs, denominator, stats))
@@ -664,9 +700,9 @@ def _check_step_options(aggregation: str, scale_rewards: str, clip_ratio_c: floa
         raise ConfigError(f"PolicyModule.rollout_is_cap must be > 0 (or null), got {rollout_is_cap}")
 
 
-def _rows(batch: RolloutBatch, rows: slice) -> RolloutBatch:
+def _rows(batch: RolloutBatch, rows: Tensor) -> RolloutBatch:
     """Rows ``rows`` of the batch, cut after their last real token (right padding costs compute, changes nothing)."""
-    micro = batch.select(torch.arange(rows.start, rows.stop))
+    micro = batch.select(rows)
     length = int(micro.attention_mask.any(0).nonzero().max()) + 1
     for name in ("input_ids", "attention_mask", "response_mask", "token_rewards", "advantages", "old_logprobs",
                  "rollout_logprobs", "ref_logprobs"):

@@ -134,3 +134,39 @@ def test_paper_config_instantiates_on_cpu_with_its_batch_and_memory_settings(tmp
     assert (hp.micro_batch_size, hp.lm_head_chunk_size, hp.gradient_checkpointing) == (4, 1024, True)
     assert hp.rollout_batch_size % hp.num_samples == 0
     assert cli.datamodule.batch_size == 128 and cli.datamodule.per_rank_batch_size(8) == 16
+
+
+@pytest.mark.parametrize("updates", [{}, {"ppo_epochs": 2}], ids=["on-policy", "ppo"])
+def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, monkeypatch, updates):
+    """Plain GRPO: the rows of a group whose samples all earned the same reward have advantage 0 and add nothing
+    to the loss, so skipping their forward/backward leaves every gradient and the 3-step weights as they were;
+    also when this rank pads with zero-loss micro-batches (as when another rank keeps more rows)."""
+    forwarded: list[int] = []
+    real_forward, real_micro_batches = PolicyModule._forward, PolicyModule._micro_batches
+
+    def counting_forward(self, batch, tap):
+        if torch.is_grad_enabled():
+            forwarded.append(batch.batch_size)
+        return real_forward(self, batch, tap)
+
+    monkeypatch.setattr(PolicyModule, "_forward", counting_forward)
+    options = dict(reward_model=None, micro_batch_size=2, max_new_tokens=28, **updates)  # room to finish: rewards vary
+    every, every_updates, _ = fit_recording_gradients(tmp_path / "every", monkeypatch, skip_zero_advantage_rows=False,
+                                                      **options)
+    rows_every, forwarded[:] = sum(forwarded), []
+    skipped, skipped_updates, _ = fit_recording_gradients(tmp_path / "skipped", monkeypatch, **options)
+    rows_skipped, forwarded[:] = sum(forwarded), []
+    assert rows_skipped < rows_every  # this seed's 6 groups include some with equal rewards
+    monkeypatch.setattr(PolicyModule, "_micro_batches",
+                        lambda self, rows, keep=None: real_micro_batches(self, rows, keep) + ([None] * 2 if keep is not None else []))
+    padded, padded_updates, _ = fit_recording_gradients(tmp_path / "padded", monkeypatch, **options)
+    assert sum(forwarded) == rows_skipped + 2 * len(padded)  # one row per padding micro-batch
+    for run, run_updates in [(skipped, skipped_updates), (padded, padded_updates)]:
+        assert len(run) == len(every)
+        assert any(group_gradient(expected, "policy.").norm() > 0 for expected in every)
+        for step, (grads, expected) in enumerate(zip(run, every)):  # tolerances as assert_same_gradients
+            want = group_gradient(expected, "policy.")  # exactly 0 on a step whose groups all had equal rewards
+            error = float((group_gradient(grads, "policy.") - want).norm() / want.norm().clamp(min=1e-30))
+            assert error < (1e-5 if step == 0 else 1e-4), (step, error)
+        want = group_gradient(every_updates, "policy.")
+        assert float((group_gradient(run_updates, "policy.") - want).norm() / want.norm()) < 1e-4

@@ -1,0 +1,30 @@
+"""HF rollouts sample from the policy's own tempered softmax, whatever the model's generation_config says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from flowkit.llm.rollout import RolloutEngine
+from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
+
+
+@pytest.mark.parametrize("wrap", ["plain", "peft"])
+def test_sampling_ignores_generation_defaults_that_reshape_the_distribution(wrap):
+    """A fresh model's next-token distribution is near uniform over ~250 tokens, so 400 samples of one token hit
+    ~200 distinct ones. The model's generation_config asks for top_k 1 (one token) and HF's global default is
+    top_k 50 (at most 50): the loss scores rollouts under the full softmax, so neither may apply. The model's
+    config is restored afterwards."""
+    alphabet = [chr(0x4E00 + i) for i in range(252)]
+    tokenizer = char_tokenizer(alphabet, add_bos=True)
+    torch.manual_seed(0)
+    model = tiny_qwen2(len(tokenizer))
+    model.generation_config.top_k, model.generation_config.repetition_penalty = 1, 1.3
+    if wrap == "peft":
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    engine = RolloutEngine(model, tokenizer, max_new_tokens=1, temperature=1.0)
+    sampled = engine.generate([alphabet[0]], n=400).input_ids[:, -1]
+    assert sampled.unique().numel() > 100
+    config = model.get_base_model().generation_config if wrap == "peft" else model.generation_config
+    assert (config.top_k, config.repetition_penalty) == (1, 1.3)
