@@ -7,16 +7,19 @@ batch gives the same logits as the generation did.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
+from torch.distributed import ReduceOp
 from transformers import (
-    GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase,
+    DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
 from flowkit.batch import RolloutBatch
+from flowkit.distributed import all_reduce_int
 from flowkit.llm.latent_tap import LatentTap
 
 
@@ -89,6 +92,27 @@ def _sampling_as_requested(model: PreTrainedModel) -> Iterator[None]:
         base.generation_config = saved
 
 
+def _cache_argument(decoder: torch.nn.Module) -> str:
+    """The KV-cache keyword of this transformers version: ``cache`` (5.2x) or ``past_key_values`` (earlier)."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+def _shared_prompt_prefill(model: PreTrainedModel, encoded: dict[str, Tensor], n: int) -> dict[str, Any]:
+    """``generate`` inputs for ``n`` samples per prompt whose prompt is encoded once, not ``n`` times: the decoder
+    runs over every prompt token but the last into a KV cache, which is repeated ``n`` times per row; ``generate``
+    then starts from the last prompt token. The samples are those of ``num_return_sequences = n`` (same logits, same
+    sampler draws), at 1/n of the prompt's compute."""
+    input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
+    decoder = model.get_decoder()
+    name = _cache_argument(decoder)
+    cache = DynamicCache(config=model.config)
+    decoder(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids(attention_mask[:, :-1]), use_cache=True, **{name: cache})
+    cache.batch_repeat_interleave(n)
+    return {"input_ids": input_ids.repeat_interleave(n, dim=0), "attention_mask": attention_mask.repeat_interleave(n, dim=0),
+            name: cache}
+
+
 class RolloutEngine:
     """Samples ``n`` responses per prompt with HF ``generate`` and packs them into a :class:`RolloutBatch`.
 
@@ -142,14 +166,18 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         guard = _NonFiniteGuard()
+        synced = _zero3_partitioned(self.model)
+        shared = n > 1 and encoded["input_ids"].shape[1] > 1
+        if synced:  # the prefill is a forward, a collective under ZeRO-3: every rank runs it or none
+            shared = bool(all_reduce_int(int(shared), ReduceOp.MIN))
         with _sampling_as_requested(self.model):
             output = self.model.generate(
-                **encoded,
+                **(_shared_prompt_prefill(self.model, encoded, n) if shared else encoded),
                 max_new_tokens=self.max_new_tokens,
-                num_return_sequences=n,
+                num_return_sequences=1 if shared else n,
                 pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=self.tokenizer.eos_token_id,
-                synced_gpus=_zero3_partitioned(self.model),
+                synced_gpus=synced,
                 logits_processor=LogitsProcessorList([guard]),
                 **sampling,
             )

@@ -28,3 +28,26 @@ def test_sampling_ignores_generation_defaults_that_reshape_the_distribution(wrap
     assert sampled.unique().numel() > 100
     config = model.get_base_model().generation_config if wrap == "peft" else model.generation_config
     assert (config.top_k, config.repetition_penalty) == (1, 1.3)
+
+
+def test_prompts_encoded_once_give_the_samples_of_num_return_sequences():
+    """The engine runs each prompt's prefix once into a KV cache repeated per sample; with the same seed its
+    samples equal HF ``generate(num_return_sequences=n)``'s token for token (left-padded prompts of unequal length)."""
+    from flowkit.llm.backbone import load_backbone
+
+    model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
+    prompts = ["3+4=", "68+62=", "7+15="]
+    engine = RolloutEngine(model, tokenizer, max_new_tokens=20, temperature=1.0)
+    torch.manual_seed(5)
+    batch = engine.generate(prompts, n=4)
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    torch.manual_seed(5)
+    expected = model.generate(**encoded, max_new_tokens=20, num_return_sequences=4, do_sample=True, top_k=0,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    width = encoded["input_ids"].shape[1]
+    generated = expected[:, width:]
+    assert torch.equal(batch.input_ids[:, :width], expected[:, :width])
+    assert len(set(batch.responses)) > 1  # really sampled
+    assert batch.responses == tokenizer.batch_decode(
+        torch.where(batch.response_mask[:, width:].bool(), generated[:, :batch.response_mask.shape[1] - width], 0),
+        skip_special_tokens=True)
