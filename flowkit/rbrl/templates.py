@@ -162,7 +162,52 @@ WEARABLES_RULES = (
         lambda env: [env.unwrapped.num_patients]),
 )
 
-LIBRARIES = {"binpacking": BINPACKING_RULES, "wearables": WEARABLES_RULES}
+
+# ---- wearable devices, Boehmer et al.'s simulator (flowkit.rbrl.boehmer) -----------------------------
+
+
+def _free_first(env, worn_score=None) -> list[int]:
+    """A free device if there is one; else the worn device with the highest ``worn_score(env)``
+    (device 0 when no score is given)."""
+    devices = env.unwrapped.devices
+    free = [i for i, p in enumerate(devices) if p is None]
+    if free:
+        return [free[0]]
+    return [int(np.argmax(worn_score(env)))] if worn_score else [0]
+
+
+def _volatility(env) -> np.ndarray:
+    return np.array([p.history.std(1).sum() for p in env.unwrapped.devices])
+
+
+BOEHMER_RULES = (
+    TemplateRule(
+        "free_else_lowest_risk", "Free devices cost nothing to give; a patient at low risk loses least without one.",
+        "Give a free device if there is one; otherwise take the device of the patient with the lowest current risk.",
+        lambda env: _free_first(env, lambda e: e.risks())),
+    TemplateRule(
+        "free_else_longest_worn", "A patient near the end of her stay has the fewest unmonitored steps left.",
+        "Give a free device if there is one; otherwise take the device worn the longest.",
+        lambda env: _free_first(env, lambda e: np.array([p.worn for p in e.unwrapped.devices]))),
+    TemplateRule(
+        "free_else_most_stable", "Stable vital signs are unlikely to deteriorate without monitoring.",
+        "Give a free device if there is one; otherwise take the device of the patient with the least volatile vital signs.",
+        lambda env: _free_first(env, lambda e: -_volatility(e))),
+    TemplateRule(
+        "free_else_first", "Free devices cost nothing to give.",
+        "Give a free device if there is one; otherwise take device 0.",
+        _free_first),
+    TemplateRule(
+        "highest_risk", "A patient in danger needs the doctors' attention more than the device.",
+        "Take the device of the patient with the highest current risk, even if another device is free.",
+        lambda env: [int(np.argmin(env.risks()))]),
+    TemplateRule(
+        "always_first", "Using one device keeps the routine simple.",
+        "Always give device 0 to the new patient.",
+        lambda env: [0]),
+)
+
+LIBRARIES = {"binpacking": BINPACKING_RULES, "wearables": WEARABLES_RULES, "boehmer": BOEHMER_RULES}
 
 
 class TemplateRuleSource(RuleSource):
