@@ -1,4 +1,5 @@
-"""Agreeing on per-rank counts, so that collective work whose amount depends on a rank's data stays in step.
+"""Agreeing on per-rank counts, so that collective work whose amount depends on a rank's data stays in step,
+and gathering per-rank tensors of different sizes.
 
 Plain torch (no Lightning), so every layer can use it.
 """
@@ -6,6 +7,7 @@ Plain torch (no Lightning), so every layer can use it.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 from torch.distributed import ReduceOp
 
 
@@ -18,3 +20,30 @@ def all_reduce_int(value: int, op: ReduceOp.RedOpType) -> int:
         reduced = reduced.cuda()
     torch.distributed.all_reduce(reduced, op=op)
     return int(reduced)
+
+
+def all_gather_rows(tensor: Tensor) -> Tensor:
+    """Every rank's ``tensor`` joined along dim 0 in rank order; ``tensor`` itself when no process group is
+    initialised.
+
+    Ranks may hold different numbers of rows (none included) and different sizes of the other dimensions: each
+    is padded with zeros to the largest over the ranks (so the result holds the sum of the row counts and the
+    largest of every other size). The dtype and the number of dimensions must agree.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return tensor
+    if tensor.dtype == torch.bool:  # not every backend gathers bool
+        return all_gather_rows(tensor.to(torch.uint8)).bool()
+    device = tensor.device
+    if torch.distributed.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    world = torch.distributed.get_world_size()
+    shape = torch.tensor(tensor.shape, dtype=torch.long, device=tensor.device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    torch.distributed.all_gather(shapes, shape)
+    largest = torch.stack(shapes).amax(0).tolist()
+    padded = tensor.new_zeros(largest)
+    padded[tuple(slice(0, size) for size in tensor.shape)] = tensor
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(gathered, padded)
+    return torch.cat([rows[: int(size[0])] for rows, size in zip(gathered, shapes, strict=True)]).to(device)

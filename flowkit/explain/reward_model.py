@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from flowkit.batch import RolloutBatch
 from flowkit.explain.context import ContextEncoding, encode_context
 from flowkit.explain.flow_net import ExplanationFlow
-from flowkit.explain.rectified_flow import euler_sample, flow_matching_loss
+from flowkit.explain.rectified_flow import euler_sample, flow_matching_loss, noise
 from flowkit.explain.sentence_rewards import SentenceRewards, flow_sentence_rewards, prefix_table, sentence_token_ends
 
 
@@ -88,8 +88,8 @@ class FlowRewardModel(nn.Module):
         """The ``num_draws`` z1 samples after the whole explanation: ``[B, M, |A|]``."""
         batch = context.lengths.shape[0]
         prefixes = context.lengths[:, None].expand(-1, self.num_draws)
-        z0 = self.sigma * torch.randn(batch, self.num_draws, self.flow.num_decisions, generator=generator,
-                                      device=prefixes.device)
+        shape = (batch, self.num_draws, self.flow.num_decisions)
+        z0 = self.sigma * noise(torch.randn, shape, generator, prefixes.device)
         return euler_sample(lambda t, z: self.flow(t, z, context, prefixes), z0, self.num_steps)
 
     def predict(self, context: ContextEncoding, generator: torch.Generator | None = None) -> Tensor:

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from flowkit.explain.context import ContextEncoding, encode_context
 from flowkit.explain.flow_net import ExplanationFlow
-from flowkit.explain.rectified_flow import euler_sample
+from flowkit.explain.rectified_flow import euler_sample, noise
 from flowkit.explain.sentences import sentence_spans
 
 
@@ -93,8 +93,8 @@ def flow_sentence_rewards(flow: ExplanationFlow, context: ContextEncoding, prefi
     """
     batch, num_prefixes = prefix_lengths.shape
     if z0 is None:
-        z0 = sigma * torch.randn(batch, 1, num_draws, flow.num_decisions, generator=generator,
-                                 device=prefix_lengths.device).expand(-1, num_prefixes, -1, -1)
+        z0 = sigma * noise(torch.randn, (batch, 1, num_draws, flow.num_decisions), generator, prefix_lengths.device)
+        z0 = z0.expand(-1, num_prefixes, -1, -1)
     z1 = flow_samples(flow, context, prefix_lengths, z0, num_steps)
     true = z1.gather(-1, decisions.view(-1, 1, 1, 1).expand(-1, num_prefixes, z1.shape[2], 1)).squeeze(-1)
     probs = true.mean(-1)

@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import lightning as L
@@ -29,6 +31,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.data.records import load_records
 from flowkit.distributed import all_reduce_int
 from flowkit.errors import ConfigError, check_nonempty, check_range
+from flowkit.explain.flow_data import accepted_flow_data, fit_flow, gather_flow_data
 from flowkit.explain.ppo import clipped_value_loss, gae, kl_shaped_rewards, whitened
 from flowkit.explain.prompts import formatted_explanation_prompt
 from flowkit.explain.proxy import proxy_probabilities, rejection_mask
@@ -50,6 +53,7 @@ from flowkit.rl.logprobs import token_logprobs
 from flowkit.rl.losses import clipped_policy_loss
 from flowkit.seeding import run_seed
 
+REFERENCE_ADAPTER = "reference"  # the frozen LoRA adapter holding PPO's initial (post-SFT) policy
 RewardMode = Literal["flow", "sparse", "proxy"]
 Advantage = Literal["gae", "reinforce"]
 
@@ -71,11 +75,16 @@ def _rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ExplanationDataModule(L.LightningDataModule):
-    """Decision records for explanation training; ``bundled:gridworld/...`` is the toy task."""
+    """Decision records for explanation training; ``bundled:gridworld/...`` is the toy task.
+
+    ``seed``: shuffling seed of the training batches; ``None`` (default): the run's global seed
+    (``seed_everything``), as :class:`flowkit.modules.RolloutDataModule`; an int pins it.
+    """
 
     def __init__(self, train_path: str = "bundled:gridworld/train.jsonl",
                  test_path: str = "bundled:gridworld/test.jsonl",
-                 num_train: int | None = None, num_test: int | None = None, batch_size: int = 12, seed: int = 0):
+                 num_train: int | None = None, num_test: int | None = None, batch_size: int = 12,
+                 seed: int | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.train_records: list[dict[str, Any]] = []
@@ -96,7 +105,7 @@ class ExplanationDataModule(L.LightningDataModule):
         return len(self.train_records[0]["decisions"])
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.hparams.seed)
+        generator = torch.Generator().manual_seed(run_seed(self.hparams.seed))
         return DataLoader(self.train_records, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=_rows,
                           generator=generator)
 
@@ -108,8 +117,10 @@ def rank_share(rows: list, rank: int, world_size: int) -> list:
     """Rank ``rank``'s equal share of ``rows``: every ``world_size``-th of the first ⌊len/W⌋·W rows.
 
     Each rank explains and scores only its share of a round's contexts (the ≤ W − 1 left over are skipped,
-    so that every rank does the same number of generation and scoring collectives under ZeRO-3); the flow
-    trains on the union, as the strategy averages each rank's flow gradients.
+    so that every rank does the same number of generation and scoring collectives under ZeRO-3); the flow's
+    data are then gathered, so every rank's flow trains on the union
+    (:func:`~flowkit.explain.flow_data.gather_flow_data`).
+    ``rank_share(range(len(rows)), ...)`` gives the shared rows' indices.
     """
     usable = len(rows) // world_size * world_size
     return rows[rank:usable:world_size]
@@ -233,16 +244,22 @@ class ExplanationPolicyModule(L.LightningModule):
         flow_attention: False is the attention-free ablation (MLP on pooled last-layer latents).
         explanations_per_context: explanations written per training context each round for flow data.
         round_contexts / heldout_contexts: how many train / test contexts a round's flow phase uses (split
-            evenly over the ranks: each explains its share, see :func:`rank_share`).
-        flow_epochs_per_round, flow_batch_size, flow_lr: flow training per round (paper: 100, 128, 2e-4).
+            evenly over the ranks: each explains its share, see :func:`rank_share`). The flow's data (the
+            accepted explanations' last-layer K/V and the proxies' targets) are gathered from every rank, and
+            every rank trains its flow on the union with the same steps and noise: identical flow updates on
+            every rank, equal to one rank's over all the contexts.
+        flow_epochs_per_round, flow_batch_size, flow_lr: flow training per round (paper: 100, 128, 2e-4);
+            ``flow_batch_size`` accepted (explanation, proxy) pairs of the union per step, whatever the rank count.
         policy_epochs_per_round: trainer epochs of PPO per round (paper: 10); ``trainer.max_epochs`` =
             rounds × this.
         num_samples: explanations per context in a PPO batch; lr decays linearly to 0 over training.
         encode_batch_size: explanations per frozen-backbone pass when encoding the flow's context (only the
             last layer's K/V are kept, so a round's encoding peak is one such pass plus those K/V).
         advantage: ``gae`` (default; PPO as TRL's PPO trainer): a value head on the LoRA policy's last hidden
-            state, per-token rewards shaped by −kl_coef·(log π_old − log π_ref) against the adapters-disabled
-            model (the initial policy; with ``sft_epochs``, the model before SFT), GAE(gamma, lam) advantages
+            state, per-token rewards shaped by −kl_coef·(log π_old − log π_ref) against PPO's initial policy,
+            the policy after SFT (TRL's reference is the SFT model): without ``sft_epochs`` the adapters-disabled
+            model; after SFT a frozen second LoRA adapter holding the SFT'd adapter weights (r·(d_in + d_out)
+            per target module, not a model copy; without ``lora``, a frozen full copy), GAE(gamma, lam) advantages
             (whitened) and value targets, and vf_coef × the
             value loss clipped at ±value_clip (TRL defaults: 1.0, 0.95, 0.05, 0.1, 0.2). ``reinforce``: the
             whitened reward-to-go, no value head and no KL (the earlier estimator, kept as an ablation).
@@ -258,7 +275,8 @@ class ExplanationPolicyModule(L.LightningModule):
         max_grad_norm: clipping of the PPO steps. Under DeepSpeed it is not applied (Lightning leaves clipping
             to DeepSpeed, whose ``gradient_clipping`` would clip the flow's steps too); a warning says so.
         seed: seed of the flow's noise (training, prediction and reward draws) and of the flow-batch order;
-            ``None`` (default): the run's global seed (``seed_everything``); an int pins it.
+            ``None`` (default): the run's global seed (``seed_everything``); an int pins it. The flow's
+            training in round i draws from seed + i, agreed over the ranks.
     """
 
     def __init__(
@@ -344,6 +362,7 @@ class ExplanationPolicyModule(L.LightningModule):
         else:
             self.flow_backbone, _ = load_backbone(policy, dtype, trust_remote_code)
             self.flow_backbone.requires_grad_(False).eval()
+        self.reference_policy = None  # the frozen post-SFT copy when SFT runs without LoRA (_build_reference)
         proxies = proxies or [f"bundled:explain_tiny/proxy{i}" for i in range(3)]
         self.proxies, self.proxy_tokenizers = load_proxies(proxies, dtype, trust_remote_code)
         self.prompt_format = resolve_prompt_format(prompt_format, self.tokenizer)
@@ -362,6 +381,7 @@ class ExplanationPolicyModule(L.LightningModule):
         self.evaluation = torch.nn.ModuleDict()
         self.heldout_counts = {"positive": 0, "negative": 0}
         self.generator = torch.Generator().manual_seed(run_seed(seed))
+        self._flow_seed = run_seed(seed)  # agreed over the ranks in setup()
 
     # ------------------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
@@ -370,6 +390,9 @@ class ExplanationPolicyModule(L.LightningModule):
                            "config to clip (it then clips the flow's steps as well)")
         if self.evaluators is None:
             rank_zero_warn("evaluators is not set: explanation accuracy is judged by the training proxies")
+        self._build_reference()
+        # The flow's training noise and batch order must be the same on every rank (see _train_flow).
+        self._flow_seed = all_reduce_int(self._flow_seed, ReduceOp.MAX)
         if self.reward_model is None:
             num_decisions = self.trainer.datamodule.num_decisions
             hp = self.hparams
@@ -380,6 +403,23 @@ class ExplanationPolicyModule(L.LightningModule):
                                                  for kind in ("positive", "negative")})
             self.evaluation = torch.nn.ModuleDict({name: MeanMetric() for name in
                                                    ("explanation_accuracy", "reward_mean", "reward_std")})
+
+    def _build_reference(self) -> None:
+        """PPO's KL reference after SFT, frozen (see :meth:`_reference_logprobs`): a second LoRA adapter,
+        without LoRA a full copy. Built here, before the strategy wraps the model and a checkpoint restores
+        it; filled after SFT by :meth:`_snapshot_reference`. Without SFT the reference needs nothing."""
+        hp = self.hparams
+        if not hp.sft_epochs or hp.advantage != "gae":
+            return
+        # Its initial weights are overwritten after SFT: drawing them must not move the run's random stream
+        # (the flow's initialisation and the sampling would otherwise differ from a run without it).
+        with torch.random.fork_rng(devices=[]):
+            if self.flow_backbone is None:  # LoRA: added frozen and inactive
+                if REFERENCE_ADAPTER not in self.policy.peft_config:
+                    self.policy.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(self.policy.peft_config["default"]))
+            elif self.reference_policy is None:
+                self.reference_policy, _ = load_backbone(hp.policy, hp.dtype, hp.trust_remote_code)
+                self.reference_policy.requires_grad_(False).eval()
 
     def configure_optimizers(self):
         """One Adam: LoRA and the value head (lr, linear decay to 0) and φ (flow_lr, fixed) — App. F."""
@@ -434,6 +474,29 @@ class ExplanationPolicyModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.hparams.sft_epochs and self.trainer.global_step == 0 and self.current_epoch == 0:
             self._sft(self.trainer.datamodule.train_records)
+            self._snapshot_reference()  # a resumed run restores the snapshot from its checkpoint instead
+
+    def _snapshot_reference(self) -> None:
+        """Copies the post-SFT policy into PPO's KL reference: the trainable adapter into the frozen
+        ``reference`` adapter (without LoRA, all weights into the frozen copy). Under ZeRO-3 the shards are
+        gathered for the copy and the reference re-partitioned from rank 0 (every rank takes part)."""
+        if self.hparams.advantage != "gae":
+            return
+        if self.reference_policy is not None:
+            pairs = list(zip(self.policy.parameters(), self.reference_policy.parameters(), strict=True))
+        else:
+            params = dict(self.policy.named_parameters())
+            pairs = [(param, params[name.replace(".default.", f".{REFERENCE_ADAPTER}.")])
+                     for name, param in params.items() if "lora_" in name and ".default." in name]
+        sharded = any(hasattr(p, "ds_id") for pair in pairs for p in pair)
+        if sharded:
+            import deepspeed  # sharded parameters mean DeepSpeed is installed
+        with torch.no_grad():
+            for source, target in pairs:  # one parameter gathered at a time
+                read = deepspeed.zero.GatheredParameters([source], modifier_rank=None) if sharded else nullcontext()
+                write = deepspeed.zero.GatheredParameters([target], modifier_rank=0) if sharded else nullcontext()
+                with read, write:
+                    target.copy_(source)
 
     def _sft(self, records: list[dict[str, Any]]) -> None:
         """Cross-entropy on the ``preferred`` explanation tokens given x^e (LoRA only under ``lora``), with the
@@ -484,17 +547,23 @@ class ExplanationPolicyModule(L.LightningModule):
         if self.current_epoch % hp.policy_epochs_per_round:
             return
         datamodule = self.trainer.datamodule
-        rows = self._rank_share(datamodule.train_records[: hp.round_contexts], "round_contexts")
+        round_records = datamodule.train_records[: hp.round_contexts]
+        rows = self._rank_share(round_records, "round_contexts")
         heldout = self._rank_share(datamodule.test_records[: hp.heldout_contexts], "heldout_contexts")
+        n = hp.explanations_per_context
         with torch.no_grad():
-            batch = self._explain(rows, hp.explanations_per_context, hp.temperature)
-            probs = self._proxy_probs(rows, batch.responses, hp.explanations_per_context)
-            decisions = decision_tensor(rows, self.device, hp.explanations_per_context)
+            batch = self._explain(rows, n, hp.temperature)
+            probs = self._proxy_probs(rows, batch.responses, n)
+            decisions = decision_tensor(rows, self.device, n)
             kept = rejection_mask(probs, decisions)
         self.log("round/acceptance", kept.float().mean())
-        self.log("round/index", float(self.current_epoch // hp.policy_epochs_per_round))
+        round_index = self.current_epoch // hp.policy_epochs_per_round
+        self.log("round/index", float(round_index))
         if hp.reward != "proxy":
-            self.log("round/flow_loss", self._train_flow(batch, probs, kept))
+            # Explanation j of the round's context c is row c·n + j of the round, on whichever rank wrote it.
+            contexts = torch.tensor(rank_share(range(len(round_records)), self.global_rank, self.trainer.world_size))
+            row_ids = (contexts[:, None] * n + torch.arange(n)).flatten()
+            self._train_flow(batch, probs, kept, row_ids, round_index)
         self._evaluate_heldout(heldout)
 
     def _rank_share(self, rows: list[dict[str, Any]], option: str) -> list[dict[str, Any]]:
@@ -504,39 +573,33 @@ class ExplanationPolicyModule(L.LightningModule):
             raise ValueError(f"{option} gives {len(rows)} contexts for {world} ranks; every rank needs at least one")
         return rank_share(rows, self.global_rank, world)
 
-    def _train_flow(self, batch: RolloutBatch, probs: Tensor, kept: Tensor) -> Tensor:
-        """Eq. 3 on the accepted (explanation, proxy) pairs for ``flow_epochs_per_round`` epochs; NaN when
-        this rank accepted none."""
-        hp = self.hparams
-        inputs = explanation_inputs(batch, self.tokenizer)
-        context = self.reward_model.encode(self._flow_backbone, inputs.input_ids, inputs.attention_mask)
-        proxy_index, row_index = kept.nonzero(as_tuple=True)
-        accepted = len(row_index)
-        # Under ZeRO-3 every flow forward, backward and step is a collective: all ranks take the steps of the
-        # rank that accepted the most pairs, the others cycling through their own pairs to fill them.
-        most_accepted = all_reduce_int(accepted, ReduceOp.MAX)
-        if most_accepted == 0:
-            return torch.tensor(float("nan"))
-        weight = 1.0 if accepted else 0.0
-        if not accepted:  # this rank still joins every step, with one pair whose loss counts zero
-            proxy_index = row_index = torch.zeros(1, dtype=torch.long, device=kept.device)
-        optimizer = self.optimizers()
-        losses = []
-        for _ in range(hp.flow_epochs_per_round):
-            order = self._cycled_order(len(row_index), most_accepted).to(row_index.device)
-            for chunk in order.split(hp.flow_batch_size):
-                rows, proxies = row_index[chunk], proxy_index[chunk]
-                loss = self.reward_model.loss(context.select(rows), probs[proxies, rows], self.generator)
-                self.manual_backward(weight * loss)
-                step_groups(optimizer, {"flow"})
-                optimizer.zero_grad()
-                losses.append(loss.detach())
-        return torch.stack(losses[-max(1, len(losses) // 10):]).mean() if accepted else torch.tensor(float("nan"))
+    def _train_flow(self, batch: RolloutBatch, probs: Tensor, kept: Tensor, row_ids: Tensor,
+                    round_index: int) -> None:
+        """Eq. 3 on the accepted (explanation, proxy) pairs of every rank for ``flow_epochs_per_round`` epochs.
 
-    def _cycled_order(self, count: int, length: int) -> Tensor:
-        """``length`` indices into ``count`` items: shuffled passes over all of them, the last one cut short."""
-        passes = [torch.randperm(count, generator=self.generator) for _ in range(math.ceil(length / count))]
-        return torch.cat(passes)[:length]
+        Each rank encodes its accepted explanations; :func:`gather_flow_data` joins every rank's (a
+        collective), and every rank takes the same steps over the union with a generator seeded alike
+        (seed + round): the flow's updates are identical on every rank and equal to one rank's over the whole
+        round, and the strategy's gradient averaging (DDP, DeepSpeed) averages equal gradients. Under ZeRO-3
+        every rank thus also runs the same flow collectives. Logs ``round/flow_pairs`` (the union's accepted
+        pairs) and ``round/flow_loss`` (mean of the last tenth of the steps; NaN when no rank accepted any).
+        """
+        hp = self.hparams
+        local = accepted_flow_data(self.reward_model, self._flow_backbone, explanation_inputs(batch, self.tokenizer),
+                                   probs, kept, row_ids)
+        data = gather_flow_data(local)
+        generator = torch.Generator().manual_seed(self._flow_seed + round_index)  # CPU: the same draws on any device
+        optimizer = self.optimizers()
+
+        def step(loss: Tensor) -> None:
+            self.manual_backward(loss)
+            step_groups(optimizer, {"flow"})
+            optimizer.zero_grad()
+
+        losses = fit_flow(self.reward_model, data, hp.flow_epochs_per_round, hp.flow_batch_size, generator, step)
+        self.log("round/flow_pairs", float(len(data.pairs()[0])))
+        self.log("round/flow_loss", torch.stack(losses[-max(1, len(losses) // 10):]).mean() if losses
+                 else torch.tensor(float("nan")))
 
     def _evaluate_heldout(self, rows: list[dict[str, Any]], prefix: str = "round") -> None:
         """Evaluate explanations for unseen contexts (``rows``) and log them as ``{prefix}/*``."""
@@ -644,13 +707,31 @@ class ExplanationPolicyModule(L.LightningModule):
         return batch, metrics
 
     def _reference_logprobs(self, batch: RolloutBatch) -> Tensor:
-        """Log-probs under the reference: the LoRA policy with its adapters disabled (without LoRA, the frozen
-        copy the flow reads). That is the initial policy without SFT; after ``sft_epochs`` it is the model
-        before SFT (as TRL's peft path, which also disables the adapters), not the SFT'd one."""
-        if self.flow_backbone is not None:
-            return self._logprobs(self.flow_backbone, forward_hidden(self.flow_backbone, batch), batch)
-        with self.policy.disable_adapter():
+        """Log-probs under PPO's initial policy, the policy after SFT (TRL's reference model is the SFT model).
+
+        Without SFT: the LoRA policy with its adapters disabled (without LoRA, the frozen copy the flow
+        reads). After ``sft_epochs``: the LoRA policy reading the frozen ``reference`` adapter, which holds the
+        post-SFT adapter weights (without LoRA, the frozen post-SFT copy)."""
+        frozen = self.reference_policy if self.reference_policy is not None else self.flow_backbone
+        if frozen is not None:
+            return self._logprobs(frozen, forward_hidden(frozen, batch), batch)
+        with self._reference_adapter():
             return self._logprobs(self.policy, forward_hidden(self.policy, batch), batch)
+
+    @contextmanager
+    def _reference_adapter(self):
+        """The LoRA policy as PPO's reference while inside: the frozen ``reference`` adapter active, or,
+        without SFT, the adapters disabled. On leaving, the trainable ``default`` adapter is active again
+        (peft's set_adapter also sets which adapter requires grad)."""
+        if REFERENCE_ADAPTER not in self.policy.peft_config:
+            with self.policy.disable_adapter():
+                yield
+            return
+        self.policy.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+        try:
+            yield
+        finally:
+            self.policy.set_adapter("default")
 
     @staticmethod
     def _logprobs(model, hidden: Tensor, batch: RolloutBatch) -> Tensor:

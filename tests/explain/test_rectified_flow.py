@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from flowkit.explain.rectified_flow import euler_sample, flow_matching_loss
+from flowkit.explain.rectified_flow import euler_sample, flow_matching_loss, noise
 
 
 def test_euler_integrates_the_straight_field_to_a_point_exactly():
@@ -48,3 +49,24 @@ def test_flow_matching_loss_decreases_when_training_a_small_field():
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:20]) / 20
+
+
+@pytest.mark.gpu
+def test_a_cpu_generator_draws_the_same_noise_for_cuda_tensors():
+    """The module's generators live on the CPU; on a GPU run the flow loss and the sampler's z0 draw there and
+    move, with the same draws as a CPU run."""
+    z1 = torch.softmax(torch.randn(8, 4), -1)
+    seen = {}
+
+    def recording(device):
+        def velocity(t, z):
+            seen[device] = (t.cpu(), z.cpu())
+            return torch.zeros_like(z)
+        return velocity
+
+    for device in ("cpu", "cuda"):
+        flow_matching_loss(recording(device), z1.to(device), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(seen["cuda"], seen["cpu"])
+    cuda = noise(torch.randn, (2, 3), torch.Generator().manual_seed(4), torch.device("cuda"))
+    assert cuda.device.type == "cuda"
+    torch.testing.assert_close(cuda.cpu(), torch.randn((2, 3), generator=torch.Generator().manual_seed(4)))
