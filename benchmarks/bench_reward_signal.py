@@ -226,7 +226,7 @@ def rl_trained(args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--condition", default="next", choices=["next", "previous", "none"])
+    parser.add_argument("--condition", default="previous", choices=["next", "previous", "none"])  # as rlfr_tiny.yaml
     parser.add_argument("--percentiles", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--normalization", default="minmax", choices=["minmax", "bilateral", "mean"])
     parser.add_argument("--timesteps", type=float, nargs="+", default=[0.8])

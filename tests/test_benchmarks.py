@@ -21,6 +21,23 @@ def test_padded_tokenizer_covers_the_vocab_and_encodes_characters():
     assert tokenizer.decode([999]) == "<filler" + str(999 - 4 - len(set(ALPHABET))) + ">"  # a random policy's id decodes
 
 
+def test_reward_signal_plants_each_error_kind_at_its_characters():
+    import random
+
+    from bench_reward_signal import error_positions, plant
+
+    solution = "8+2=10,6+6+1=13\\boxed{130}"  # indices by hand: 8 + 2 = 1 0 , 6 + 6 + 1 = 1 3 \boxed{ 1 3 0 }
+    assert error_positions(solution) == {"operand": [0, 2, 7, 9], "sum": [4, 5, 13, 14], "carry": [11],
+                                         "boxed": [22, 23, 24]}
+    assert error_positions("0+3=3,8+6=14\\boxed{143}")["carry"] == []
+    assert plant("0+3=3,8+6=14\\boxed{143}", "carry", random.Random(0)) is None
+    rng = random.Random(0)
+    for _ in range(20):
+        corrupted, index = plant(solution, "boxed", rng)
+        assert index in (22, 23, 24) and corrupted[index] != solution[index] and corrupted[index].isdigit()
+        assert corrupted[:index] + solution[index] + corrupted[index + 1:] == solution
+
+
 def test_scale_rehearsal_runs_on_cpu_at_toy_size(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     result = subprocess.run(

@@ -22,7 +22,7 @@ from flowkit.errors import ConfigError, check_range
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
-from flowkit.llm.rollout import RolloutEngine, expert_latents, forward_hidden
+from flowkit.llm.rollout import ExpertLatentCache, RolloutEngine, expert_latents, forward_hidden
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
 from flowkit.modules.optim import step_groups
 from flowkit.rewards.base import TokenRewardModel
@@ -86,6 +86,8 @@ class PolicyModule(L.LightningModule):
         flow_pretrain_steps: offline start — steps of reward-model pretraining on the DataModule's expert
             solutions with the backbone frozen, run once before RL (skipped when resuming).
         flow_pretrain_batch_size: expert solutions per pretraining step.
+        flow_pretrain_cache_latents: encode each expert solution once and keep its latents on CPU for the later
+            epochs of pretraining (the backbone is frozen, so they do not change); for small backbones and datasets.
         val_num_samples, val_temperature: samples per prompt in validation (pass@1 and pass@k, k = n);
             temperature 0 is greedy with one sample.
         nonfinite: what to do when logits, rewards or advantages are not finite: ``skip`` the step
@@ -147,6 +149,7 @@ class PolicyModule(L.LightningModule):
         max_grad_norm: float | None = 1.0,
         flow_pretrain_steps: int = 0,
         flow_pretrain_batch_size: int = 128,
+        flow_pretrain_cache_latents: bool = False,
         val_num_samples: int = 4,
         val_temperature: float = 1.0,
         nonfinite: Literal["skip", "fail"] = "skip",
@@ -366,12 +369,17 @@ class PolicyModule(L.LightningModule):
             for _ in range(done):  # the batches an uninterrupted run would see next
                 next(batches)
         self.policy.eval()
+        if self.hparams.flow_pretrain_cache_latents:
+            encode = ExpertLatentCache(self.policy, self.tokenizer, self.tap, device)
+        else:
+            encode = lambda prompts, solutions: expert_latents(  # noqa: E731
+                self.policy, self.tokenizer, self.tap, prompts, solutions, device)
         progress = tqdm(range(done, steps), desc="flow pretraining", initial=done, total=steps,
                         disable=not self.trainer.is_global_zero)
         with sigterm_stops() as stop:
             for step in progress:
                 rows = next(batches)
-                latents, mask = expert_latents(self.policy, self.tokenizer, self.tap, rows["prompt"], rows["solution"], device)
+                latents, mask = encode(rows["prompt"], rows["solution"])
                 loss = reward.pretrain_loss(latents, mask, generator)
                 optimizer.zero_grad()
                 loss.backward()

@@ -51,3 +51,25 @@ def test_prompts_encoded_once_give_the_samples_of_num_return_sequences():
     assert batch.responses == tokenizer.batch_decode(
         torch.where(batch.response_mask[:, width:].bool(), generated[:, :batch.response_mask.shape[1] - width], 0),
         skip_special_tokens=True)
+
+
+def test_cached_expert_latents_equal_a_fresh_encoding():
+    """Pairs seen in other batches (other padding) come back as :func:`expert_latents` encodes them now: equal on
+    every real token, in the same layout, with the same response mask."""
+    from flowkit.llm.backbone import load_backbone
+    from flowkit.llm.latent_tap import LatentTap
+    from flowkit.llm.rollout import ExpertLatentCache, expert_latents
+
+    model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
+    tap = LatentTap(model, [0.25, 0.75])
+    pairs = [("3+4=", "3+4=7\\boxed{7}"), ("68+62=", "8+2=10,6+6+1=13\\boxed{130}"), ("7+15=", "7+5=12\\boxed{22}")]
+    cache = ExpertLatentCache(model, tokenizer, tap, torch.device("cpu"))
+    cache([pairs[0][0], pairs[2][0]], [pairs[0][1], pairs[2][1]])  # encoded in a batch of other widths
+    prompts, solutions = [p for p, _ in pairs[::-1]], [s for _, s in pairs[::-1]]
+    latents, mask = cache(prompts, solutions)
+    fresh, fresh_mask = expert_latents(model, tokenizer, tap, prompts, solutions, torch.device("cpu"))
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")["attention_mask"]
+    real = torch.cat([encoded.bool(), fresh_mask[:, encoded.shape[1]:].bool()], dim=1)
+    assert torch.equal(mask, fresh_mask) and latents.shape == fresh.shape
+    torch.testing.assert_close(latents[:, real], fresh[:, real], rtol=1e-5, atol=1e-5)
+    assert latents[:, ~real].abs().max() == 0 and len(cache.rows) == 3
