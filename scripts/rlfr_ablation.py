@@ -5,17 +5,18 @@ sampling RNG stream (the flow's initialisation runs on its own RNG and its noise
 a flow does not shift the policy's stream; the script checks that step 1's outcome reward is identical in every
 arm of a seed). After training, each policy is evaluated on the test split with one common evaluation seed:
 ``--eval-samples`` samples per prompt at T = 1 (pass@1) and greedy decoding. The table reports, per arm, the
-mean ± standard error over seeds of the paired difference to plain GRPO.
+mean ± standard error over seeds of the paired difference to plain GRPO, and the arm's own mean.
 
 Arms (configs/grpo_tiny.yaml and configs/rlfr_tiny.yaml plus overrides; ``--arms`` picks a subset):
-``grpo``; ``rlfr`` (as configured); ``previous`` / ``next`` (condition); ``bilateral``; ``T4`` (T = {0.2, 0.4,
-0.6, 0.8}, debiased) and ``T4_nodebias``; ``entropy`` / ``both`` (rejection metric); ``beta0`` (β = 0: the flow
-trains but gives no reward — a control, not plain GRPO).
+``grpo``; ``rlfr`` (as configured); ``entropy`` / ``both`` (rejection metric); ``beta0`` (β = 0: the flow trains
+but gives no reward — a control, not plain GRPO); ``earlier`` (the tiny default before the flow-signal study:
+P = 0.25/0.5/0.75, T = {0.8}, 150 pretraining steps) and, on that base, ``earlier_next`` (condition),
+``earlier_bilateral``, ``earlier_T4`` (T = {0.2, 0.4, 0.6, 0.8}, debiased) and ``earlier_T4_nodebias``.
 
 Results are appended per (arm, seed) to ``--results`` (JSONL), so an interrupted study resumes where it
 stopped and more seeds can be added later; the markdown table goes to stdout and ``--table``::
 
-    python scripts/rlfr_ablation.py --seeds 0 1 2 3 4 --arms grpo rlfr previous bilateral --table ablation.md
+    python scripts/rlfr_ablation.py --seeds 0 1 2 3 4 --arms grpo rlfr next bilateral --table ablation.md
 """
 
 from __future__ import annotations
@@ -32,17 +33,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOW = "--model.init_args.reward_model.init_args."
+# The tiny default before the flow-signal study (three tapped blocks, T = {0.8}, 150 pretraining steps): the
+# condition / bilateral / timestep ablations were measured on it.
+EARLIER = [FLOW + "percentiles", "[0.25, 0.5, 0.75]", FLOW + "timesteps", "[0.8]",
+           "--model.init_args.flow_pretrain_steps", "150", "--model.init_args.flow_pretrain_cache_latents", "false"]
+T4 = [FLOW + "timesteps", "[0.2, 0.4, 0.6, 0.8]"]
 ARMS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo_tiny.yaml", []),
     "rlfr": ("rlfr_tiny.yaml", []),
-    "previous": ("rlfr_tiny.yaml", [FLOW + "condition", "previous"]),
-    "next": ("rlfr_tiny.yaml", [FLOW + "condition", "next"]),
-    "bilateral": ("rlfr_tiny.yaml", [FLOW + "normalization", "bilateral"]),
-    "T4": ("rlfr_tiny.yaml", [FLOW + "timesteps", "[0.2, 0.4, 0.6, 0.8]"]),
-    "T4_nodebias": ("rlfr_tiny.yaml", [FLOW + "timesteps", "[0.2, 0.4, 0.6, 0.8]", FLOW + "debias", "false"]),
     "entropy": ("rlfr_tiny.yaml", [FLOW + "rejection_metric", "entropy"]),
     "both": ("rlfr_tiny.yaml", [FLOW + "rejection_metric", "both"]),
     "beta0": ("rlfr_tiny.yaml", [FLOW + "beta", "0.0"]),
+    "earlier": ("rlfr_tiny.yaml", EARLIER),
+    "earlier_next": ("rlfr_tiny.yaml", [*EARLIER, FLOW + "condition", "next"]),
+    "earlier_bilateral": ("rlfr_tiny.yaml", [*EARLIER, FLOW + "normalization", "bilateral"]),
+    "earlier_T4": ("rlfr_tiny.yaml", [*EARLIER, *T4]),
+    "earlier_T4_nodebias": ("rlfr_tiny.yaml", [*EARLIER, *T4, FLOW + "debias", "false"]),
 }
 
 
