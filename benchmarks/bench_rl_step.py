@@ -3,8 +3,9 @@
     python benchmarks/bench_rl_step.py [--steps 12] [--warmup 2] [--rounds 2]
 
 Both variants run the same PolicyModule on the same prompts (bundled tiny_adder, 16 prompts × 8 samples, as configs/rlfr_tiny.yaml);
-the flow variant adds the latent tap, the flow reward (3 layer percentiles, T = {0.8}) and the online flow
-update (κ = 32). The variants alternate ``--rounds`` times (grpo, grpo+flow, grpo, ...), so a busy machine slows
+the flow variant adds the latent tap, the flow reward of rlfr_tiny.yaml (one tapped block, P = 0.25, T = {0.9})
+and the online flow update (κ = 32). Both forward every row (``skip_zero_advantage_rows: false``): the skip applies
+to plain GRPO only, so it would count as flow overhead; bench_trl_race.py measures it. The variants alternate ``--rounds`` times (grpo, grpo+flow, grpo, ...), so a busy machine slows
 both alike. Prints median / p20 / p80 step time per variant over all rounds and the ratio of medians, and appends
 rows to benchmarks/results/results.csv.
 """
@@ -65,8 +66,9 @@ def main() -> None:
     args = parser.parse_args()
     times: dict[str, list[float]] = {"grpo": [], "grpo+flow": []}
     for _ in range(args.rounds):
-        times["grpo"] += time_steps(None, args.steps, args.warmup)
-        times["grpo+flow"] += time_steps(FlowReward(depth=2, kappa=32), args.steps, args.warmup)
+        times["grpo"] += time_steps(None, args.steps, args.warmup, skip_zero_advantage_rows=False)
+        times["grpo+flow"] += time_steps(FlowReward(percentiles=[0.25], depth=2, timesteps=[0.9], kappa=32), args.steps,
+                                         args.warmup, skip_zero_advantage_rows=False)
     results = {name: quantiles(t) for name, t in times.items()}
     # Imported only now: importing common fixes glibc's mmap threshold (for its peak-memory readings), which makes
     # every large allocation a fresh mmap and would slow the timed steps (and not TRL's, in bench_trl_race).
