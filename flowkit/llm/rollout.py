@@ -241,9 +241,13 @@ def expert_latents(
 ) -> tuple[Tensor, Tensor]:
     """Tapped latents (P×B×S×d) and response mask of expert (prompt, solution) pairs, without gradients."""
     expert = encode_pairs(tokenizer, prompts, solutions).to(device)
+    return _tapped_latents(model, tap, expert), expert.response_mask
+
+
+def _tapped_latents(model: torch.nn.Module, tap: LatentTap, batch: RolloutBatch) -> Tensor:
     with torch.no_grad(), tap:
-        forward_logits(model, expert)
-    return tap.latents, expert.response_mask
+        forward_logits(model, batch)
+    return tap.latents
 
 
 
@@ -277,9 +281,7 @@ class ExpertLatentCache:
 
     def _encode(self, pairs: list[tuple[str, str]]) -> None:
         expert = encode_pairs(self.tokenizer, [p for p, _ in pairs], [s for _, s in pairs]).to(self.device)
-        with torch.no_grad(), self.tap:
-            forward_logits(self.model, expert)
-        latents = self.tap.latents.cpu()
+        latents = _tapped_latents(self.model, self.tap, expert).cpu()
         prompt_width = int((expert.response_mask.sum(0) == 0).sum())  # encode_pairs: all prompts end at this column
         for row, pair in enumerate(pairs):
             real = expert.attention_mask[row].bool().cpu()
