@@ -26,12 +26,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+import yaml
 
 from flowkit.data.records import load_records
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import RolloutEngine, encode_pairs
-from flowkit.modules.datamodule import resolve_data_path
+from flowkit.llm.rollout import ExpertLatentCache, RolloutEngine, encode_pairs
+from flowkit.modules.datamodule import PromptStream, resolve_data_path
+from flowkit.modules.optim import flow_pretraining_schedule
 from flowkit.rewards import FlowReward
 from flowkit.rewards.grader import grade
 from flowkit.rl.rewards import flow_token_rewards
@@ -165,23 +167,20 @@ def own_sample_table(model, tokenizer, tap, reward, records, samples: int, seed:
 
 
 def pretrained_flow(args, model, tokenizer) -> tuple[FlowReward, LatentTap]:
-    """The offline start of configs/rlfr_tiny.yaml (AdamW, linear warmup 10 %), with this script's flow options."""
+    """The offline start of configs/rlfr_tiny.yaml (its batches, latent cache, AdamW and warmup-cosine schedule),
+    with this script's flow options."""
     reward = flow_reward(args)
     tap = LatentTap(model, reward.percentiles)
     reward.bind(model.config.hidden_size, tap.layer_positions, getattr(model.config, "rms_norm_eps", None))
     train = load_records(resolve_data_path("bundled:arithmetic/train.jsonl"), ["prompt", "solution"])
     optimizer = torch.optim.AdamW(reward.parameters(), lr=args.flow_lr)
-    warmup = max(1, args.pretrain_steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    schedule = flow_pretraining_schedule(optimizer, args.pretrain_steps, decay=args.pretrain_lr_decay)
     generator = torch.Generator().manual_seed(args.seed)
-    rng = random.Random(args.seed)
+    batches = iter(PromptStream(train, args.pretrain_batch, args.seed))
+    encode = ExpertLatentCache(model, tokenizer, tap, torch.device("cpu"))
     for _ in range(args.pretrain_steps):
-        rows = rng.sample(train, args.pretrain_batch)
-        batch = encode_pairs(tokenizer, [r["prompt"] for r in rows], [r["solution"] for r in rows])
-        with torch.no_grad(), tap:
-            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                  position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0))
-        loss = reward.pretrain_loss(tap.latents, batch.response_mask, generator)
+        rows = next(batches)
+        loss = reward.pretrain_loss(*encode(rows["prompt"], rows["solution"]), generator)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -192,7 +191,8 @@ def pretrained_flow(args, model, tokenizer) -> tuple[FlowReward, LatentTap]:
 def flow_reward(args) -> FlowReward:
     return FlowReward(percentiles=args.percentiles, depth=args.depth, width=args.width, timesteps=args.timesteps,
                       eta=args.eta, top_k=args.top_k, normalization=args.normalization, condition=args.condition,
-                      pretrain_timesteps=args.pretrain_copies, noise_draws=args.noise_draws, seed=args.seed)
+                      pretrain_timesteps=args.pretrain_copies, pretrain_logit_mean=args.pretrain_logit_mean,
+                      noise_draws=args.noise_draws, seed=args.seed)
 
 
 def rl_trained(args):
@@ -204,10 +204,13 @@ def rl_trained(args):
                  "--seed_everything", str(args.seed), "--model.init_args.flow_pretrain_steps", str(args.pretrain_steps),
                  "--model.init_args.flow_pretrain_batch_size", str(args.pretrain_batch),
                  "--model.init_args.flow_lr", str(args.flow_lr),
+                 "--model.init_args.flow_pretrain_lr_decay", args.pretrain_lr_decay,
                  init + "percentiles", str(args.percentiles), init + "depth", str(args.depth),
                  init + "timesteps", str(args.timesteps), init + "eta", str(args.eta),
                  init + "normalization", args.normalization, init + "condition", args.condition,
-                 init + "pretrain_timesteps", str(args.pretrain_copies), init + "noise_draws", str(args.noise_draws),
+                 init + "pretrain_timesteps", str(args.pretrain_copies),
+                 init + "pretrain_logit_mean", str(args.pretrain_logit_mean),
+                 init + "noise_draws", str(args.noise_draws),
                  init + "seed", str(args.seed)]
     if args.width:
         overrides += [init + "width", str(args.width)]
@@ -226,19 +229,25 @@ def rl_trained(args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--condition", default="previous", choices=["next", "previous", "none"])  # as rlfr_tiny.yaml
-    parser.add_argument("--percentiles", type=float, nargs="+", default=[0.25, 0.5, 0.75])
-    parser.add_argument("--normalization", default="minmax", choices=["minmax", "bilateral", "mean"])
-    parser.add_argument("--timesteps", type=float, nargs="+", default=[0.8])
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--eta", type=float, default=0.6)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--noise-draws", type=int, default=1)
-    parser.add_argument("--pretrain-steps", type=int, default=150)
-    parser.add_argument("--pretrain-batch", type=int, default=32)
-    parser.add_argument("--pretrain-copies", type=int, default=2)
-    parser.add_argument("--flow-lr", type=float, default=1e-3)
+    # defaults: configs/rlfr_tiny.yaml's flow reward and pretraining
+    config = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]
+    flow = config["reward_model"]["init_args"]
+    parser.add_argument("--condition", default=flow["condition"], choices=["next", "previous", "none"])
+    parser.add_argument("--percentiles", type=float, nargs="+", default=flow["percentiles"])
+    parser.add_argument("--normalization", default=flow["normalization"], choices=["minmax", "bilateral", "mean"])
+    parser.add_argument("--timesteps", type=float, nargs="+", default=flow["timesteps"])
+    parser.add_argument("--depth", type=int, default=flow["depth"])
+    parser.add_argument("--width", type=int, default=flow.get("width"))
+    parser.add_argument("--eta", type=float, default=flow["eta"])
+    parser.add_argument("--top-k", type=int, default=flow.get("top_k"))
+    parser.add_argument("--noise-draws", type=int, default=flow.get("noise_draws", 1))
+    parser.add_argument("--pretrain-steps", type=int, default=config["flow_pretrain_steps"])
+    parser.add_argument("--pretrain-batch", type=int, default=config["flow_pretrain_batch_size"])
+    parser.add_argument("--pretrain-copies", type=int, default=flow["pretrain_timesteps"])
+    parser.add_argument("--pretrain-logit-mean", type=float, default=flow.get("pretrain_logit_mean", 0.0))
+    parser.add_argument("--pretrain-lr-decay", default=config.get("flow_pretrain_lr_decay", "cosine"),
+                        choices=["cosine", "constant"])
+    parser.add_argument("--flow-lr", type=float, default=float(config["flow_lr"]))
     parser.add_argument("--examples", type=int, default=500, help="held-out solutions (bundled val split)")
     parser.add_argument("--samples", type=int, default=8, help="own samples per held-out prompt")
     parser.add_argument("--own-prompts", type=int, default=100)
@@ -259,7 +268,8 @@ def main() -> None:
         flows[f"rl{args.rl_steps}"] = (policy, tok, tap, reward)
     setting = (f"condition={args.condition} P={args.percentiles} norm={args.normalization} T={args.timesteps} "
                f"depth={args.depth} width={args.width} pretrain={args.pretrain_steps}x{args.pretrain_batch}"
-               f"x{args.pretrain_copies} draws={args.noise_draws}")
+               f"x{args.pretrain_copies} logit_mean={args.pretrain_logit_mean} decay={args.pretrain_lr_decay} "
+               f"draws={args.noise_draws}")
     print(setting)
     print(f"{'flow':>11} {'kind':>11} {'metric':>10} {'position':>8} {'n':>5} {'AUROC':>6}")
     for name, (policy, tok, tap, reward) in flows.items():

@@ -9,9 +9,10 @@ mean ± standard error over seeds of the paired difference to plain GRPO, and th
 
 Arms (configs/grpo_tiny.yaml and configs/rlfr_tiny.yaml plus overrides; ``--arms`` picks a subset):
 ``grpo``; ``rlfr`` (as configured); ``entropy`` / ``both`` (rejection metric); ``beta0`` (β = 0: the flow trains
-but gives no reward — a control, not plain GRPO); ``earlier`` (the tiny default before the flow-signal study:
-P = 0.25/0.5/0.75, T = {0.8}, 150 pretraining steps) and, on that base, ``earlier_next`` (condition),
-``earlier_bilateral``, ``earlier_T4`` (T = {0.2, 0.4, 0.6, 0.8}, debiased) and ``earlier_T4_nodebias``.
+but gives no reward — a control, not plain GRPO); ``p600`` / ``p600_entropy`` / ``p600_both`` (the pretraining of
+the default before: 600 steps of official logit-normal(0, 1) timesteps); ``earlier`` (the tiny default before the
+flow-signal study: P = 0.25/0.5/0.75, T = {0.8}, 150 pretraining steps) and, on that base, ``earlier_next``
+(condition), ``earlier_bilateral``, ``earlier_T4`` (T = {0.2, 0.4, 0.6, 0.8}, debiased) and ``earlier_T4_nodebias``.
 
 Results are appended per (arm, seed) to ``--results`` (JSONL), so an interrupted study resumes where it
 stopped and more seeds can be added later; the markdown table goes to stdout and ``--table``::
@@ -35,8 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOW = "--model.init_args.reward_model.init_args."
 # The tiny default before the flow-signal study (three tapped blocks, T = {0.8}, 150 pretraining steps): the
 # condition / bilateral / timestep ablations were measured on it.
-EARLIER = [FLOW + "percentiles", "[0.25, 0.5, 0.75]", FLOW + "timesteps", "[0.8]",
+EARLIER = [FLOW + "percentiles", "[0.25, 0.5, 0.75]", FLOW + "timesteps", "[0.8]", FLOW + "pretrain_logit_mean", "0.0",
            "--model.init_args.flow_pretrain_steps", "150", "--model.init_args.flow_pretrain_cache_latents", "false"]
+# The pretraining of the tiny default after the signal study and before the shifted timesteps (600 official steps).
+P600 = ["--model.init_args.flow_pretrain_steps", "600", FLOW + "pretrain_logit_mean", "0.0"]
 T4 = [FLOW + "timesteps", "[0.2, 0.4, 0.6, 0.8]"]
 ARMS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo_tiny.yaml", []),
@@ -44,6 +47,9 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "entropy": ("rlfr_tiny.yaml", [FLOW + "rejection_metric", "entropy"]),
     "both": ("rlfr_tiny.yaml", [FLOW + "rejection_metric", "both"]),
     "beta0": ("rlfr_tiny.yaml", [FLOW + "beta", "0.0"]),
+    "p600": ("rlfr_tiny.yaml", P600),
+    "p600_entropy": ("rlfr_tiny.yaml", [*P600, FLOW + "rejection_metric", "entropy"]),
+    "p600_both": ("rlfr_tiny.yaml", [*P600, FLOW + "rejection_metric", "both"]),
     "earlier": ("rlfr_tiny.yaml", EARLIER),
     "earlier_next": ("rlfr_tiny.yaml", [*EARLIER, FLOW + "condition", "next"]),
     "earlier_bilateral": ("rlfr_tiny.yaml", [*EARLIER, FLOW + "normalization", "bilateral"]),

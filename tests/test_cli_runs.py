@@ -89,8 +89,13 @@ def test_progress_is_one_readable_line_when_stdout_is_not_a_terminal(tmp_path, m
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(tmp_path / "run", 2, "--trainer.callbacks+=flowkit.modules.progress.RLProgressBar",
-            "--trainer.callbacks.line_every_n_steps", "1")
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+            "--trainer.callbacks.line_every_n_steps", "1", "--model.init_args.flow_pretrain_steps", "20")
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    pretraining = [line.split(" | ") for line in out.splitlines() if line.startswith("flow pretraining")]
+    assert [fields[0] for fields in pretraining] == [f"flow pretraining {done}/20" for done in range(2, 21, 2)]
+    assert all(fields[1].startswith("loss ") and fields[2].endswith(" s") for fields in pretraining)
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(lines) == 2
     for step, line in enumerate(lines, start=1):
         fields = line.split(" | ")

@@ -33,16 +33,16 @@ def run_script(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 # ------------------------------------------------------------------------------ SIGTERM in flow pretraining
 
-class StderrReader:
-    """Collects a child's stderr in a thread (tqdm redraws with \\r, so there are no lines to wait for)."""
+class StreamReader:
+    """Collects a child's output stream in a thread, so the test can wait for a progress line while it runs."""
 
-    def __init__(self, process: subprocess.Popen):
+    def __init__(self, stream):
         self.text = ""
-        self._thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self._thread.start()
 
-    def _read(self, process: subprocess.Popen) -> None:
-        for chunk in iter(lambda: process.stderr.read(64), ""):
+    def _read(self, stream) -> None:
+        for chunk in iter(lambda: stream.read(64), ""):
             self.text += chunk
 
     def join(self) -> str:
@@ -52,17 +52,17 @@ class StderrReader:
 
 @pytest.mark.slow
 def test_sigterm_during_flow_pretraining_saves_it_and_the_resume_continues(tmp_path):
-    steps = 400
+    steps = 3000  # a progress line (stdout is not a terminal) every 300 steps; SIGTERM after the first
     pretrain = ["--model.init_args.flow_pretrain_steps", str(steps), "--model.init_args.flow_pretrain_batch_size", "4"]
     args = rlfr_run.command(tmp_path, 1, *pretrain)
-    process = subprocess.Popen(args, env=rlfr_run.env(), cwd=tmp_path, stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(args, env=rlfr_run.env(), cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    reader = StderrReader(process)
+    progress, reader = StreamReader(process.stdout), StreamReader(process.stderr)
     deadline = time.monotonic() + 240
-    while not re.search(rf"flow pretraining:.*\b([3-9]|\d\d+)/{steps}\b", reader.text):
+    while not re.search(rf"flow pretraining \d+/{steps}\b", progress.text):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            pytest.fail(f"pretraining never got going:\n{reader.join()[-3000:]}")
+            pytest.fail(f"pretraining never got going:\n{progress.join()[-1000:]}\n{reader.join()[-3000:]}")
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 0, reader.join()[-3000:]
@@ -73,7 +73,7 @@ def test_sigterm_during_flow_pretraining_saves_it_and_the_resume_continues(tmp_p
     state_path = tmp_path / "runs" / "rlfr_tiny" / "checkpoints" / "flow_pretrain.ckpt"
     saved = torch.load(state_path, weights_only=True)
     done = saved["steps_done"]
-    assert 3 <= done < steps
+    assert 300 <= done < steps
     assert not (state_path.parent / "last.ckpt").exists()  # nothing of the RL run exists yet
 
     # The resume continues the pretraining from the saved step (2 more steps here), then trains.

@@ -28,9 +28,11 @@ Condition = Literal["next", "previous", "none"]
 DEFAULT_MAX_ROWS = 8192
 
 
-def sample_logit_normal(count: int, generator: torch.Generator | None = None, device=None) -> Tensor:
-    """t = sigmoid(n), n ~ N(0, 1): the offline-pretraining timestep distribution (t = 1 is data)."""
-    return torch.sigmoid(torch.randn(count, generator=generator)).to(device)
+def sample_logit_normal(count: int, generator: torch.Generator | None = None, device=None, mean: float = 0.0) -> Tensor:
+    """t = sigmoid(n), n ~ N(mean, 1): the offline-pretraining timestep distribution (t = 1 is data). The official
+    RLFR pretraining uses mean 0; a positive mean draws more high-t (near-data) timesteps, as lognorm(m, s) of
+    Esser et al. 2024 (SD3) shifts the density."""
+    return torch.sigmoid(torch.randn(count, generator=generator) + mean).to(device)
 
 
 def scored_token_mask(response_mask: Tensor, condition: Condition = "next") -> Tensor:
@@ -166,10 +168,12 @@ def pretraining_flow_loss(
     copies: int,
     generator: torch.Generator,
     condition: Condition = "next",
+    logit_mean: float = 0.0,
 ) -> Tensor:
     """Eq. 4 as the official offline pretraining estimates it: every scored token at every layer enters
     ``copies`` times (its ``flow_batch_mul``: 4 for 1.5B, 2 for 7B), each copy with its own t ~ logit-normal
-    and its own noise; mean over copies, layers, tokens and the hidden dim of (v − (x1 − ε))².
+    (location ``logit_mean``, official 0) and its own noise; mean over copies, layers, tokens and the hidden dim
+    of (v − (x1 − ε))².
 
     One t per row (not per batch) decorrelates the timesteps within a batch. ``generator`` draws the timesteps
     and the noise seed, so a pretraining run never touches the global RNG.
@@ -183,7 +187,7 @@ def pretraining_flow_loss(
     num_layers, num_tokens, dim = x1.shape
     rows = num_layers * copies * num_tokens  # row (p, c, n), p slowest
     x1_rows = x1.float().unsqueeze(1).expand(num_layers, copies, num_tokens, dim).reshape(rows, dim)
-    t = sample_logit_normal(rows, generator, latents.device)
+    t = sample_logit_normal(rows, generator, latents.device, logit_mean)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
     noise = kernels.flow_noise((rows, dim), seed, device=latents.device)
     x_t = t[:, None] * x1_rows + (1 - t[:, None]) * noise

@@ -37,6 +37,16 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`mix32` in place on an int64 tensor (half the temporaries: the noise is regenerated on every flow step)."""
+    x ^= x >> 16
+    x.mul_(MIX_MUL1).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(MIX_MUL2).bitwise_and_(MASK32)
+    x ^= x >> 16
+    return x
+
+
 def stream_keys(seed: int) -> tuple[int, int]:
     """The two per-seed keys ``k_0, k_1`` (plain ints; kernels receive them as 32-bit scalars)."""
     seed = int(seed) & MASK32
@@ -53,12 +63,14 @@ def flow_noise(shape, seed: int, offset: int = 0, device=None, dtype: torch.dtyp
     numel = 1
     for size in shape:
         numel *= int(size)
-    counter = torch.arange(numel, device=device, dtype=torch.int64) + int(offset)
-    c_lo, c_hi = counter & MASK32, counter >> 32
+    counter = torch.arange(int(offset), int(offset) + numel, device=device, dtype=torch.int64)
     k0, k1 = stream_keys(seed)
-    b0 = mix32(mix32(c_lo ^ k0) ^ c_hi)
-    b1 = mix32(mix32(c_lo ^ k1) ^ c_hi)
-    u1 = ((b0 >> 8) + 1).to(torch.float32) * (1.0 / 16777216.0)
-    u2 = (b1 >> 8).to(torch.float32) * (1.0 / 16777216.0)
-    noise = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(TWO_PI * u2)
+    if int(offset) + numel <= 2**32:  # c_hi = 0 and c_lo = c: skip the no-op mask and XOR
+        b0, b1 = _mix32_(_mix32_(counter ^ k0)), _mix32_(_mix32_(counter ^ k1))
+    else:
+        c_lo, c_hi = counter & MASK32, counter >> 32
+        b0, b1 = _mix32_(_mix32_(c_lo ^ k0) ^ c_hi), _mix32_(_mix32_(c_lo ^ k1) ^ c_hi)
+    u1 = ((b0 >> 8) + 1).to(torch.float32).mul_(1.0 / 16777216.0)
+    u2 = (b1 >> 8).to(torch.float32).mul_(1.0 / 16777216.0)
+    noise = u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(TWO_PI).cos_())
     return noise.reshape(shape).to(dtype)

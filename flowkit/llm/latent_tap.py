@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -24,6 +24,10 @@ def tapped_layer_indices(percentiles: Sequence[float], num_layers: int) -> list[
             raise ValueError(f"layer percentile must be in (0, 1], got {p}")
         indices.append(min(round(p * num_layers), num_layers - 1) + 1)
     return indices
+
+
+class _TappedBlocksDone(Exception):
+    """Raised by the deepest tapped block's hook to end a forward whose only product is the latents."""
 
 
 class LatentTap:
@@ -64,6 +68,30 @@ class LatentTap:
             self._captured[slot] = hidden.detach()
 
         return record
+
+    @torch.no_grad()
+    def capture(self, run_forward: Callable[[], object], stop_early: bool = True) -> Tensor:
+        """The latents of ``run_forward()``, without gradients. With ``stop_early`` the forward ends right after the
+        deepest tapped block: later blocks and the LM head never run (at P = 0.25/0.5/0.75 a quarter of the blocks
+        and the vocabulary projection). Pass False where every module must run, e.g. under DeepSpeed ZeRO-3, whose
+        parameter prefetching follows the order of complete forwards."""
+        with self:
+            handle = None
+            if stop_early:
+                # registered after the recording hooks of __enter__, so the deepest block records before it stops
+                handle = self._modules[self.indices.index(max(self.indices))].register_forward_hook(self._stop)
+            try:
+                run_forward()
+            except _TappedBlocksDone:
+                pass
+            finally:
+                if handle is not None:
+                    handle.remove()
+            return self.latents
+
+    @staticmethod
+    def _stop(_module, _inputs, _output):
+        raise _TappedBlocksDone
 
     @property
     def latents(self) -> Tensor:

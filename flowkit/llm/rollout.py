@@ -245,9 +245,10 @@ def expert_latents(
 
 
 def _tapped_latents(model: torch.nn.Module, tap: LatentTap, batch: RolloutBatch) -> Tensor:
-    with torch.no_grad(), tap:
-        forward_logits(model, batch)
-    return tap.latents
+    """The decoder runs only up to the deepest tapped block (all of it under ZeRO-3, which gathers parameters
+    in the order of whole forwards)."""
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+    return tap.capture(lambda: forward_hidden(model, batch), stop_early=not zero3)
 
 
 

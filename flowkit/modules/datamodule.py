@@ -55,12 +55,19 @@ class PromptStream(IterableDataset):
         self.records, self.batch_size, self.seed = records, batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.start_index = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its permutation): shuffled once per epoch
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.records)))
+            random.Random(self.seed + epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
 
     def batch(self, index: int) -> dict[str, Any]:
         per_epoch = len(self.records) // self.batch_size
         epoch, offset = divmod(index * self.world_size + self.rank, per_epoch)
-        order = list(range(len(self.records)))
-        random.Random(self.seed + epoch).shuffle(order)
+        order = self._epoch_order(epoch)
         rows = [self.records[i] for i in order[offset * self.batch_size:(offset + 1) * self.batch_size]]
         return {**collate_records(rows), "index": index}
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 
+from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.rollout import expert_latents
+from flowkit.modules.optim import flow_pretraining_schedule
 from flowkit.rewards.flow_reward import FlowReward
 
 
@@ -23,7 +25,9 @@ class FlowRewardModule(L.LightningModule):
     Args:
         backbone: hub id, local dir or ``bundled:NAME`` of the policy whose latents are modelled.
         reward_model: the FlowReward whose field is trained (its percentiles, depth, condition).
-        lr: peak learning rate (paper: 1e-4); warmup_ratio: linear warmup fraction of ``max_steps``.
+        lr: peak learning rate (paper: 1e-4); warmup_ratio: linear warmup fraction of ``max_steps``;
+        lr_decay: after the warmup, ``cosine`` to 0 (the official offline pretraining) or ``constant``
+            (:func:`~flowkit.modules.optim.flow_pretraining_schedule`).
         dtype, trust_remote_code: backbone loading.
     """
 
@@ -33,10 +37,13 @@ class FlowRewardModule(L.LightningModule):
         reward_model: FlowReward | None = None,
         lr: float = 1e-4,
         warmup_ratio: float = 0.1,
+        lr_decay: Literal["cosine", "constant"] = "cosine",
         dtype: str = "float32",
         trust_remote_code: bool = False,
     ):
         super().__init__()
+        if lr_decay not in ("cosine", "constant"):
+            raise ConfigError(f"FlowRewardModule.lr_decay must be cosine or constant, got {lr_decay!r}")
         self.save_hyperparameters(ignore=["reward_model"])
         self.backbone, self.tokenizer = load_backbone(backbone, dtype, trust_remote_code)
         self.backbone.requires_grad_(False).eval()
@@ -59,8 +66,7 @@ class FlowRewardModule(L.LightningModule):
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.reward_model.parameters(), lr=self.hparams.lr)
         total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches)
-        warmup = max(1, int(self.hparams.warmup_ratio * total))
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        schedule = flow_pretraining_schedule(optimizer, total, self.hparams.warmup_ratio, self.hparams.lr_decay)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def export_artifacts(self, directory: str | Path) -> dict[str, Path]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
+from typing import Literal
 
 import torch
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 
 def step_groups(optimizer: torch.optim.Optimizer, names: Collection[str]) -> None:
@@ -23,3 +26,16 @@ def step_groups(optimizer: torch.optim.Optimizer, names: Collection[str]) -> Non
     finally:
         for group, lr in zip(others, lrs, strict=True):
             group["lr"] = lr
+
+
+def flow_pretraining_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.1,
+                              decay: Literal["cosine", "constant"] = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup from 0 over ⌈warmup_ratio·steps⌉ steps, then ``cosine`` decay to 0 at ``total_steps`` — the
+    official RLFR offline pretraining (LLaMA-Factory ``lr_scheduler_type: cosine``, ``warmup_ratio: 0.1``: the HF
+    Trainer's schedule) — or a ``constant`` learning rate after the warmup."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+    if decay == "cosine":
+        return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+    if decay == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    raise ValueError(f"learning-rate decay must be cosine or constant, got {decay!r}")

@@ -13,7 +13,6 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import MeanMetric
-from tqdm.auto import tqdm
 
 from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint, PretrainingPreempted, sigterm_stops
@@ -24,7 +23,8 @@ from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.llm.rollout import ExpertLatentCache, RolloutEngine, expert_latents, forward_hidden
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
-from flowkit.modules.optim import step_groups
+from flowkit.modules.optim import flow_pretraining_schedule, step_groups
+from flowkit.modules.progress import LoopProgress
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rewards.functions import build_reward_functions, weighted_rewards
 from flowkit.rewards.grader import grade, outcome_reward
@@ -84,10 +84,13 @@ class PolicyModule(L.LightningModule):
         max_grad_norm: gradient clipping over both groups (``None`` = off); under DeepSpeed it becomes the
             config's ``gradient_clipping`` (Lightning leaves clipping to DeepSpeed there).
         flow_pretrain_steps: offline start — steps of reward-model pretraining on the DataModule's expert
-            solutions with the backbone frozen, run once before RL (skipped when resuming).
+            solutions with the backbone frozen, run once before RL (skipped when resuming); AdamW at ``flow_lr``
+            after a 10 % warmup (:func:`~flowkit.modules.optim.flow_pretraining_schedule`).
         flow_pretrain_batch_size: expert solutions per pretraining step.
         flow_pretrain_cache_latents: encode each expert solution once and keep its latents on CPU for the later
             epochs of pretraining (the backbone is frozen, so they do not change); for small backbones and datasets.
+        flow_pretrain_lr_decay: ``cosine`` to 0 after the warmup (the official offline pretraining) or ``constant``
+            (the tiny default: its short pretraining leaves the flow undertrained, and decay cost it error signal).
         val_num_samples, val_temperature: samples per prompt in validation (pass@1 and pass@k, k = n);
             temperature 0 is greedy with one sample.
         nonfinite: what to do when logits, rewards or advantages are not finite: ``skip`` the step
@@ -150,6 +153,7 @@ class PolicyModule(L.LightningModule):
         flow_pretrain_steps: int = 0,
         flow_pretrain_batch_size: int = 128,
         flow_pretrain_cache_latents: bool = False,
+        flow_pretrain_lr_decay: Literal["cosine", "constant"] = "cosine",
         val_num_samples: int = 4,
         val_temperature: float = 1.0,
         nonfinite: Literal["skip", "fail"] = "skip",
@@ -174,6 +178,8 @@ class PolicyModule(L.LightningModule):
                        flow_pretrain_batch_size, val_num_samples, val_temperature, nonfinite, grader_timeout)
         _check_step_options(aggregation, scale_rewards, clip_ratio_c, micro_batch_size, rollout_batch_size, num_samples,
                             lm_head_chunk_size, rollout_is_cap, max_consecutive_skips)
+        if flow_pretrain_lr_decay not in ("cosine", "constant"):
+            raise ConfigError(f"PolicyModule.flow_pretrain_lr_decay must be cosine or constant, got {flow_pretrain_lr_decay!r}")
         if rollout_engine not in ("hf", "vllm"):
             raise ConfigError(f"PolicyModule.rollout_engine must be hf or vllm, got {rollout_engine!r}")
         if rollout_engine == "vllm":
@@ -348,8 +354,7 @@ class PolicyModule(L.LightningModule):
         device = next(self.policy.parameters()).device
         reward.to(device)
         optimizer = torch.optim.AdamW(reward.parameters(), lr=self.hparams.flow_lr)
-        warmup = max(1, steps // 10)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        schedule = flow_pretraining_schedule(optimizer, steps, decay=self.hparams.flow_pretrain_lr_decay)
         generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
         batches = self.trainer.datamodule.expert_batches(self.hparams.flow_pretrain_batch_size, seed=torch.initial_seed() % 2**31)
         state_path = PreemptionCheckpoint.pretraining_state_path(self.trainer)
@@ -374,10 +379,9 @@ class PolicyModule(L.LightningModule):
         else:
             encode = lambda prompts, solutions: expert_latents(  # noqa: E731
                 self.policy, self.tokenizer, self.tap, prompts, solutions, device)
-        progress = tqdm(range(done, steps), desc="flow pretraining", initial=done, total=steps,
-                        disable=not self.trainer.is_global_zero)
+        progress = LoopProgress("flow pretraining", steps, initial=done, enabled=self.trainer.is_global_zero)
         with sigterm_stops() as stop:
-            for step in progress:
+            for step in range(done, steps):
                 rows = next(batches)
                 latents, mask = encode(rows["prompt"], rows["solution"])
                 loss = reward.pretrain_loss(latents, mask, generator)
@@ -386,7 +390,7 @@ class PolicyModule(L.LightningModule):
                 optimizer.step()
                 schedule.step()
                 done = step + 1
-                progress.set_postfix(loss=f"{loss.item():.4f}")
+                progress.update(done, loss=loss.item())
                 if stop():
                     break
         progress.close()

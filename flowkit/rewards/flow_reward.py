@@ -66,6 +66,9 @@ class FlowReward(TokenRewardModel):
         online_update: set False to freeze the flow during RL (ablation).
         pretrain_timesteps: offline pretraining copies of every token, each with its own logit-normal t and
             noise (the official ``flow_batch_mul``: 4 for Qwen2.5-1.5B, 2 for 7B).
+        pretrain_logit_mean: location m of the pretraining timesteps t = sigmoid(n), n ~ N(m, 1). The official
+            code uses 0; m > 0 spends more of the pretraining near the high rewarding timesteps (SD3's
+            lognorm(m, s) shift), which the tiny default uses to reach its error signal in fewer steps.
         weights: optional safetensors file of a pretrained velocity field to start from; a missing file, an unreadable
             one, or one of another depth / width / hidden size is a :class:`~flowkit.errors.ConfigError`.
     """
@@ -90,6 +93,7 @@ class FlowReward(TokenRewardModel):
         update_every_step: bool = False,
         online_update: bool = True,
         pretrain_timesteps: int = 4,
+        pretrain_logit_mean: float = 0.0,
         weights: str | None = None,
     ):
         super().__init__()
@@ -109,6 +113,7 @@ class FlowReward(TokenRewardModel):
         check_range("FlowReward", "seed", seed, 0)
         check_range("FlowReward", "kappa", kappa, 1)
         check_range("FlowReward", "pretrain_timesteps", pretrain_timesteps, 1)
+        check_range("FlowReward", "pretrain_logit_mean", pretrain_logit_mean, -5.0, 5.0)  # beyond, t is all 0 or 1
         if weights is not None and not Path(weights).is_file():
             raise ConfigError(f"FlowReward.weights {weights!r} is not a file")
         self.percentiles = tuple(percentiles)
@@ -124,7 +129,7 @@ class FlowReward(TokenRewardModel):
         self.max_rows_per_call = max_rows_per_call
         self.rejection_metric: Metric = rejection_metric
         self.kappa, self.update_every_step, self.online_update = kappa, update_every_step, online_update
-        self.pretrain_timesteps = pretrain_timesteps
+        self.pretrain_timesteps, self.pretrain_logit_mean = pretrain_timesteps, pretrain_logit_mean
         self.weights = weights
         self.field: VelocityField | None = None
         self.layer_positions: tuple[float, ...] = ()
@@ -244,9 +249,9 @@ class FlowReward(TokenRewardModel):
 
     def pretrain_loss(self, latents: Tensor, response_mask: Tensor, generator: torch.Generator) -> Tensor:
         """Offline flow pretraining (eq. 4) as the official: ``pretrain_timesteps`` copies of every token, one
-        logit-normal t and one noise draw per copy, all from ``generator``."""
+        logit-normal t (location ``pretrain_logit_mean``) and one noise draw per copy, all from ``generator``."""
         return pretraining_flow_loss(self._require_field(), latents, response_mask, self.layer_positions,
-                                     self.pretrain_timesteps, generator, self.condition)
+                                     self.pretrain_timesteps, generator, self.condition, self.pretrain_logit_mean)
 
     def step_metrics(self) -> dict[str, float]:
         sums, self._sums = self._sums, {}

@@ -8,6 +8,7 @@ from flowkit.flow import (
     VelocityField,
     flow_matching_loss,
     pretraining_flow_loss,
+    sample_logit_normal,
     scored_token_mask,
     velocity_deviation_scores,
 )
@@ -134,18 +135,21 @@ def test_rewarding_timestep_must_be_inside_unit_interval():
         FlowReward(timesteps=[1.0])
 
 
-def test_pretraining_draws_one_logit_normal_t_per_row_by_hand():
-    """Official offline objective: each scored token × layer enters ``copies`` times, each with its own t."""
+@pytest.mark.parametrize("logit_mean", [0.0, 1.5])
+def test_pretraining_draws_one_logit_normal_t_per_row_by_hand(logit_mean):
+    """Official offline objective: each scored token × layer enters ``copies`` times, each with its own
+    t = sigmoid(n), n ~ N(logit_mean, 1) (official: mean 0)."""
     torch.manual_seed(4)
     P, d, copies = 2, 5, 3
     field = _random_field(d)
     latents = torch.randn(P, 1, 4, d)
     response = torch.tensor([[0.0, 1.0, 1.0, 1.0]])  # next: tokens 1, 2 are scored (N = 2)
-    loss = pretraining_flow_loss(field, latents, response, [0.25, 0.75], copies, torch.Generator().manual_seed(9))
+    loss = pretraining_flow_loss(field, latents, response, [0.25, 0.75], copies, torch.Generator().manual_seed(9),
+                                 logit_mean=logit_mean)
 
     replay = torch.Generator().manual_seed(9)
     rows = P * copies * 2
-    t = torch.sigmoid(torch.randn(rows, generator=replay))
+    t = torch.sigmoid(torch.randn(rows, generator=replay) + logit_mean)
     assert t.unique().numel() == rows  # one t per row, not one per batch
     eps = kernels.flow_noise((rows, d), int(torch.randint(0, 2**31 - 1, (1,), generator=replay)))
     x1 = latents[:, 0, 1:3].unsqueeze(1).expand(P, copies, 2, d).reshape(rows, d)  # rows (p, copy, n)
@@ -154,6 +158,12 @@ def test_pretraining_draws_one_logit_normal_t_per_row_by_hand():
     with torch.no_grad():
         v = field(t[:, None] * x1 + (1 - t[:, None]) * eps, t, layer, cond)
     torch.testing.assert_close(loss.detach(), ((v - (x1 - eps)) ** 2).mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_logit_normal_location_shifts_the_median_timestep():
+    for mean in (0.0, 1.5):
+        t = sample_logit_normal(20000, torch.Generator().manual_seed(0), mean=mean)
+        assert abs(float(t.median()) - 1 / (1 + math.exp(-mean))) < 0.01 and 0 < float(t.min()) < float(t.max()) < 1
 
 
 def test_sinusoidal_embedding_is_unscaled_by_hand():

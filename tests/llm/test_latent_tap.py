@@ -42,3 +42,24 @@ def test_tap_equals_hf_hidden_states_and_is_detached():
     before = tap.latents.clone()
     model(ids.flip(-1))
     assert torch.equal(tap.latents, before)
+
+
+@pytest.mark.parametrize("percentiles", [[0.25], [0.5, 0.25]])
+@pytest.mark.parametrize("stop_early", [True, False])
+def test_capture_stops_after_the_deepest_tapped_block(percentiles, stop_early):
+    tokenizer = char_tokenizer("0123456789+=")
+    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_layers=4)
+    ids = torch.randint(4, len(tokenizer), (2, 9))
+    tap = LatentTap(model, percentiles)
+    with tap:
+        model(ids)
+    full = tap.latents
+    ran = []
+    hooks = [module.register_forward_hook(lambda m, i, o, name=name: ran.append(name))
+             for name, module in [("block 3", model.model.layers[3]), ("lm head", model.lm_head)]]
+    latents = tap.capture(lambda: model(ids), stop_early=stop_early)
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(latents, full) and not latents.requires_grad
+    assert ran == ([] if stop_early else ["block 3", "lm head"])
+    assert model(ids).logits.shape[:2] == ids.shape  # capture left no stop hook behind (it would raise here)

@@ -73,3 +73,31 @@ def test_cached_expert_latents_equal_a_fresh_encoding():
     assert torch.equal(mask, fresh_mask) and latents.shape == fresh.shape
     torch.testing.assert_close(latents[:, real], fresh[:, real], rtol=1e-5, atol=1e-5)
     assert latents[:, ~real].abs().max() == 0 and len(cache.rows) == 3
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_expert_latents_run_the_decoder_only_as_far_as_the_deepest_tap(zero3):
+    """Blocks after the deepest tapped one and the LM head do not run, except under ZeRO-3 (parameters marked with
+    ``ds_id``), where every forward must visit every module; the latents are the same either way."""
+    from flowkit.llm.backbone import load_backbone
+    from flowkit.llm.latent_tap import LatentTap
+    from flowkit.llm.rollout import encode_pairs, expert_latents
+
+    model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
+    tap = LatentTap(model, [0.25])  # block 1 of 4
+    prompts, solutions = ["3+4=", "68+62="], ["3+4=7\\boxed{7}", "8+2=10,6+6+1=13\\boxed{130}"]
+    full = encode_pairs(tokenizer, prompts, solutions)
+    with torch.no_grad(), tap:
+        model(input_ids=full.input_ids, attention_mask=full.attention_mask,
+              position_ids=(full.attention_mask.cumsum(-1) - 1).clamp(min=0))
+    expected = tap.latents
+    if zero3:
+        model.lm_head.weight.ds_id = 0
+    ran = []
+    hooks = [module.register_forward_hook(lambda m, i, o, name=name: ran.append(name))
+             for name, module in [("block 2", model.model.layers[2]), ("lm head", model.lm_head)]]
+    latents, _ = expert_latents(model, tokenizer, tap, prompts, solutions, torch.device("cpu"))
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(latents, expected)
+    assert ran == (["block 2"] if zero3 else [])

@@ -17,6 +17,16 @@ def test_prompt_stream_is_a_function_of_seed_and_index():
     assert PromptStream(records, 4, seed=4).batch(0)["prompt"] != first[0]
 
 
+def test_prompt_stream_batches_do_not_depend_on_the_order_they_are_drawn_in():
+    """Each epoch's permutation is kept between batches: jumping across epochs and back draws what a fresh stream does."""
+    records = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
+    stream = PromptStream(records, batch_size=4, seed=3)
+    for index in (5, 0, 1, 4, 2, 0, 7):
+        assert stream.batch(index)["prompt"] == PromptStream(records, 4, seed=3).batch(index)["prompt"]
+    epochs = [set(stream.batch(2 * e)["prompt"] + stream.batch(2 * e + 1)["prompt"]) for e in range(3)]
+    assert all(len(e) == 8 for e in epochs) and len({frozenset(e) for e in epochs}) > 1
+
+
 def test_eval_sets_accept_problem_field_and_template(tmp_path, shared_data):
     data = RolloutDataModule(val_path=None, eval_paths={"math500": str(shared_data / "math_eval" / "math500.jsonl")},
                              prompt_template="Q: {prompt}\nA:", max_val_examples=5)
