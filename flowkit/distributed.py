@@ -1,10 +1,12 @@
 """Agreeing on per-rank counts, so that collective work whose amount depends on a rank's data stays in step,
-and gathering per-rank tensors of different sizes.
+gathering per-rank tensors of different sizes, and telling DeepSpeed ZeRO-3's sharded parameters apart.
 
 Plain torch (no Lightning), so every layer can use it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -20,6 +22,12 @@ def all_reduce_int(value: int, op: ReduceOp.RedOpType) -> int:
         reduced = reduced.cuda()
     torch.distributed.all_reduce(reduced, op=op)
     return int(reduced)
+
+
+def zero3_sharded(params: Iterable[Tensor | None]) -> bool:
+    """Whether any of ``params`` is a DeepSpeed ZeRO-3 partition (DeepSpeed marks those with ``ds_id``): its
+    ``.data`` is empty until gathered, and every forward through it gathers it, a collective."""
+    return any(hasattr(p, "ds_id") for p in params)
 
 
 def all_gather_rows(tensor: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ flow-signal study: P = 0.25/0.5/0.75, T = {0.8}, 150 pretraining steps) and, on 
 Results are appended per (arm, seed) to ``--results`` (JSONL), so an interrupted study resumes where it
 stopped and more seeds can be added later; the markdown table goes to stdout and ``--table``::
 
-    python scripts/rlfr_ablation.py --seeds 0 1 2 3 4 --arms grpo rlfr next bilateral --table ablation.md
+    python scripts/rlfr_ablation.py --seeds 0 1 2 3 4 --arms grpo rlfr earlier earlier_next --table ablation.md
 """
 
 from __future__ import annotations

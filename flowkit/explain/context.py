@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from transformers import PreTrainedModel
 
-from flowkit.distributed import all_reduce_int
+from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.llm.backbone import decoder_layers
 
 
@@ -68,7 +68,7 @@ def _whole(*params: Tensor | None) -> tuple[Tensor | None, ...]:
     the sharded ones are gathered here (a collective: every rank encodes together) and copied out. Inside
     the engine's forward, reading a parameter has already gathered it for that forward: it is only copied.
     """
-    if not any(hasattr(p, "ds_id") for p in params):
+    if not zero3_sharded(params):
         return params
     import deepspeed  # sharded parameters mean DeepSpeed is installed
     from deepspeed.runtime.zero import ZeroParamStatus
@@ -142,10 +142,6 @@ def _decoder(backbone: PreTrainedModel) -> nn.Module:
     return getattr(base, base.base_model_prefix)
 
 
-def _is_sharded(backbone: PreTrainedModel) -> bool:
-    return hasattr(next(backbone.parameters()), "ds_id")
-
-
 @torch.no_grad()
 def encode_context(backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor,
                    micro_batch_size: int = 8, keep_hidden: bool = True) -> ContextEncoding:
@@ -162,7 +158,7 @@ def encode_context(backbone: PreTrainedModel, input_ids: Tensor, attention_mask:
     batch, length = input_ids.shape
     starts = list(range(0, batch, micro_batch_size))
     # Under ZeRO-3 every forward is a collective: all ranks run as many passes as the rank with the most.
-    if _is_sharded(backbone):
+    if zero3_sharded(backbone.parameters()):
         starts += [None] * (all_reduce_int(len(starts), ReduceOp.MAX) - len(starts))
     keys = values = hidden = None
     try:

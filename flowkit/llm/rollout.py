@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from flowkit.batch import RolloutBatch
-from flowkit.distributed import all_reduce_int
+from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.llm.latent_tap import LatentTap
 
 
@@ -50,7 +50,7 @@ def _zero3_partitioned(model: torch.nn.Module) -> bool:
     """DeepSpeed ZeRO-3 shards parameters (marking them with ``ds_id``) and gathers them in every forward,
     a collective: with several ranks, all must keep stepping until every rank's generation is done."""
     multi_rank = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    return multi_rank and any(hasattr(p, "ds_id") for p in model.parameters())
+    return multi_rank and zero3_sharded(model.parameters())
 
 
 def _response_mask(generated: Tensor, eos_token_id: int | None) -> Tensor:
@@ -247,9 +247,7 @@ def expert_latents(
 def _tapped_latents(model: torch.nn.Module, tap: LatentTap, batch: RolloutBatch) -> Tensor:
     """The decoder runs only up to the deepest tapped block (all of it under ZeRO-3, which gathers parameters
     in the order of whole forwards)."""
-    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
-    return tap.capture(lambda: forward_hidden(model, batch), stop_early=not zero3)
-
+    return tap.capture(lambda: forward_hidden(model, batch), stop_early=not zero3_sharded(model.parameters()))
 
 
 class ExpertLatentCache:

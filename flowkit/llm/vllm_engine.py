@@ -25,6 +25,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flowkit.batch import RolloutBatch
+from flowkit.distributed import zero3_sharded
 from flowkit.errors import ConfigError
 from flowkit.llm.rollout import pack_rollouts
 
@@ -47,7 +48,7 @@ def require_vllm() -> None:
 def _gathered(params: list[torch.nn.Parameter]):
     """Full values of ``params`` inside the context: DeepSpeed ZeRO-3 partitions them (marked ``ds_id``) and
     ``GatheredParameters`` all-gathers them (a collective, so every rank syncs at the same point)."""
-    if any(hasattr(p, "ds_id") for p in params):
+    if zero3_sharded(params):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

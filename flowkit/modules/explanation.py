@@ -29,7 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from flowkit.batch import RolloutBatch
 from flowkit.data.records import load_records
-from flowkit.distributed import all_reduce_int
+from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.errors import ConfigError, check_nonempty, check_range
 from flowkit.explain.flow_data import accepted_flow_data, fit_flow, gather_flow_data
 from flowkit.explain.ppo import clipped_value_loss, gae, kl_shaped_rewards, whitened
@@ -488,7 +488,7 @@ class ExplanationPolicyModule(L.LightningModule):
             params = dict(self.policy.named_parameters())
             pairs = [(param, params[name.replace(".default.", f".{REFERENCE_ADAPTER}.")])
                      for name, param in params.items() if "lora_" in name and ".default." in name]
-        sharded = any(hasattr(p, "ds_id") for pair in pairs for p in pair)
+        sharded = zero3_sharded(p for pair in pairs for p in pair)
         if sharded:
             import deepspeed  # sharded parameters mean DeepSpeed is installed
         with torch.no_grad():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
@@ -12,7 +12,7 @@ from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.rollout import expert_latents
-from flowkit.modules.optim import flow_pretraining_schedule
+from flowkit.modules.optim import LR_DECAYS, LrDecay, flow_pretraining_schedule
 from flowkit.rewards.flow_reward import FlowReward
 
 
@@ -37,12 +37,12 @@ class FlowRewardModule(L.LightningModule):
         reward_model: FlowReward | None = None,
         lr: float = 1e-4,
         warmup_ratio: float = 0.1,
-        lr_decay: Literal["cosine", "constant"] = "cosine",
+        lr_decay: LrDecay = "cosine",
         dtype: str = "float32",
         trust_remote_code: bool = False,
     ):
         super().__init__()
-        if lr_decay not in ("cosine", "constant"):
+        if lr_decay not in LR_DECAYS:
             raise ConfigError(f"FlowRewardModule.lr_decay must be cosine or constant, got {lr_decay!r}")
         self.save_hyperparameters(ignore=["reward_model"])
         self.backbone, self.tokenizer = load_backbone(backbone, dtype, trust_remote_code)

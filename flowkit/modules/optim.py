@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
@@ -28,8 +28,12 @@ def step_groups(optimizer: torch.optim.Optimizer, names: Collection[str]) -> Non
             group["lr"] = lr
 
 
+LrDecay = Literal["cosine", "constant"]
+LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
+
+
 def flow_pretraining_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.1,
-                              decay: Literal["cosine", "constant"] = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
+                              decay: LrDecay = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup from 0 over ⌈warmup_ratio·steps⌉ steps, then ``cosine`` decay to 0 at ``total_steps`` — the
     official RLFR offline pretraining (LLaMA-Factory ``lr_scheduler_type: cosine``, ``warmup_ratio: 0.1``: the HF
     Trainer's schedule) — or a ``constant`` learning rate after the warmup."""

@@ -23,7 +23,7 @@ from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.llm.rollout import ExpertLatentCache, RolloutEngine, expert_latents, forward_hidden
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
-from flowkit.modules.optim import flow_pretraining_schedule, step_groups
+from flowkit.modules.optim import LR_DECAYS, LrDecay, flow_pretraining_schedule, step_groups
 from flowkit.modules.progress import LoopProgress
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rewards.functions import build_reward_functions, weighted_rewards
@@ -153,7 +153,7 @@ class PolicyModule(L.LightningModule):
         flow_pretrain_steps: int = 0,
         flow_pretrain_batch_size: int = 128,
         flow_pretrain_cache_latents: bool = False,
-        flow_pretrain_lr_decay: Literal["cosine", "constant"] = "cosine",
+        flow_pretrain_lr_decay: LrDecay = "cosine",
         val_num_samples: int = 4,
         val_temperature: float = 1.0,
         nonfinite: Literal["skip", "fail"] = "skip",
@@ -178,7 +178,7 @@ class PolicyModule(L.LightningModule):
                        flow_pretrain_batch_size, val_num_samples, val_temperature, nonfinite, grader_timeout)
         _check_step_options(aggregation, scale_rewards, clip_ratio_c, micro_batch_size, rollout_batch_size, num_samples,
                             lm_head_chunk_size, rollout_is_cap, max_consecutive_skips)
-        if flow_pretrain_lr_decay not in ("cosine", "constant"):
+        if flow_pretrain_lr_decay not in LR_DECAYS:
             raise ConfigError(f"PolicyModule.flow_pretrain_lr_decay must be cosine or constant, got {flow_pretrain_lr_decay!r}")
         if rollout_engine not in ("hf", "vllm"):
             raise ConfigError(f"PolicyModule.rollout_engine must be hf or vllm, got {rollout_engine!r}")
