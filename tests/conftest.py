@@ -31,15 +31,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def shared_data() -> Path:
-    """``../shared/data`` next to the checkout (present on developer machines and in CI)."""
-    path = ROOT.parent / "shared" / "data"
-    if not path.is_dir():
-        pytest.skip("../shared/data is not present")
-    return path
-
-
-@pytest.fixture
 def single_thread():
     """One intra-op thread for tests on tiny tensors: faster than two threads fighting over loaded CI cores."""
     threads = torch.get_num_threads()

@@ -43,7 +43,7 @@ def test_config_parses_and_validates(config, capsys):
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.name in OFFLINE_OVERRIDES or c.name.endswith("_tiny.yaml")],
                          ids=lambda p: p.name)
 def test_config_instantiates_on_cpu(config, tmp_path, monkeypatch):
-    monkeypatch.chdir(config.parent.parent)  # configs refer to ../shared and configs/deepspeed relative to the repo
+    monkeypatch.chdir(config.parent.parent)  # configs refer to configs/deepspeed relative to the repo
     args = ["--config", str(config), "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)]
     cli = FlowkitCLI(run=False, args=args + OFFLINE_OVERRIDES.get(config.name, []))
     assert cli.model is not None and cli.trainer is not None

@@ -85,8 +85,8 @@ class RolloutDataModule(L.LightningDataModule):
         train_path: JSONL / parquet / ``datasets`` dir of training prompts, ``bundled:arithmetic/train.jsonl``, or a
             ``datasets.load_dataset`` spec ``hf:NAME?split=train`` (hub id or local data dir; also for the eval paths).
         val_path: held-out split for ``validate`` (pass@1 / pass@k).
-        eval_paths: extra named eval sets, e.g. ``{math500: ../shared/data/math_eval/math500.jsonl}``;
-            rows use ``problem`` or ``prompt`` and ``answer``.
+        eval_paths: extra named eval sets, e.g. ``{math500: bundled:math_eval/math500.jsonl}`` (MATH500, AMC23,
+            AIME24 and AIME25 ship with flowkit); rows use ``problem`` or ``prompt`` and ``answer``.
         prompt_key, answer_key, solution_key: field names in the training data.
         prompt_format: how a prompt record becomes the policy's input (:mod:`flowkit.llm.chat`): ``chat`` renders
             it with the policy tokenizer's chat template (``apply_chat_template(..., add_generation_prompt=True)``;

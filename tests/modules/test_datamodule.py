@@ -27,8 +27,8 @@ def test_prompt_stream_batches_do_not_depend_on_the_order_they_are_drawn_in():
     assert all(len(e) == 8 for e in epochs) and len({frozenset(e) for e in epochs}) > 1
 
 
-def test_eval_sets_accept_problem_field_and_template(tmp_path, shared_data):
-    data = RolloutDataModule(val_path=None, eval_paths={"math500": str(shared_data / "math_eval" / "math500.jsonl")},
+def test_eval_sets_accept_problem_field_and_template():
+    data = RolloutDataModule(val_path=None, eval_paths={"math500": "bundled:math_eval/math500.jsonl"},
                              prompt_template="Q: {prompt}\nA:", max_val_examples=5)
     data.setup("validate")
     rows = data.val_sets["math500"]
