@@ -5,17 +5,20 @@ Per training step, as the official ``sac_attention.py``: the DataModule takes on
 ``num_envs`` environments with the current policy (Alg. 1: rules generated, one sampled, acted on, judged,
 transitions stored), then the module does ``critic_updates`` critic updates and ``actor_updates`` actor
 (+ temperature) updates, each on its own replay batch; every ``target_update_interval`` steps the target
-critics move by τ (τ = 1: a hard copy); every ``eval_interval`` steps the greedy selector plays the
-DataModule's ``eval_envs`` fixed-seed episodes and episode return, rule reward and the entropy of the rule
-choice are logged (``eval/*``) and appended to ``<log_dir>/eval_curve.jsonl``. At the end of ``fit`` it
-evaluates, over the DataModule's evaluation seeds, the trained selector against uniform-random rule
-choice and every fixed rule, prints the table and writes it to ``<log_dir>/results.json``.
+critics move by τ (τ = 1: a hard copy); every ``eval_interval`` steps the selector plays the DataModule's
+``eval_envs`` fixed-seed episodes twice, greedily and sampling its rules, and the greedy and sampled episode
+returns, rule reward, entropy of the rule choice, how often each named rule was chosen and how often the
+selector's action agreed with each fixed rule's are logged (``eval/*``) and appended to
+``<log_dir>/eval_curve.jsonl``. At the end of ``fit`` it evaluates, over the DataModule's evaluation seeds,
+the trained selector (greedy and sampled) against uniform-random rule choice and every fixed rule, prints the
+table — flagging a selector that behaves as one fixed rule — and writes it to ``<log_dir>/results.json``.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from flowkit.errors import ConfigError
 from flowkit.rbrl import sac
 from flowkit.rbrl.agent import (
-    Observation, RuleAgent, StepRecord, evaluate, fixed_rule_chooser, random_chooser, run_episode,
+    Observation, RuleAgent, StepRecord, evaluate, fixed_rule_chooser, random_chooser, run_episode, selection_diagnostics,
 )
 from flowkit.rbrl.encoder import EmbeddingCache
 from flowkit.rbrl.envs import ENVIRONMENTS, make_env
@@ -39,8 +42,11 @@ from flowkit.rbrl.policy import RuleAttentionNetwork, masked_log_softmax
 from flowkit.rbrl.replay import ReplayBuffer, pad_rules
 from flowkit.rbrl.sources import RuleSource
 
+log = logging.getLogger(__name__)
+
 TRAIN_SEED_OFFSET = 1_000_000  # training episodes never reuse an evaluation episode's seed
 CURVE_SEED_OFFSET = 500_000  # the learning curve's fixed evaluation episodes
+SAME_AS_FIXED_RULE = 0.99  # action agreement from which the results flag a selector as behaving as a fixed rule
 
 
 def _require(condition: bool, message: str) -> None:
@@ -72,9 +78,11 @@ class RuleEnvDataModule(LightningDataModule):
         max_rules: rule sets are truncated/padded to this many.
         num_envs: environments stepped in lockstep, one transition each per training step (official 4).
         batch_size / buffer_size: replay batch and capacity (official 16 / 4096).
-        updates_per_epoch: training steps per epoch.
+        updates_per_epoch: training steps per epoch; the default 1216 after the selector's 256-transition
+            warm-up (64 steps of the 4 envs) is the official run length, 1280 iterations × 4 envs.
         embedding_cache: file for cached rule embeddings (default ``<default_root_dir>/rule_embeddings.pt``).
-        eval_envs: fixed-seed episodes of each learning-curve evaluation (official 4, greedy rule choice).
+        eval_envs: fixed-seed episodes of each learning-curve evaluation (official 4, greedy rule choice;
+            flowkit plays them a second time with sampled rule choice).
         eval_seeds / eval_episodes: the end-of-fit comparison (episodes per seed).
         numeric_sac_steps: when > 0, the comparison also trains and evaluates the numeric baseline
             (:class:`flowkit.rbrl.numeric.NumericSAC`: discrete SAC on the raw state over environment
@@ -97,7 +105,7 @@ class RuleEnvDataModule(LightningDataModule):
         num_envs: int = 4,
         batch_size: int = 16,
         buffer_size: int = 4096,
-        updates_per_epoch: int = 500,
+        updates_per_epoch: int = 1216,
         embedding_cache: str | None = None,
         eval_envs: int = 4,
         eval_seeds: list[int] = [1, 2, 3],  # noqa: B006  (jsonargparse reads the default)
@@ -175,6 +183,11 @@ class RuleEnvDataModule(LightningDataModule):
     def embed_dim(self) -> int:
         return self.embeddings.dim
 
+    @property
+    def num_actions(self) -> int:
+        """The environment's action count |A| (the official SAC's target entropy is 0.89 · log |A|)."""
+        return int(self.agent.env.action_space.n)
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_TrainingSteps(self), batch_size=None)
 
@@ -198,7 +211,9 @@ class RuleEnvDataModule(LightningDataModule):
                 env_reward, rule_reward, done, next_obs, record = agent.step(obs, chosen, probabilities)
                 self.episode_returns[i] += env_reward
                 self._log_record(record)
-                if chosen is not None and (done or next_obs.rules):
+                # a step without rules, without a rule reward (the judge failed) or followed by a state
+                # without rules has nothing the critic could learn from: not stored
+                if chosen is not None and rule_reward is not None and (done or next_obs.rules):
                     self.buffer.add(self._transition(obs, chosen, env_reward, rule_reward, done, next_obs))
                 self.observations[i] = next_obs
                 if done:
@@ -236,37 +251,47 @@ class RuleEnvDataModule(LightningDataModule):
 
     # ---- evaluation ---------------------------------------------------------------------------------
 
-    def curve_point(self, greedy_with_probs) -> dict[str, float]:
-        """One learning-curve evaluation: the ``eval_envs`` fixed-seed episodes (the same every time),
-        rules chosen by ``greedy_with_probs(obs) -> (index, probabilities)``. Returns the mean episode
-        return, the mean rule reward per step and the mean entropy of the rule choice per step."""
+    def curve_point(self, greedy_with_probs, sample_with_probs) -> dict:
+        """One learning-curve evaluation: the ``eval_envs`` fixed-seed episodes (the same every time), played
+        with rules chosen by ``greedy_with_probs`` and again by ``sample_with_probs``, each
+        ``choose(obs) -> (index, probabilities)``. Returns the greedy and sampled mean episode returns
+        (``episode_return``, ``sampled_return``), the greedy run's mean rule reward and mean entropy of the rule
+        choice per step, and its :func:`~flowkit.rbrl.agent.selection_diagnostics` (``chosen``, ``agreement``)."""
         agent = self.make_agent()
         entropies: list[float] = []
 
-        def choose(obs: Observation) -> int:
+        def greedy(obs: Observation) -> int:
             chosen, probs = greedy_with_probs(obs)
             p = np.asarray(probs)
             entropies.append(float(-(p[p > 0] * np.log(p[p > 0])).sum()))
             return chosen
 
-        returns, rule_rewards = [], []
+        returns, sampled_returns, records = [], [], []
         for k in range(self.eval_envs):
-            total, records = run_episode(agent, choose, CURVE_SEED_OFFSET + k)
+            total, steps = run_episode(agent, greedy, CURVE_SEED_OFFSET + k)
             returns.append(total)
-            rule_rewards += [r.rule_reward for r in records if r.chosen is not None]
+            records += steps
+            sampled_returns.append(run_episode(agent, lambda obs: sample_with_probs(obs)[0], CURVE_SEED_OFFSET + k)[0])
+        rule_rewards = [r.rule_reward for r in records if r.chosen is not None and r.rule_reward is not None]
         return {
             "episode_return": float(np.mean(returns)),
+            "sampled_return": float(np.mean(sampled_returns)),
             "rule_reward": float(np.mean(rule_rewards)) if rule_rewards else 0.0,
             "rule_entropy": float(np.mean(entropies)) if entropies else 0.0,
-        }
+        } | selection_diagnostics(records)
 
-    def compare(self, trained_chooser) -> dict[str, np.ndarray]:
-        """Mean return per evaluation seed for the trained selector, random choice and each fixed rule."""
+    def compare(self, trained_chooser, sampled_chooser_for_seed) -> tuple[dict[str, np.ndarray], dict]:
+        """Mean return per evaluation seed for the trained selector (greedy ``trained_chooser``; sampled,
+        ``sampled_chooser_for_seed(seed)``), random choice and each fixed rule (and the configured baselines),
+        with the greedy selector's :func:`~flowkit.rbrl.agent.selection_diagnostics` over those episodes."""
         agent = self.make_agent()
+        records: list[StepRecord] = []
         results = {
-            "trained selector": evaluate(agent, lambda seed: trained_chooser, self.eval_seeds, self.eval_episodes),
+            "trained selector": evaluate(agent, lambda seed: trained_chooser, self.eval_seeds, self.eval_episodes, records),
+            "trained selector (sampled)": evaluate(agent, sampled_chooser_for_seed, self.eval_seeds, self.eval_episodes),
             "random rule": evaluate(agent, random_chooser, self.eval_seeds, self.eval_episodes),
         }
+        diagnostics = selection_diagnostics(records)
         for name in getattr(self.source, "rule_names", []):
             results[f"fixed: {name}"] = evaluate(agent, lambda seed, n=name: fixed_rule_chooser(n), self.eval_seeds, self.eval_episodes)
         if self.numeric_sac_steps:
@@ -282,10 +307,19 @@ class RuleEnvDataModule(LightningDataModule):
         if self.cot_backend is not None:
             cot = CoTLLMAgent(self.cot_backend)
             results["CoT LLM agent (no rules)"] = np.asarray(cot.evaluate(make_env(self.env_name, **self.env_kwargs), self.eval_seeds, self.eval_episodes))
-        return results
+        return results, diagnostics
 
 
-def format_results(title: str, results: dict[str, np.ndarray], seeds: list[int], episodes: int) -> str:
+def same_as_fixed_rule(results: dict[str, np.ndarray], diagnostics: dict) -> list[str]:
+    """The fixed rules the trained selector behaved as: its action agreed with the rule's in at least
+    ``SAME_AS_FIXED_RULE`` of the evaluation steps, or its returns equal the rule's on every evaluation seed."""
+    trained = results["trained selector"]
+    same = {name for name, share in diagnostics.get("agreement", {}).items() if share >= SAME_AS_FIXED_RULE}
+    same |= {k[len("fixed: "):] for k, v in results.items() if k.startswith("fixed: ") and np.allclose(v, trained, rtol=0, atol=1e-9)}
+    return sorted(same)
+
+
+def format_results(title: str, results: dict[str, np.ndarray], seeds: list[int], episodes: int, diagnostics: dict | None = None) -> str:
     lines = [
         f"{title}: mean episode return ± std over {len(seeds)} evaluation seeds {seeds} ({episodes} episodes each)",
         f"{'policy':32s} {'mean':>9s} {'± std':>8s}   per-seed means",
@@ -293,6 +327,18 @@ def format_results(title: str, results: dict[str, np.ndarray], seeds: list[int],
     for name, per_seed in sorted(results.items(), key=lambda kv: -kv[1].mean()):
         per = " ".join(f"{v:8.3f}" for v in per_seed)
         lines.append(f"{name:32s} {per_seed.mean():9.3f} {per_seed.std(ddof=1) if len(per_seed) > 1 else 0.0:8.3f}   {per}")
+    if diagnostics:
+        percent = lambda shares: ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+        if diagnostics.get("chosen"):
+            lines.append(f"trained selector (greedy) chose: {percent(diagnostics['chosen'])}")
+        if diagnostics.get("agreement"):
+            lines.append(f"its action agreed with each fixed rule's: {percent(diagnostics['agreement'])}")
+        same = same_as_fixed_rule(results, diagnostics)
+        if same:
+            shares = diagnostics.get("agreement", {})
+            which = ", ".join(f"{name} ({100 * shares[name]:.1f}% of its actions)" if name in shares else f"{name} (same returns)"
+                              for name in same)
+            lines.append(f"WARNING: the trained selector behaves as the fixed rule(s) {which}, not as a learned choice among rules")
     return "\n".join(lines)
 
 
@@ -306,7 +352,15 @@ class SelectorModule(LightningModule):
     - ``lr`` 1e-4 for actor, critics and (unless ``alpha_lr``) the temperature;
     - ``tau`` 1 every ``target_update_interval`` = 64 steps, a hard copy (earlier: Polyak τ 0.005 every step);
     - ``twin_q`` ``"softmin"``: the target blends the twin Qs by softmin(10 Q) (earlier: ``"min"``);
-    - ``init_alpha`` 0.1, ``target_entropy_ratio`` 0.89: target entropy 0.89 · log |R| (earlier 0.2, 0.5);
+    - ``init_alpha`` 0.1, ``target_entropy_ratio`` 0.89 (earlier 0.2, 0.5) of ``target_entropy_of``
+      ``"actions"``: target entropy 0.89 · log |A| with |A| the environment's action count, as the official
+      code (``"rules"``: 0.89 · log |R_s| over each state's rules, flowkit's earlier choice; with fewer rules than
+      actions, e.g. 7 template rules in 9-action bin packing, the official target exceeds the largest possible
+      entropy log |R| and α grows without bound);
+    - ``next_state_rules`` ``"current"``: the critic's target evaluates the next state s_{t+1} with the current
+      rules R_t, as the official ``update_critic`` does (it samples no next rules); ``"next"``: with R_{t+1},
+      the augmented next state s̃_{t+1} = (s_{t+1}, R_{t+1}) of seed 002 §5.4 (flowkit's earlier choice);
+    - Adam with eps 1e-4 for the actor, the critics and the temperature, as the official optimizers;
     - ``critic_updates`` 4 and ``actor_updates`` 4 per step (each actor update followed by a temperature
       update), each on a fresh replay batch, after one step in each of the DataModule's ``num_envs`` = 4 envs;
     - ``eval_interval`` 64: learning-curve evaluation on the DataModule's ``eval_envs`` = 4 fixed-seed
@@ -337,6 +391,8 @@ class SelectorModule(LightningModule):
         twin_q: str = "softmin",
         init_alpha: float = 0.1,
         target_entropy_ratio: float = 0.89,
+        target_entropy_of: str = "actions",
+        next_state_rules: str = "current",
         rule_reward_coef: float = 0.1,
         reward_scale: float = 1.0,
         critic_updates: int = 4,
@@ -363,6 +419,10 @@ class SelectorModule(LightningModule):
         _require(twin_q in sac.TWIN_Q_BLENDS, f"{name}.twin_q must be one of {sac.TWIN_Q_BLENDS}, got {twin_q!r}")
         _require(init_alpha > 0, f"{name}.init_alpha must be > 0, got {init_alpha}")
         _require(0.0 <= target_entropy_ratio < 1.0, f"{name}.target_entropy_ratio must be in [0, 1), got {target_entropy_ratio}")
+        _require(target_entropy_of in ("actions", "rules"),
+                 f"{name}.target_entropy_of must be 'actions' (official) or 'rules', got {target_entropy_of!r}")
+        _require(next_state_rules in ("current", "next"),
+                 f"{name}.next_state_rules must be 'current' (official) or 'next', got {next_state_rules!r}")
         _require(math.isfinite(rule_reward_coef) and rule_reward_coef >= 0,
                  f"{name}.rule_reward_coef must be a finite value >= 0, got {rule_reward_coef}")
         _require(reward_scale > 0 and math.isfinite(reward_scale), f"{name}.reward_scale must be a finite value > 0, got {reward_scale}")
@@ -386,6 +446,7 @@ class SelectorModule(LightningModule):
             p.requires_grad_(False)
         self.log_alpha = torch.nn.Parameter(torch.tensor(math.log(hp.init_alpha)))
         self.network_dims = (state_dim, embed_dim)
+        self.num_actions: int | None = None  # the environment's |A|, for target_entropy_of: actions
 
     def setup(self, stage: str) -> None:
         self._threads_before = torch.get_num_threads()
@@ -394,6 +455,7 @@ class SelectorModule(LightningModule):
             torch.set_num_threads(self.hparams.torch_threads)
         dm = self.trainer.datamodule  # Lightning sets the DataModule up first
         self.build_networks(dm.state_dim, dm.embed_dim)
+        self.num_actions = dm.num_actions
 
     def teardown(self, stage: str) -> None:
         torch.set_num_threads(self._threads_before)
@@ -408,11 +470,11 @@ class SelectorModule(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        # three optimizers as the official code (its temperature Adam uses eps 1e-4); foreach: one fused
-        # update per optimizer instead of a Python loop per tensor (tiny nets)
+        # three optimizers with eps 1e-4, as the official code; foreach: one fused update per optimizer
+        # instead of a Python loop per tensor (tiny nets)
         return [
-            torch.optim.Adam(self.actor.parameters(), lr=hp.lr, foreach=True),
-            torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=hp.lr, foreach=True),
+            torch.optim.Adam(self.actor.parameters(), lr=hp.lr, eps=1e-4, foreach=True),
+            torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=hp.lr, eps=1e-4, foreach=True),
             torch.optim.Adam([self.log_alpha], lr=hp.alpha_lr or hp.lr, eps=1e-4),
         ]
 
@@ -424,9 +486,20 @@ class SelectorModule(LightningModule):
         logits = self.actor(obs.state[None].to(self.device), obs.embeddings[None].to(self.device), mask.to(self.device))
         return masked_log_softmax(logits, mask.to(self.device))[0].cpu()
 
-    def sample_rule(self, obs: Observation) -> tuple[int, list[float]]:
+    def sample_rule(self, obs: Observation, generator: torch.Generator | None = None) -> tuple[int, list[float]]:
         probs = self.rule_log_probs(obs).exp()
-        return int(torch.multinomial(probs, 1)), probs.tolist()
+        return int(torch.multinomial(probs, 1, generator=generator)), probs.tolist()
+
+    def seeded_sampler(self, seed: int):
+        """Sampled rule choice from its own generator: evaluations neither draw from nor perturb the
+        training's random stream, and are reproducible."""
+        generator = torch.Generator().manual_seed(seed)
+        return lambda obs: self.sample_rule(obs, generator)
+
+    def sampled_chooser(self, seed: int):
+        """:meth:`seeded_sampler` as a chooser (the rule index only)."""
+        sample = self.seeded_sampler(seed)
+        return lambda obs: sample(obs)[0]
 
     def greedy_rule(self, obs: Observation) -> int:
         return int(self.rule_log_probs(obs).argmax())
@@ -445,20 +518,38 @@ class SelectorModule(LightningModule):
         dm = self.trainer.datamodule
         if len(dm.buffer) < self.hparams.warmup_steps:
             dm.collect(self._uniform_rule, math.ceil(self.hparams.warmup_steps / dm.num_envs))
+        self._check_target_entropy(dm)
+
+    def _check_target_entropy(self, dm: RuleEnvDataModule) -> None:
+        """Warn once when the official target entropy 0.89 · log |A| is above log |R|, the largest entropy a
+        choice among the warm-up's rule sets can have: α would then grow without bound."""
+        hp = self.hparams
+        if hp.target_entropy_of != "actions" or not len(dm.buffer):
+            return
+        most_rules = int(dm.buffer.storage["mask"][: len(dm.buffer)].sum(-1).max())
+        target = hp.target_entropy_ratio * math.log(self.num_actions)
+        if target >= math.log(most_rules):
+            log.warning(
+                "target entropy %.3f (%.2f · log %d actions) is not below log %d = %.3f, the largest entropy over "
+                "%d rules: α will grow without bound; set model.init_args.target_entropy_of: rules",
+                target, hp.target_entropy_ratio, self.num_actions, most_rules, math.log(most_rules), most_rules,
+            )
 
     def _reward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hp = self.hparams
         return hp.reward_scale * (batch["env_reward"] + hp.rule_reward_coef * batch["rule_reward"])
 
     def critic_loss(self, batch: dict[str, torch.Tensor], alpha: torch.Tensor) -> torch.Tensor:
-        """L_Q on one batch, target y = r̃ + γ (1 − done) V̄(s') from the target critics and the actor."""
+        """L_Q on one batch, target y = r̃ + γ (1 − done) V̄(s') from the target critics and the actor, s' the next
+        state with the current or the next rules (``next_state_rules``)."""
         hp = self.hparams
         with torch.no_grad():
-            nxt = (batch["next_state"], batch["next_rules"], batch["next_mask"])
-            next_log_pi = masked_log_softmax(self.actor(*nxt), batch["next_mask"])
+            rules = ("next_rules", "next_mask") if hp.next_state_rules == "next" else ("rules", "mask")
+            nxt = (batch["next_state"], batch[rules[0]], batch[rules[1]])
+            next_log_pi = masked_log_softmax(self.actor(*nxt), nxt[2])
             target = sac.soft_q_target(
                 self._reward(batch), batch["done"], next_log_pi, self.q1_target(*nxt), self.q2_target(*nxt),
-                batch["next_mask"], alpha, hp.gamma, hp.twin_q,
+                nxt[2], alpha, hp.gamma, hp.twin_q,
             )
         now = (batch["state"], batch["rules"], batch["mask"])
         return sac.critic_loss(self.q1(*now), self.q2(*now), batch["action"], target)
@@ -498,7 +589,8 @@ class SelectorModule(LightningModule):
             self.actor.train()
             actor_loss, log_pi = self.actor_loss(batch := dm.sample(), alpha)
             self._update(actor_opt, (self.actor,), actor_loss)
-            alpha_loss = sac.temperature_loss(self.log_alpha, log_pi.detach(), batch["mask"], hp.target_entropy_ratio)
+            num_actions = self.num_actions if hp.target_entropy_of == "actions" else None
+            alpha_loss = sac.temperature_loss(self.log_alpha, log_pi.detach(), batch["mask"], hp.target_entropy_ratio, num_actions)
             self._update(alpha_opt, (), alpha_loss)
 
         self.steps_done += 1
@@ -516,8 +608,11 @@ class SelectorModule(LightningModule):
             self._log_curve_point(dm)
 
     def _log_curve_point(self, dm: RuleEnvDataModule) -> None:
-        point = dm.curve_point(self._greedy_with_probs)
-        self.log_dict({f"eval/{k}": v for k, v in point.items()})
+        point = dm.curve_point(self._greedy_with_probs, self.seeded_sampler(CURVE_SEED_OFFSET + self.steps_done))
+        scalars = {k: v for k, v in point.items() if isinstance(v, float)}
+        if point["agreement"]:
+            scalars["max_agreement"] = max(point["agreement"].values())
+        self.log_dict({f"eval/{k}": v for k, v in scalars.items()})
         if self.curve_file is None:
             self.curve_file = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "eval_curve.jsonl"
             self.curve_file.parent.mkdir(parents=True, exist_ok=True)
@@ -527,9 +622,10 @@ class SelectorModule(LightningModule):
     def on_fit_end(self) -> None:
         dm = self.trainer.datamodule
         self.eval()
-        results = dm.compare(self.greedy_rule)
-        table = format_results(f"RBRL {dm.env_name}", results, dm.eval_seeds, dm.eval_episodes)
+        results, diagnostics = dm.compare(self.greedy_rule, self.sampled_chooser)
+        table = format_results(f"RBRL {dm.env_name}", results, dm.eval_seeds, dm.eval_episodes, diagnostics)
         print("\n" + table, flush=True)
         out = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "results.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({k: v.tolist() for k, v in results.items()} | {"eval_seeds": dm.eval_seeds}, indent=1))
+        summary = {"eval_seeds": dm.eval_seeds, "selector_diagnostics": diagnostics | {"same_as_fixed_rule": same_as_fixed_rule(results, diagnostics)}}
+        out.write_text(json.dumps({k: v.tolist() for k, v in results.items()} | summary, indent=1))

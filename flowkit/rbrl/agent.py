@@ -49,8 +49,9 @@ class StepRecord:
     action_text: str
     explanation: str
     env_reward: float
-    rule_reward: float
+    rule_reward: float | None  # None: the judge could not score the rule (its backend failed)
     probabilities: list[float] = field(default_factory=list)
+    fixed_actions: dict[str, int] = field(default_factory=dict)  # named executable rule → the action it takes here
 
 
 Chooser = Callable[[Observation], int]
@@ -79,23 +80,31 @@ class RuleAgent:
         try:
             rules = self.source.generate(self.env)[: self.max_rules]
         except RuleGenerationError as err:
-            self.generation_failures += 1
-            log.warning("no rules for this state (%d failures so far): %s", self.generation_failures, err)
+            self.generation_failures += 1  # the source has already warned, with its reason and counts
+            log.info("no rules for this state (%d failures so far): %s", self.generation_failures, err)
             rules = []
         embeddings = self.embeddings([r.embedding_text for r in rules]) if rules else torch.zeros(0, 0)
         return Observation(state, rules, embeddings)
 
     def step(self, obs: Observation, chosen: int | None, probabilities: list[float] | None = None):
-        """Apply rule ``chosen`` (None when the source gave no rules: a random valid action, not stored).
+        """Apply rule ``chosen`` (None when the source gave no rules). Without a rule, or when the source
+        could not say which action the rule takes, a random valid action is taken and there is no rule reward.
 
-        Returns (env_reward, rule_reward, done, next observation or None when done, record)."""
+        Returns (env_reward, rule_reward, done, next observation or None when done, record); the rule
+        reward is None when there is none to learn from: no rule, no action from it, or the judge could not
+        score the rule (its backend failed)."""
         before = self.env.snapshot()
         valid = before.valid_actions()
-        action = int(self.env.np_random.choice(sorted(valid))) if chosen is None else self.source.act(self.env, obs.rules[chosen])
+        action = None if chosen is None else self.source.act(self.env, obs.rules[chosen])
+        followed = action is not None
+        if not followed:
+            action = int(self.env.np_random.choice(sorted(valid)))
         _, env_reward, terminated, truncated, _ = self.env.step(action)
+        rule_reward = None
         if chosen is None:
-            rule_reward = 0.0
             explanation = "no valid rules were produced for this state; a random valid action was taken"
+        elif not followed:
+            explanation = "the selected rule gave no valid action; a random valid action was taken"
         else:
             rule = obs.rules[chosen]
             explanation = self.source.explain(before, rule, action)
@@ -105,6 +114,7 @@ class RuleAgent:
             chosen=chosen, action=action, action_text=valid.get(action, f"invalid action {action}"),
             explanation=explanation, env_reward=float(env_reward), rule_reward=rule_reward,
             probabilities=probabilities or [],
+            fixed_actions={r.name: r.preferred[0] for r in obs.rules if r.name is not None and r.preferred},
         )
         self.t += 1
         done = terminated or truncated
@@ -138,11 +148,41 @@ def fixed_rule_chooser(name: str) -> Chooser:
     return choose
 
 
-def evaluate(agent: RuleAgent, choose_for_seed: Callable[[int], Chooser], seeds: list[int], episodes: int) -> np.ndarray:
-    """Mean episode return per evaluation seed (episode seeds ``1000·seed + k``), shape (len(seeds),)."""
+def evaluate(
+    agent: RuleAgent, choose_for_seed: Callable[[int], Chooser], seeds: list[int], episodes: int,
+    records: list[StepRecord] | None = None,
+) -> np.ndarray:
+    """Mean episode return per evaluation seed (episode seeds ``1000·seed + k``), shape (len(seeds),);
+    every step's record is appended to ``records`` when given."""
     means = []
     for seed in seeds:
         choose = choose_for_seed(seed)
-        returns = [run_episode(agent, choose, 1000 * seed + k)[0] for k in range(episodes)]
+        returns = []
+        for k in range(episodes):
+            total, steps = run_episode(agent, choose, 1000 * seed + k)
+            returns.append(total)
+            if records is not None:
+                records.extend(steps)
         means.append(float(np.mean(returns)))
     return np.asarray(means)
+
+
+def selection_diagnostics(records: list[StepRecord]) -> dict[str, dict[str, float]]:
+    """What a selector did over ``records`` (the steps where it chose a rule):
+
+    - ``chosen``: fraction of steps it chose each named rule (rules without a name, e.g. LLM-written ones,
+      count as ``"(unnamed)"``);
+    - ``agreement``: for each named executable rule, the fraction of steps where the action taken equals
+      the action that rule takes in that state — 1.0 means the selector behaved exactly as that fixed rule
+      (rules that tie on most states agree often without being chosen).
+    """
+    steps = [r for r in records if r.chosen is not None]
+    if not steps:
+        return {"chosen": {}, "agreement": {}}
+    names = [r.rules[r.chosen].get("name") or "(unnamed)" for r in steps]
+    chosen = {name: names.count(name) / len(steps) for name in sorted(set(names))}
+    rules = sorted({name for r in steps for name in r.fixed_actions})
+    agreement = {
+        name: float(np.mean([r.fixed_actions.get(name) == r.action for r in steps])) for name in rules
+    }
+    return {"chosen": chosen, "agreement": agreement}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from flowkit.rbrl.backends import ChatBackend, ChatBackendError
+from flowkit.rbrl.backends import ChatBackend, ChatBackendError, FailureStreak, check_temperature
 from flowkit.rbrl.language import LanguageEnv, PromptSnapshot
 from flowkit.rbrl.rules import Rule
 from flowkit.rbrl.sources import Decision
@@ -13,10 +13,11 @@ log = logging.getLogger(__name__)
 
 
 class Judge:
-    """Base class: ``score(env, rule, decision)`` in [0, 1]. The agent calls it after the action was
+    """Base class: ``score(env, rule, decision)`` in [0, 1], or None when the judge could not score the rule
+    (never 0 in its place: a missing score is not a bad rule). The agent calls it after the action was
     applied and explained (Alg. 1 line 8) with ``env`` the :class:`PromptSnapshot` of the state before it."""
 
-    def score(self, env: LanguageEnv | PromptSnapshot, rule: Rule, decision: Decision) -> float:
+    def score(self, env: LanguageEnv | PromptSnapshot, rule: Rule, decision: Decision) -> float | None:
         raise NotImplementedError
 
 
@@ -55,28 +56,46 @@ QUESTIONS = (
 
 
 class LLMJudge(Judge):
-    """The three yes/no questions of seed 002 §5.3 (ER1–ER3); r^rule = (1/3) Σ ER_i. An answer that is
-    neither yes nor no (or a backend failure) scores 0 and is counted in ``unparsed``."""
+    """The three yes/no questions of seed 002 §5.3 (ER1–ER3); r^rule = (1/3) Σ ER_i, asked at ``temperature``
+    (default 0: the official judge's first call is greedy; ``null``: the backend's own).
 
-    def __init__(self, backend: ChatBackend):
+    An answer that is neither yes nor no (e.g. a refusal in words) is the model's answer: it scores 0 and is
+    counted in ``unparsed`` (each logged at INFO; the first of a run as a warning). A backend failure is no
+    answer: the step gets no rule reward (``score`` returns None, the transition is not learned from), it is
+    counted in ``failures.total``, and ``max_consecutive_failures`` failed steps in a row stop the run with a
+    one-line error (:class:`~flowkit.rbrl.backends.FailureStreak`).
+    """
+
+    def __init__(self, backend: ChatBackend, temperature: float | None = 0.0, max_consecutive_failures: int = 5):
+        check_temperature("LLMJudge.temperature", temperature)
         self.backend = backend
+        self.temperature = temperature
+        self.failures = FailureStreak("LLMJudge", "chat backend calls", max_consecutive_failures,
+                                      "LLMJudge.max_consecutive_failures")
         self.unparsed = 0
 
-    def _yes(self, question: str) -> float:
-        try:
-            answer = self.backend.complete([{"role": "user", "content": question}]).strip().lower()
-        except ChatBackendError as err:
-            answer = f"<error: {err}>"
-        word = answer.lstrip("\"'*` ").split(maxsplit=1)[0].strip(".,!:;\"'*`") if answer.strip() else ""
+    def _yes(self, answer: str) -> float:
+        answer = answer.strip().lower()
+        word = answer.lstrip("\"'*` ").split(maxsplit=1)[0].strip(".,!:;\"'*`") if answer else ""
         if word in ("yes", "no"):
             return float(word == "yes")
         self.unparsed += 1
-        log.warning("judge answer is neither yes nor no (%d so far): %.80r", self.unparsed, answer)
+        log.log(logging.WARNING if self.unparsed == 1 else logging.INFO,
+                "judge answer is neither yes nor no, scored 0 (%d so far): %.80r", self.unparsed, answer)
         return 0.0
 
-    def score(self, env: LanguageEnv | PromptSnapshot, rule: Rule, decision: Decision) -> float:
+    def score(self, env: LanguageEnv | PromptSnapshot, rule: Rule, decision: Decision) -> float | None:
         fields = {
             "prompt": env.prompt(), "rule": rule.rule, "background": rule.background,
             "relevance": rule.state_relevance, "action": env.valid_actions().get(decision.action, str(decision.action)),
         }
-        return sum(self._yes(q.format(**fields)) for q in QUESTIONS) / len(QUESTIONS)
+        answers = []
+        for question in QUESTIONS:
+            try:
+                reply = self.backend.complete([{"role": "user", "content": question.format(**fields)}], temperature=self.temperature)
+            except ChatBackendError as err:
+                self.failures.failed(str(err))
+                return None
+            self.failures.succeeded()
+            answers.append(self._yes(reply))
+        return sum(answers) / len(answers)

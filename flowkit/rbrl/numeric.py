@@ -66,8 +66,8 @@ class NumericSAC:
         self.actor, self.q1, self.q2 = (_mlp(state_dim, self.num_actions, hidden) for _ in range(3))
         self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
         self.log_alpha = torch.tensor(math.log(init_alpha), requires_grad=True)
-        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=lr)
-        self.critic_opt = torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=lr)
+        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=lr, eps=1e-4)  # eps as the official optimizers
+        self.critic_opt = torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=lr, eps=1e-4)
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=lr, eps=1e-4)
         self.gamma, self.ratio, self.twin_q = gamma, target_entropy_ratio, twin_q
         self.target_update_interval, self.updates_per_step = target_update_interval, updates_per_step

@@ -8,15 +8,19 @@ can be checked against hand-computed values. With π = softmax over real rules:
     y       = r + γ (1 − done) V(s')
     L_Q     = mean (Q1(s, a) − y)² + mean (Q2(s, a) − y)²
     L_π     = mean_s Σ_a π(a|s) [α log π(a|s) − min(Q1, Q2)(s, a)]        (KL to the Boltzmann policy)
-    L_α     = mean_s log α · (H(π(·|s)) − H̄(s)),  H̄(s) = ratio · log |R_s|  (auto-tuned temperature)
+    L_α     = mean_s log α · (H(π(·|s)) − H̄(s))                             (auto-tuned temperature)
+    H̄(s)    = ratio · log |A|  (official: |A| the environment's action count)  or  ratio · log |R_s|  (flowkit)
 
 The official code (mauriciogtec/rule-bottleneck-reinforcement-learning, ``sac_attention.py``) blends the
-twin target Qs with ``softmin(10 · Q)`` weights (a smooth minimum: β → ∞ is the hard min), uses ratio 0.89,
-α₀ = 0.1 and copies the target networks every 64 steps (τ = 1); ``target_update(..., tau)`` covers
-both that hard copy and Polyak averaging.
+twin target Qs with ``softmin(10 · Q)`` weights (a smooth minimum: β → ∞ is the hard min), uses ratio 0.89
+of log |A| for the environment's action space A (``-0.89 * log(1 / envs.single_action_space.n)``, whatever the
+number of rules), α₀ = 0.1 and copies the target networks every 64 steps (τ = 1); ``target_update(..., tau)``
+covers both that hard copy and Polyak averaging.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -70,12 +74,16 @@ def actor_loss(log_pi: Tensor, q1: Tensor, q2: Tensor, mask: Tensor, alpha: Tens
     return _expect(log_pi.exp(), alpha * log_pi - q_min, mask).mean()
 
 
-def target_entropy(mask: Tensor, ratio: float) -> Tensor:
+def target_entropy(mask: Tensor, ratio: float, num_actions: int | None = None) -> Tensor:
+    """H̄ per row: ``ratio · log num_actions`` (the official target, the same for every state) when
+    ``num_actions`` is given, else ``ratio · log |R_s|`` over the row's real rules."""
+    if num_actions is not None:
+        return torch.full(mask.shape[:-1], ratio * math.log(num_actions))
     return ratio * torch.log(mask.sum(-1).float())
 
 
-def temperature_loss(log_alpha: Tensor, log_pi: Tensor, mask: Tensor, ratio: float) -> Tensor:
-    gap = (entropy(log_pi, mask) - target_entropy(mask, ratio)).detach()
+def temperature_loss(log_alpha: Tensor, log_pi: Tensor, mask: Tensor, ratio: float, num_actions: int | None = None) -> Tensor:
+    gap = (entropy(log_pi, mask) - target_entropy(mask, ratio, num_actions)).detach()
     return (log_alpha * gap).mean()
 
 

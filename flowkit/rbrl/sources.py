@@ -31,8 +31,9 @@ class RuleSource:
         """Candidate rules R_t for the env's current state; raises :class:`RuleGenerationError`."""
         raise NotImplementedError
 
-    def act(self, env: LanguageEnv, rule: Rule) -> int:
-        """The valid action the selected rule leads to in the current state (Alg. 1 line 5)."""
+    def act(self, env: LanguageEnv, rule: Rule) -> int | None:
+        """The valid action the selected rule leads to in the current state (Alg. 1 line 5); None when the
+        source could not tell (the agent then takes a random valid action and the step is not learned from)."""
         raise NotImplementedError
 
     def explain(self, before: PromptSnapshot, rule: Rule, action: int) -> str:

@@ -11,8 +11,8 @@ import yaml
 
 from flowkit.cli import main
 from flowkit.errors import ConfigError
-from flowkit.modules.selector import RuleEnvDataModule, SelectorModule, format_results
-from flowkit.rbrl.agent import Observation
+from flowkit.modules.selector import RuleEnvDataModule, SelectorModule, format_results, same_as_fixed_rule
+from flowkit.rbrl.agent import Observation, fixed_rule_chooser
 from flowkit.rbrl.judges import ConsistencyJudge
 from flowkit.rbrl.templates import TemplateRuleSource
 
@@ -98,6 +98,8 @@ def test_smoke_fit_then_explain_rules(tmp_path, capsys):
         ({"twin_q": "mean"}, r"SelectorModule.twin_q must be one of \('softmin', 'min'\)"),
         ({"init_alpha": 0.0}, r"SelectorModule.init_alpha must be > 0"),
         ({"target_entropy_ratio": 1.0}, r"SelectorModule.target_entropy_ratio must be in \[0, 1\)"),
+        ({"target_entropy_of": "both"}, r"SelectorModule.target_entropy_of must be 'actions' \(official\) or 'rules'"),
+        ({"next_state_rules": "previous"}, r"SelectorModule.next_state_rules must be 'current' \(official\) or 'next'"),
         ({"rule_reward_coef": float("nan")}, r"SelectorModule.rule_reward_coef must be a finite value >= 0"),
         ({"reward_scale": 0.0}, r"SelectorModule.reward_scale must be a finite value > 0"),
         ({"critic_updates": 0}, r"SelectorModule.critic_updates must be >= 1"),
@@ -202,8 +204,12 @@ def test_training_step_order_and_schedule_match_the_official_loop(tmp_path, monk
     assert copies == [(4, True), (4, True), (8, True), (8, True)]  # τ = 1: exact copies at steps 4 and 8
     curve = [json.loads(line) for line in (tmp_path / "eval_curve.jsonl").read_text().splitlines()]
     assert [p["step"] for p in curve] == [4, 8]
-    assert all(set(p) >= {"episode_return", "rule_reward", "rule_entropy"} for p in curve)
+    assert all(set(p) >= {"episode_return", "sampled_return", "rule_reward", "rule_entropy", "chosen", "agreement"} for p in curve)
     assert all(0.0 <= p["rule_entropy"] <= math.log(10) + 1e-6 and p["rule_reward"] == 1.0 for p in curve)
+    # the greedy choices' shares sum to 1 and the chosen rule always agrees with itself
+    for point in curve:
+        assert sum(point["chosen"].values()) == pytest.approx(1.0)
+        assert all(point["agreement"][name] == 1.0 for name, share in point["chosen"].items() if share == 1.0)
 
 
 def test_comparison_includes_numeric_sac_and_cot_baselines(tmp_path):
@@ -212,15 +218,81 @@ def test_comparison_includes_numeric_sac_and_cot_baselines(tmp_path):
     from flowkit.rbrl.encoder import EmbeddingCache
 
     class AlwaysNewBag(ChatBackend):
-        def complete(self, messages):
+        def complete(self, messages, temperature=None, max_tokens=None):
             return '{"action": 0}'
 
     cache = tmp_path / "emb.pt"
     _template_embeddings(cache, "binpacking")
     dm = _datamodule(eval_seeds=[1, 2], eval_episodes=2, numeric_sac_steps=3, numeric_ppo_transitions=8, cot_backend=AlwaysNewBag())
     dm.embeddings = EmbeddingCache(cache)
-    results = dm.compare(lambda obs: 0)
+    always_new = fixed_rule_chooser("always_new")
+    results, diagnostics = dm.compare(always_new, lambda seed: always_new)
     np.testing.assert_allclose(results["CoT LLM agent (no rules)"], results["fixed: always_new"])
+    np.testing.assert_allclose(results["trained selector"], results["fixed: always_new"])
+    np.testing.assert_allclose(results["trained selector (sampled)"], results["fixed: always_new"])
+    assert diagnostics["chosen"] == {"always_new": 1.0} and diagnostics["agreement"]["always_new"] == 1.0
+    assert diagnostics["agreement"]["best_fit"] < 1.0
+    assert same_as_fixed_rule(results, diagnostics) == ["always_new"]
+    table = format_results("t", results, [1, 2], 2, diagnostics)
+    assert "trained selector (greedy) chose: always_new 100%" in table
+    assert table.splitlines()[-1].startswith("WARNING: the trained selector behaves as the fixed rule(s) always_new (100.0% of")
     assert results["numeric SAC (raw state, no rules)"].shape == (2,)
     assert np.isfinite(results["numeric SAC (raw state, no rules)"]).all()
     assert results["numeric PPO (raw state, no rules)"].shape == (2,)
+
+
+def _batch(rules: int = 3, batch: int = 4, embed: int = 6, state: int = 5) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(batch, rules, dtype=torch.bool)
+    next_mask = mask.clone()
+    next_mask[:, -1] = False  # the next state has one rule fewer
+    return {
+        "state": torch.randn(batch, state, generator=gen), "rules": torch.randn(batch, rules, embed, generator=gen),
+        "mask": mask, "action": torch.zeros(batch, dtype=torch.long), "env_reward": torch.randn(batch, generator=gen),
+        "rule_reward": torch.rand(batch, generator=gen), "done": torch.zeros(batch),
+        "next_state": torch.randn(batch, state, generator=gen), "next_rules": torch.randn(batch, rules, embed, generator=gen),
+        "next_mask": next_mask,
+    }
+
+
+@pytest.mark.parametrize("next_state_rules", ["current", "next"])
+def test_critic_target_sees_the_next_state_with_the_configured_rules(next_state_rules):
+    """official ("current"): V(s_{t+1}) over the rules R_t; "next": over R_{t+1} (the augmented next state)."""
+    from flowkit.rbrl import sac
+    from flowkit.rbrl.policy import masked_log_softmax
+
+    torch.manual_seed(0)
+    model = SelectorModule(hidden=8, heads=2, next_state_rules=next_state_rules)
+    model.build_networks(state_dim=5, embed_dim=6)
+    model.eval()
+    batch = _batch()
+    rules, mask = (batch["rules"], batch["mask"]) if next_state_rules == "current" else (batch["next_rules"], batch["next_mask"])
+    with torch.no_grad():
+        nxt = (batch["next_state"], rules, mask)
+        expected_target = sac.soft_q_target(
+            batch["env_reward"] + 0.1 * batch["rule_reward"], batch["done"], masked_log_softmax(model.actor(*nxt), mask),
+            model.q1_target(*nxt), model.q2_target(*nxt), mask, 0.1, 0.95, "softmin")
+        now = (batch["state"], batch["rules"], batch["mask"])
+        expected = sac.critic_loss(model.q1(*now), model.q2(*now), batch["action"], expected_target)
+    assert model.critic_loss(batch, torch.tensor(0.1)).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_official_target_entropy_uses_the_action_count_and_warns_when_unreachable(caplog):
+    """0.89 · log |A| over the environment's actions, whatever the rule count; above log |R| it cannot be met."""
+    from types import SimpleNamespace
+
+    from flowkit.rbrl.replay import ReplayBuffer
+
+    buffer = ReplayBuffer(8)
+    for transition_mask in (torch.tensor([True] * 7 + [False] * 3), torch.tensor([True] * 5 + [False] * 5)):
+        buffer.add({k: torch.zeros(()) for k in ("action", "env_reward", "rule_reward", "done")}
+                   | {"state": torch.zeros(2), "next_state": torch.zeros(2), "rules": torch.zeros(10, 3),
+                      "next_rules": torch.zeros(10, 3), "mask": transition_mask, "next_mask": transition_mask})
+    model = SelectorModule(target_entropy_of="actions")
+    model.num_actions = 9
+    model._check_target_entropy(SimpleNamespace(buffer=buffer))
+    assert "target entropy 1.956 (0.89 · log 9 actions) is not below log 7 = 1.946" in caplog.text
+    caplog.clear()
+    model.num_actions = 6  # 0.89 · log 6 = 1.59 < log 7: reachable, no warning
+    model._check_target_entropy(SimpleNamespace(buffer=buffer))
+    assert caplog.text == ""

@@ -141,16 +141,23 @@ def test_hf_backend_generates_from_a_saved_tiny_model(tmp_path):
     tokenizer = char_tokenizer("abcdefghijklmnopqrstuvwxyz :{}[]\",.0123456789\n")
     model = tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                        intermediate_size=64, max_positions=4096)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    backend = HFChatBackend(str(tmp_path), max_new_tokens=6, temperature=1.0)
+    model.save_pretrained(tmp_path / "plain")
+    tokenizer.save_pretrained(tmp_path / "plain")
+    backend = HFChatBackend(str(tmp_path / "plain"), max_new_tokens=6, temperature=1.0)
     text = backend.complete([{"role": "user", "content": "write rules as json"}])
     assert isinstance(text, str) and 0 < len(text) <= 6  # one character per token
 
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    tokenizer.save_pretrained(tmp_path)
-    backend = HFChatBackend(str(tmp_path), max_new_tokens=4, temperature=0.0)
+    model.save_pretrained(tmp_path / "chat")
+    tokenizer.save_pretrained(tmp_path / "chat")
+    backend = HFChatBackend(str(tmp_path / "chat"), max_new_tokens=4, temperature=0.0)
     assert backend.tokenizer.chat_template and len(backend.complete([{"role": "user", "content": "hi"}])) <= 4
+    # per-call settings: greedy at temperature 0 repeats itself; max_tokens overrides max_new_tokens
+    hi = [{"role": "user", "content": "hi"}]
+    assert backend.complete(hi, temperature=0.0, max_tokens=12) == backend.complete(hi, temperature=0.0, max_tokens=12)
+    assert len(backend.complete(hi, max_tokens=2)) <= 2
+    # a rule source and a judge configured with the same model share one loaded copy
+    assert HFChatBackend(str(tmp_path / "chat"), temperature=2.0).model is backend.model
 
 
 class RedirectingServer(ScriptedServer):
@@ -219,7 +226,10 @@ def test_redirect_to_another_origin_never_receives_the_key(monkeypatch, status):
     ("kwargs", "message"),
     [
         ({"base_url": "127.0.0.1:8000/v1"}, "HTTPChatBackend.base_url must start with http"),
-        ({"timeout_s": 0.0}, "HTTPChatBackend.timeout_s must be > 0"),
+        ({"timeout_s": 0.0}, "HTTPChatBackend.timeout_s must be a finite value > 0"),
+        ({"deadline_s": float("inf")}, "HTTPChatBackend.deadline_s must be a finite value > 0"),
+        ({"max_response_bytes": 10}, "HTTPChatBackend.max_response_bytes must be >= 1024"),
+        ({"temperature": -0.5}, "HTTPChatBackend.temperature must be a finite value >= 0"),
         ({"max_retries": -1}, "HTTPChatBackend.max_retries must be >= 0"),
         ({"max_tokens": 0}, "HTTPChatBackend.max_tokens must be >= 1"),
     ],

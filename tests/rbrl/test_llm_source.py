@@ -30,7 +30,7 @@ class Scripted(ChatBackend):
         self.replies = list(replies)
         self.prompts = []
 
-    def complete(self, messages):
+    def complete(self, messages, temperature=None, max_tokens=None):
         self.prompts.append(messages[-1]["content"])
         return self.replies.pop(0)
 
@@ -58,8 +58,8 @@ def test_action_must_be_a_valid_action(env, caplog):
     source = LLMRuleSource(backend, max_attempts=2)
     assert source.act(env, Rule(**RULE)) == 0  # action 5 is not valid in an empty state
     source = LLMRuleSource(Scripted(["nonsense", "nonsense"]), max_attempts=2)
-    assert source.act(env, Rule(**RULE)) == 0 and source.fallback_actions == 1
-    assert "taking the first valid action" in caplog.text
+    assert source.act(env, Rule(**RULE)) is None and source.fallback_actions == 1
+    assert "no valid action for the selected rule after 2 attempts" in caplog.text
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [({"num_rules": 0}, "LLMRuleSource.num_rules must be >= 1"),
@@ -77,7 +77,7 @@ def test_agent_step_follows_algorithm_1_order(env):
     events: list[str] = []
 
     class Recording(ChatBackend):
-        def complete(self, messages):
+        def complete(self, messages, temperature=None, max_tokens=None):
             prompt = messages[-1]["content"]
             kind = ("thoughts" if prompt.rstrip().endswith("what you expect to happen next.")
                     else "rules" if "### Rule generation" in prompt
@@ -138,14 +138,14 @@ def test_untrained_hf_model_output_is_retried_then_skipped_and_counted(env, tmp_
     with pytest.raises(RuleGenerationError, match="not valid JSON"):
         source.generate(env)
     assert source.invalid_outputs == 2 and source.skipped == 1
-    assert "skipped after 2 invalid attempts (1 states skipped, 2 invalid outputs so far)" in caplog.text
+    assert "no valid rules after 2 attempts (1 states skipped, 2 invalid outputs so far)" in caplog.text
 
     # inside the agent loop a skipped state is counted and acted on at random, without a stored transition
     agent = RuleAgent(env, source, LLMJudge(Scripted([])), embeddings=None, max_rules=3)
     obs = agent.observe()
     assert obs.rules == [] and agent.generation_failures == 1
     _, rule_reward, _, _, record = agent.step(obs, None)
-    assert record.chosen is None and rule_reward == 0.0 and "no valid rules" in record.explanation
+    assert record.chosen is None and rule_reward is None and "no valid rules" in record.explanation
 
 
 def test_llm_agent_step_over_a_loopback_http_server(env, monkeypatch):
@@ -182,7 +182,7 @@ def test_cot_agent_thinks_acts_then_explains_the_applied_action(env):
     events, prompts = [], []
 
     class Recording(ChatBackend):
-        def complete(self, messages):
+        def complete(self, messages, temperature=None, max_tokens=None):
             prompt = messages[-1]["content"]
             kind = ("thoughts" if prompt.rstrip().endswith("what you expect to happen next.")
                     else "explanation" if "### Explanation" in prompt else "action")

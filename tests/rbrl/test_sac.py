@@ -54,6 +54,19 @@ def test_temperature_loss_hand_computed_and_direction():
     torch.testing.assert_close(sac.entropy(log_pi, mask), torch.tensor([math.log(2)]))
 
 
+def test_official_target_entropy_is_over_the_environment_actions():
+    """official: H̄ = 0.89 · log |A| for every state, however many rules it has; flowkit's: 0.89 · log |R_s|."""
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    torch.testing.assert_close(sac.target_entropy(mask, 0.89, num_actions=9), torch.full((2,), 0.89 * math.log(9)))
+    torch.testing.assert_close(sac.target_entropy(mask, 0.89), 0.89 * torch.log(torch.tensor([2.0, 3.0])))
+    log_alpha = torch.tensor(0.0, requires_grad=True)
+    log_pi = torch.log(torch.tensor([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]]))
+    # uniform policies: entropy log 2 and log 3, both below 0.89 · log 9 = 1.956 → the gradient raises α
+    sac.temperature_loss(log_alpha, log_pi, mask, 0.89, num_actions=9).backward()
+    expected = ((math.log(2) - 0.89 * math.log(9)) + (math.log(3) - 0.89 * math.log(9))) / 2
+    assert log_alpha.grad.item() == pytest.approx(expected, abs=1e-6) and expected < 0
+
+
 def test_target_update_is_polyak_average_and_tau_one_a_hard_copy():
     target, source = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     torch.nn.init.zeros_(target.weight), torch.nn.init.ones_(source.weight)
