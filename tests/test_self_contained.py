@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# `../shared` written as a path, or built as one (`ROOT.parent / "shared"`).
+# The checkout's sibling directory `shared`, written as a relative path or built from a path's parent (the test's own
+# examples below are split so that this file does not match).
 OUTSIDE_REFERENCE = re.compile(rb"""\.\.[/\\]shared\b|\.parent\s*/\s*["']shared["']""")
 
 
@@ -23,6 +24,6 @@ def test_no_tracked_file_refers_to_the_shared_directory_outside_the_clone():
 
 
 def test_the_pattern_finds_both_spellings():
-    for text in (b"eval: ../shared/data/math_eval/math500.jsonl", b'ROOT.parent / "shared" / "data"'):
+    for text in (b"eval: ../" + b"shared/data/math_eval/math500.jsonl", b"ROOT.parent / " + b'"shared" / "data"'):
         assert OUTSIDE_REFERENCE.search(text), text
     assert not OUTSIDE_REFERENCE.search(b"bundled:math_eval/math500.jsonl")
