@@ -83,3 +83,21 @@ def outcome_at_last_token_advantages(outcome_advantages: Tensor, response_mask: 
     rows = (last >= 0).nonzero().flatten()
     rewards[rows, last[rows]] += outcome_advantages.float()[rows]
     return reward_to_go(rewards, mask, gamma)
+
+
+def entropy_shaped_advantages(advantages: Tensor, entropy: Tensor, response_mask: Tensor, alpha: float = 0.4,
+                              kappa: float = 2.0) -> Tensor:
+    """"Entropy Adv." (Cheng et al. 2025, *Reasoning with Exploration: An Entropy Perspective*, §3; the logit-space
+    baseline of RLFR Table 2): A_t + min(α·H_t, |A_t|/κ) on response tokens, with H_t the policy's token entropy
+    over the vocabulary, detached (the term shapes the advantage; no gradient flows through it).
+
+    The term is ≥ 0 and at most |A_t|/κ, so for κ > 1 it never flips the sign of A_t: it enlarges a positive
+    advantage and shrinks a negative one where the policy is uncertain. It vanishes where A_t = 0 — in a GRPO group
+    whose samples are all wrong it adds nothing. α = 0.4 and κ = 2 are the values of Cheng et al.'s runs.
+    """
+    if alpha < 0 or kappa <= 1:
+        raise ValueError(f"entropy advantage needs alpha ≥ 0 and kappa > 1 (so the sign of A_t holds), got "
+                         f"alpha={alpha}, kappa={kappa}")
+    advantages = advantages.float()
+    bonus = torch.minimum(alpha * entropy.detach().float(), advantages.abs() / kappa)
+    return (advantages + bonus) * response_mask.float()

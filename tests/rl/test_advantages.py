@@ -1,6 +1,13 @@
+import pytest
 import torch
 
-from flowkit.rl.advantages import group_normalized_advantage, reward_to_go, rlfr_advantages, token_advantages
+from flowkit.rl.advantages import (
+    entropy_shaped_advantages,
+    group_normalized_advantage,
+    reward_to_go,
+    rlfr_advantages,
+    token_advantages,
+)
 
 
 def test_group_normalized_advantage_by_hand():
@@ -52,3 +59,32 @@ def test_token_advantages_of_micro_batches_equal_the_whole_batch():
     assert torch.allclose(whole[0], torch.tensor([0.0, 1.0 - 0.3, 1.0 - 0.2]))
     parts = torch.cat([token_advantages(outcome[r], mask[r], token_rewards[r]) for r in (slice(0, 1), slice(1, 3))])
     assert torch.equal(parts, whole)
+
+
+def test_entropy_shaped_advantages_by_hand():
+    """A_t + min(α·H_t, |A_t|/κ) with α = 0.4, κ = 2 (Cheng et al. 2025)."""
+    advantages = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, -1.5, -1.5, -1.5], [0.0, 0.0, 0.0, 0.0]])
+    entropy = torch.tensor([[9.0, 0.5, 2.0, 1.25], [9.0, 0.5, 3.0, 0.0], [9.0, 2.0, 2.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    shaped = entropy_shaped_advantages(advantages, entropy, mask, alpha=0.4, kappa=2.0)
+    # column 0 is the prompt (mask 0): it stays 0 although its entropy is large
+    expected = torch.tensor([
+        [0.0, 1.0 + 0.2, 1.0 + 0.5, 1.0 + 0.5],       # α·H = 0.2 < |A|/κ = 0.5; 0.8 and 0.5 are capped at 0.5
+        [0.0, -1.5 + 0.2, -1.5 + 0.75, -1.5 + 0.0],   # cap |A|/κ = 0.75: a negative advantage shrinks, keeps its sign
+        [0.0, 0.0, 0.0, 0.0],                          # A = 0 (an all-wrong group): the cap is 0, nothing is added
+    ])
+    assert torch.allclose(shaped, expected)
+
+
+def test_entropy_shaped_advantages_detach_the_entropy():
+    logits = torch.tensor([[[0.3, -1.0, 2.0], [1.0, 1.0, 1.0]]], requires_grad=True)
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    shaped = entropy_shaped_advantages(torch.tensor([[5.0, 5.0]]), entropy, torch.ones(1, 2), alpha=1.0, kappa=2.0)
+    assert not shaped.requires_grad
+    assert torch.allclose(shaped, 5.0 + entropy.detach())  # α·H ≤ ln 3 < |A|/κ = 2.5: the bonus is α·H itself
+
+
+@pytest.mark.parametrize("alpha, kappa", [(-0.1, 2.0), (0.4, 1.0), (0.4, 0.5)])
+def test_entropy_shaped_advantages_reject_sign_flipping_settings(alpha, kappa):
+    with pytest.raises(ValueError, match="kappa > 1"):
+        entropy_shaped_advantages(torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1), alpha, kappa)
