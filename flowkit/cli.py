@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -29,11 +30,13 @@ from pathlib import Path
 
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
 from flowkit.checkpointing import fault_tolerance_defaults, tensors_only_loading
 from flowkit.errors import ConfigError
+from flowkit.modules.summary import ParameterSummary, RunSummary
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
@@ -124,7 +127,9 @@ class FlowkitCLI(LightningCLI):
 def place_run(config, fresh_fit: bool) -> None:
     """One run, one directory: ``trainer.default_root_dir`` (the run directory) holds everything of the run.
 
-    Unless the config names its own progress bar, :class:`~flowkit.modules.progress.RLProgressBar` shows the run.
+    Unless the config names its own progress bar, :class:`~flowkit.modules.progress.RLProgressBar` shows the run;
+    unless it names its own, :class:`~flowkit.modules.summary.ParameterSummary` is the model summary and
+    :class:`~flowkit.modules.summary.RunSummary` prints the run's result at the end of ``fit``.
     Unless the config names its own logger, the run logs to ``<run dir>/version_N`` (a CSVLogger: ``metrics.csv``,
     the resolved ``config.yaml``, ``export/``); every ModelCheckpoint without a ``dirpath`` writes to
     ``<run dir>/checkpoints``, shared by the run's versions so ``--ckpt_path last`` resumes this run and no other.
@@ -141,6 +146,9 @@ def place_run(config, fresh_fit: bool) -> None:
             isinstance(c, Namespace) and _is_subclass(c.get("class_path"), ProgressBar) for c in callbacks):
         trainer.callbacks = [*callbacks, Namespace(class_path="flowkit.modules.progress.RLProgressBar",
                                                    init_args=Namespace())]
+    if trainer.get("enable_model_summary") is not False:
+        _add_callback_unless_present(trainer, ModelSummary, ParameterSummary)
+    _add_callback_unless_present(trainer, RunSummary, RunSummary)
     checkpoint_dirs = []
     for callback in trainer.get("callbacks") or []:
         if not isinstance(callback, Namespace) or not _is_subclass(callback.get("class_path"), ModelCheckpoint):
@@ -155,6 +163,14 @@ def place_run(config, fresh_fit: bool) -> None:
         if existing:
             raise ConfigError(f"{run_dir} already holds a run ({existing[0]}): resume it with --ckpt_path last, "
                               "or start a new run with --trainer.default_root_dir runs/NEW_NAME")
+
+
+def _add_callback_unless_present(trainer, present: type, added: type) -> None:
+    """Append an ``added`` callback (default arguments) to the trainer's unless the config names a ``present``."""
+    callbacks = trainer.get("callbacks") or []
+    if not any(isinstance(c, Namespace) and _is_subclass(c.get("class_path"), present) for c in callbacks):
+        trainer.callbacks = [*callbacks, Namespace(class_path=f"{added.__module__}.{added.__qualname__}",
+                                                   init_args=Namespace())]
 
 
 def _is_subclass(class_path: str | None, base: type) -> bool:
@@ -179,6 +195,7 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # flowkit checkpoints the state after each RL step's optimizer steps on purpose: resume continues from there.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+    rank_zero_module.log.addFilter(_without_lightning_noise)
     _load_builtin_subcommands()
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in STANDALONE:  # e.g. `flowkit plot RUN_DIR`: no config, model or trainer
@@ -195,6 +212,16 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+# Lightning's info lines that tell a flowkit user nothing: the advertisement for its cloud logger at every start,
+# and that a configured model summary (flowkit's ParameterSummary) replaces the default one.
+LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary` callback")
+
+
+def _without_lightning_noise(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not any(noise in message for noise in LIGHTNING_NOISE)
 
 
 def _checkpoint_argument(argv: list[str]) -> str:

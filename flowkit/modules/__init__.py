@@ -6,6 +6,7 @@ from flowkit.modules.explanation import ExplanationDataModule, ExplanationPolicy
 from flowkit.modules.flow_reward import FlowRewardModule
 from flowkit.modules.policy import PolicyModule
 from flowkit.modules.selector import RuleEnvDataModule, SelectorModule
+from flowkit.modules.summary import ParameterSummary, RunSummary
 
 __all__ = [
     "ExplanationDataModule",
@@ -13,8 +14,10 @@ __all__ = [
     "ExplanationRewardModule",
     "ExportArtifacts",
     "FlowRewardModule",
+    "ParameterSummary",
     "PolicyModule",
     "RolloutDataModule",
     "RuleEnvDataModule",
+    "RunSummary",
     "SelectorModule",
 ]

@@ -198,7 +198,9 @@ class PolicyModule(L.LightningModule):
         if lora is not None:
             self.policy = apply_lora(self.policy, lora)
         if gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # newer transformers name it activation_checkpointing_enable (the old name warns); older ones lack it
+            getattr(self.policy, "activation_checkpointing_enable", self.policy.gradient_checkpointing_enable)(
+                {"use_reentrant": False})
         self.reward_model = reward_model
         self.tap = None
         if reward_model is not None and reward_model.percentiles:
