@@ -22,7 +22,8 @@ samples at the same response position (the own-sample measure of benchmarks/benc
 
 Rows are appended per finished run to ``--results`` (JSONL; a run interrupted half-way is rerun from its start), so
 the study resumes where it stopped and seeds can be added later; rows of another setting are kept but not mixed in.
-Several processes with disjoint ``--arms`` or ``--seeds`` may share one results file (one ``write`` per row).
+Several processes may share one results file (one ``write`` per row; each reads it before every run and skips what is
+finished, so give them disjoint ``--arms`` or ``--seeds``, or opposite seed orders, to keep them off the same run).
 The markdown table (paired differences to GRPO, mean ± standard error over seeds) goes to stdout and
 ``--out-dir``/table.md, the learning curves (mean over seeds with 95 % t-intervals) to ``--out-dir``/curves.png::
 
@@ -172,6 +173,12 @@ def train(arm: str, seed: int, args) -> dict:
             "train_accuracy": [float(r["train/accuracy"]) for r in logged], "evals": evaluation.rows}
 
 
+def read_runs(path: Path, setting: dict) -> list[dict]:
+    """The finished runs of ``setting`` in the results file (another setting's runs are not paired with these)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if r["setting"] == setting]
+
+
 def append_line(path: Path, line: str) -> None:
     """One ``write`` on an O_APPEND descriptor: study processes with disjoint ``--arms`` or ``--seeds`` can share
     one results file without interleaving their rows."""
@@ -309,22 +316,19 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     setting = {"difficulty": args.difficulty, "max_steps": args.max_steps, "eval_every": args.eval_every,
                "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed}
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    runs = [r for r in rows if r["setting"] == setting]  # another setting's runs are not paired with these
-    done = {(r["arm"], r["seed"]) for r in runs}
     arms = [] if args.report_only else [a for a in args.arms if missing_option(a) is None]
     for arm in [a for a in args.arms if a not in arms and not args.report_only]:
         print(f"skipping arm {arm}: PolicyModule has no option {missing_option(arm)!r} yet (the arm runs once it "
               "exists)", flush=True)
     for seed in args.seeds:
         for arm in arms:
-            if (arm, seed) in done:
+            if (arm, seed) in {(r["arm"], r["seed"]) for r in read_runs(path, setting)}:  # read now: other processes
                 continue
             print(f"run {arm} seed {seed} (k = {args.difficulty}, {args.max_steps} steps)", flush=True)
             row = {**train(arm, seed, args), "setting": setting}
             print(f"  {arm} seed {seed}: {row['wall_s']:.0f} s", flush=True)
             append_line(path, json.dumps(row))
-            runs.append(row)
+    runs = read_runs(path, setting)
     for seed in args.seeds:  # pairing check: step 1 uses the same prompts, policy and sampling in every arm
         first = {r["first_step_reward"] for r in runs if r["seed"] == seed and r["arm"] in args.arms}
         if first:

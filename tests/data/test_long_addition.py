@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -23,7 +24,8 @@ from flowkit.llm.rollout import RolloutEngine, encode_pairs
 from flowkit.llm.sft import completion_tensors
 from flowkit.rewards.grader import extract_boxed, grade
 
-CONFIGS = Path(__file__).resolve().parent.parent.parent / "configs"
+ROOT = Path(__file__).resolve().parent.parent.parent
+CONFIGS, SCRIPTS = ROOT / "configs", ROOT / "scripts"
 STEP = re.compile(r"(\d(?:\+\d)+)=(\d+)")
 
 
@@ -130,3 +132,51 @@ def test_bundled_policy_is_sparse_but_not_blind(long_adder):
     hits = torch.tensor([grade(r, a) for r, a in zip(batch.responses, batch.answers)]).view(len(test), 8)
     assert 0 < hits.float().mean() <= 0.15
     assert (~hits.any(1)).float().mean() >= 0.5
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pass_at_k_is_the_unbiased_estimator_by_hand():
+    pass_at_k = _script("make_long_adder").pass_at_k
+    hits = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    assert pass_at_k(hits, 1) == pytest.approx((1 / 4 + 0 + 3 / 4) / 3)
+    # prompt 0: 1 − C(3,2)/C(4,2) = 1/2; prompt 2: 1 − C(1,2)/C(4,2) = 1
+    assert pass_at_k(hits, 2) == pytest.approx((0.5 + 0 + 1) / 3)
+    assert pass_at_k(hits, 4) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="pass@5"):
+        pass_at_k(hits, 5)
+
+
+def test_study_scores_the_first_wrong_token_against_correct_samples_at_that_position():
+    study = _script("rlfr_sparse_study")
+    # three responses to one prompt (column 0), scored at columns 1-3 (two characters and <eos>)
+    deviation = torch.tensor([[0.0, 0.1, 0.2, 0.3],     # "12": correct
+                              [0.0, 0.1, 0.5, 0.3],     # "13": first wrong at position 1 → 0.5 vs 0.2
+                              [0.0, 0.05, 0.2, 0.3]])   # "92": first wrong at position 0 → 0.05 vs 0.1
+    scores = {"deviation": deviation, "reward": -deviation, "surprisal": 2 * deviation, "start": torch.tensor([1, 1, 1])}
+    result = study.first_wrong_aurocs(scores, ["12", "13", "92"], ["12"] * 3, torch.tensor([True, False, False]))
+    # pooled as the benchmark pools: positives {0.5, 0.05} against negatives {0.2, 0.1} → 2 of 4 pairs
+    assert result == {"deviation": 0.5, "reward": 0.5, "surprisal": 0.5}
+    scores["deviation"] = torch.tensor([[0.0, 0.1, 0.2, 0.3], [0.0, 0.1, 0.5, 0.3], [0.0, 0.9, 0.2, 0.3]])
+    assert study.first_wrong_aurocs(scores, ["12", "13", "92"], ["12"] * 3,
+                                    torch.tensor([True, False, False]))["deviation"] == 1.0
+
+
+def test_study_table_pairs_each_seed_with_its_grpo_run():
+    study = _script("rlfr_sparse_study")
+
+    def run(arm, seed, final_pass1):
+        evals = [{"step": 0, "pass@1": 0.04, "pass@16": 0.3, "all_wrong": 0.8, "greedy": 0.05},
+                 {"step": 300, "pass@1": final_pass1, "pass@16": 0.5, "all_wrong": 0.6, "greedy": 0.1}]
+        return {"arm": arm, "seed": seed, "evals": evals, "train_accuracy": [0.0]}
+
+    runs = [run("grpo", 0, 0.10), run("grpo", 1, 0.20), run("rlfr", 0, 0.16), run("rlfr", 1, 0.24)]
+    table = study.paired_table(runs, ["grpo", "rlfr"], samples=16)
+    rlfr = next(line for line in table.splitlines() if line.startswith("| rlfr "))
+    # differences 0.06 and 0.04: mean 0.05, SE = sd / √2 = 0.01414 / 1.414 = 0.010
+    assert rlfr.startswith("| rlfr | 2 | 0.200 | +0.050 ± 0.010 | 0.500 | +0.000 ± 0.000 |")
