@@ -180,9 +180,9 @@ def pretrained_flow(args, model, tokenizer) -> tuple[FlowReward, LatentTap]:
     encode = ExpertLatentCache(model, tokenizer, tap, torch.device("cpu"))
     for _ in range(args.pretrain_steps):
         rows = next(batches)
-        loss = reward.pretrain_loss(*encode(rows["prompt"], rows["solution"]), generator)
         optimizer.zero_grad()
-        loss.backward()
+        for piece in reward.pretrain_losses(*encode(rows["prompt"], rows["solution"]), generator):
+            piece().backward()
         optimizer.step()
         schedule.step()
     return reward, tap

@@ -1,5 +1,6 @@
-"""Agreeing on per-rank counts, so that collective work whose amount depends on a rank's data stays in step,
-gathering per-rank tensors of different sizes, and telling DeepSpeed ZeRO-3's sharded parameters apart.
+"""Agreeing on per-rank counts, so that collective work whose amount depends on a rank's data stays in step
+(:func:`agreed_call_count`: DESIGN.md's multi-rank rule), gathering per-rank tensors of different sizes, and telling
+DeepSpeed ZeRO-3's sharded parameters apart.
 
 Plain torch (no Lightning), so every layer can use it.
 """
@@ -28,6 +29,23 @@ def zero3_sharded(params: Iterable[Tensor | None]) -> bool:
     """Whether any of ``params`` is a DeepSpeed ZeRO-3 partition (DeepSpeed marks those with ``ds_id``): its
     ``.data`` is empty until gathered, and every forward through it gathers it, a collective."""
     return any(hasattr(p, "ds_id") for p in params)
+
+
+def agreed_call_count(count: int, module: torch.nn.Module) -> int:
+    """How many times every rank calls ``module`` in a loop that makes ``count`` calls on this rank.
+
+    Under ZeRO-3 with several ranks each call into a sharded module gathers its weights (in the forward, in a
+    checkpoint's recomputation and in the backward): all ranks must make the same number of calls, or the
+    collectives pair up wrongly (gloo aborts, NCCL hangs). A loop whose trip count depends on a rank's data (chunks
+    of tokens, pieces of rows) therefore runs ``agreed_call_count(count, module)`` times, the extra calls on a dummy
+    row whose result enters the loop's output scaled by 0 (so a backward through them runs too). Agree before the
+    loop's first call (this is itself a collective; a rank still gathering weights would never reach it).
+    Elsewhere this is ``count``: no rank waits for another.
+    """
+    multi_rank = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if not (multi_rank and zero3_sharded(module.parameters())):
+        return count
+    return all_reduce_int(count, ReduceOp.MAX)
 
 
 def all_gather_rows(tensor: Tensor) -> Tensor:

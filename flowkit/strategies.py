@@ -1,14 +1,18 @@
 """DeepSpeed strategies: ZeRO-offload-aware on GPUs, and a CPU variant (gloo) that CI runs.
 
 Lightning's ``DeepSpeedStrategy`` takes the module's single optimizer — flowkit's policy and flow share
-one optimizer with two parameter groups (DESIGN.md §1), so nothing special is needed for that. Two gaps
+one optimizer with two parameter groups (DESIGN.md §1), so nothing special is needed for that. Three gaps
 are filled here:
 
 * ZeRO optimizer offload refuses a plain ``torch.optim.Adam(W)``; :class:`FlowkitDeepSpeedStrategy`
   rebuilds it as ``DeepSpeedCPUAdam`` with the same parameter groups and hyperparameters, so modules
   stay strategy-agnostic.
-* Lightning refuses DeepSpeed without CUDA; :class:`CPUDeepSpeedStrategy` runs ZeRO 0–3 on CPU
-  processes (``devices=N`` on the CPU accelerator) over gloo with DeepSpeed's CPU accelerator.
+* A module with several backward passes per optimizer step (:func:`accumulate_until_step`,
+  :func:`manual_backward`) needs DeepSpeed's accumulation boundary moved to ``step()``.
+* Lightning refuses DeepSpeed without CUDA; on the CPU accelerator :class:`FlowkitDeepSpeedStrategy` runs ZeRO
+  0–3 on CPU processes (``devices=N``) over gloo with DeepSpeed's CPU accelerator, so a GPU config rehearses on
+  CPU by setting ``trainer.accelerator: cpu`` alone. :class:`CPUDeepSpeedStrategy` is the same strategy refusing
+  any other accelerator (the ``deepspeed_cpu_*`` names).
 
 Use them in a config as::
 
@@ -42,7 +46,25 @@ from flowkit.checkpointing import tensors_only_loading
 
 
 class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
-    """Lightning's DeepSpeed strategy; with ZeRO optimizer offload, Adam/AdamW become ``DeepSpeedCPUAdam``."""
+    """Lightning's DeepSpeed strategy; with ZeRO optimizer offload, Adam/AdamW become ``DeepSpeedCPUAdam``; on the
+    CPU accelerator, ZeRO on CPU processes over gloo (fp32 or bf16)."""
+
+    def setup_environment(self) -> None:
+        if not isinstance(self.accelerator, CPUAccelerator):
+            super().setup_environment()
+            return
+        _use_deepspeed_cpu_accelerator()
+        # Lightning checks, and DeepSpeed reads, the device index as the local rank; CPU devices carry
+        # none by default (a CPU tensor ignores the index).
+        self.parallel_devices = [torch.device("cpu", index) for index in range(len(self.parallel_devices))]
+        # Skip DeepSpeedStrategy.setup_environment: its only addition is the CUDA check.
+        DDPStrategy.setup_environment(self)
+
+    def _get_process_group_backend(self) -> str:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # DeepSpeed's CPU accelerator would pick oneCCL, which is rarely installed.
+            return self._process_group_backend or "gloo"
+        return super()._get_process_group_backend()
 
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler_config = super()._init_optimizers()
@@ -73,7 +95,7 @@ class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
 
 
 class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
-    """DeepSpeed ZeRO on CPU processes: gloo process group, ``DS_ACCELERATOR=cpu``, fp32 or bf16."""
+    """:class:`FlowkitDeepSpeedStrategy` on CPU processes only (gloo, ``DS_ACCELERATOR=cpu``, fp32 or bf16)."""
 
     def setup_environment(self) -> None:
         if not isinstance(self.accelerator, CPUAccelerator):
@@ -81,16 +103,7 @@ class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
                 f"{type(self).__name__} runs on the CPU accelerator, got {type(self.accelerator).__name__};"
                 " on GPUs use flowkit.strategies.FlowkitDeepSpeedStrategy"
             )
-        _use_deepspeed_cpu_accelerator()
-        # Lightning checks, and DeepSpeed reads, the device index as the local rank; CPU devices carry
-        # none by default (a CPU tensor ignores the index).
-        self.parallel_devices = [torch.device("cpu", index) for index in range(len(self.parallel_devices))]
-        # Skip DeepSpeedStrategy.setup_environment: its only addition is the CUDA check.
-        DDPStrategy.setup_environment(self)
-
-    def _get_process_group_backend(self) -> str:
-        # DeepSpeed's CPU accelerator would pick oneCCL, which is rarely installed.
-        return self._process_group_backend or "gloo"
+        super().setup_environment()
 
 
 def full_parameters(trainer: L.Trainer, module: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -103,8 +116,56 @@ def full_parameters(trainer: L.Trainer, module: torch.nn.Module) -> contextlib.A
     if isinstance(strategy, DeepSpeedStrategy) and strategy.config and strategy.zero_stage_3:
         import deepspeed
 
+        # A forward through the engine that ran no sub-module (a validation_step whose rollouts come from vLLM)
+        # leaves ZeRO-3's prefetch of the next sub-modules in flight; GatheredParameters skips parameters in
+        # flight and then refuses to re-partition them. Waiting for and releasing every fetch first avoids that.
+        strategy.model.empty_partition_cache()
         return deepspeed.zero.GatheredParameters(list(module.parameters()))
     return contextlib.nullcontext()
+
+
+def accumulate_until_step(trainer: L.Trainer, max_grad_norm: float | None) -> None:
+    """Set up DeepSpeed for a module that runs several backward passes (micro-batches, loss pieces) and then one
+    optimizer step, with manual optimization; call from the module's ``setup("fit")`` (before the engine is built).
+
+    DeepSpeed's default ("managed") accumulation treats every backward as a boundary when
+    gradient_accumulation_steps is 1, so ZeRO-2 kept only the last backward's gradients;
+    ``managed_gradient_accumulation: false`` makes ``step()`` the boundary (tested with DeepSpeed 0.19.8; a DeepSpeed
+    without the option is refused, since it would silently drop gradients). Lightning's ``clip_gradients`` does
+    nothing under DeepSpeed, so ``max_grad_norm`` becomes the config's ``gradient_clipping`` (a different value there
+    is a conflict). Elsewhere this does nothing.
+    """
+    strategy = trainer.strategy
+    if not isinstance(strategy, DeepSpeedStrategy):
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not hasattr(DeepSpeedEngine, "managed_gradient_accumulation"):
+        raise ValueError("several backward passes per optimizer step under DeepSpeed need a DeepSpeed with "
+                         "managed_gradient_accumulation (0.19.8 has it): upgrade deepspeed")
+    if strategy.config.get("managed_gradient_accumulation", False):
+        raise ValueError("the DeepSpeed config's managed_gradient_accumulation must be false (flowkit runs several "
+                         "backward passes per optimizer step)")
+    strategy.config["managed_gradient_accumulation"] = False
+    if max_grad_norm is not None:
+        configured = strategy.config.get("gradient_clipping") or None
+        if configured is not None and configured != max_grad_norm:
+            raise ValueError(f"max_grad_norm {max_grad_norm} conflicts with the DeepSpeed config's gradient_clipping "
+                             f"{configured}")
+        strategy.config["gradient_clipping"] = max_grad_norm
+
+
+def manual_backward(module: L.LightningModule, loss: torch.Tensor) -> None:
+    """``module.manual_backward(loss)`` for one of a step's several backward passes. All of them run inside one
+    DeepSpeed engine forward (Lightning calls ``training_step`` through it), and ZeRO resets its per-backward
+    gradient-hook state (which parameters to expect, copy-or-accumulate) only at an engine forward; so it is reset
+    here, as that forward would, or ZeRO-2/3 overwrite or miss gradients of earlier backward passes."""
+    strategy = module.trainer.strategy
+    engine = strategy.model if isinstance(strategy, DeepSpeedStrategy) else None
+    reset = getattr(getattr(engine, "optimizer", None), "clear_backward_seen_flag", None)
+    if reset is not None:
+        reset()
+    module.manual_backward(loss)
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -105,15 +105,15 @@ def pretrained_flow(root: Path, steps: int, sigterm_in_step: int | None = None) 
     module.trainer = SimpleNamespace(datamodule=data, is_global_zero=True, checkpoint_callback=None,
                                      default_root_dir=str(root))
     if sigterm_in_step is not None:
-        loss, calls = module.reward_model.pretrain_loss, []
+        losses, calls = module.reward_model.pretrain_losses, []
 
-        def loss_then_sigterm(*args):
+        def losses_then_sigterm(*args):
             calls.append(1)
             if len(calls) == sigterm_in_step:
                 os.kill(os.getpid(), signal.SIGTERM)
-            return loss(*args)
+            return losses(*args)
 
-        module.reward_model.pretrain_loss = loss_then_sigterm
+        module.reward_model.pretrain_losses = losses_then_sigterm
     module.pretrain_reward_model()
     return module.reward_model.state_dict()
 

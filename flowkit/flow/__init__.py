@@ -2,7 +2,10 @@
 
 from flowkit.flow.matching import (
     flow_matching_loss,
+    flow_matching_loss_pieces,
+    padding_velocity,
     pretraining_flow_loss,
+    pretraining_loss_pieces,
     sample_logit_normal,
     scored_token_mask,
     velocity_deviation_scores,
@@ -12,7 +15,10 @@ from flowkit.flow.velocity_field import VelocityField
 __all__ = [
     "VelocityField",
     "flow_matching_loss",
+    "flow_matching_loss_pieces",
+    "padding_velocity",
     "pretraining_flow_loss",
+    "pretraining_loss_pieces",
     "sample_logit_normal",
     "scored_token_mask",
     "velocity_deviation_scores",

@@ -12,13 +12,14 @@ noise from a seed instead of storing it, so chunking never changes a score.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from flowkit import kernels
+from flowkit.distributed import agreed_call_count
 from flowkit.flow.velocity_field import VelocityField
 
 Condition = Literal["next", "previous", "none"]
@@ -54,9 +55,11 @@ def scored_token_mask(response_mask: Tensor, condition: Condition = "next") -> T
     return response & shifted
 
 
-def _gather_tokens(latents: Tensor, scored: Tensor, condition: Condition) -> tuple[Tensor, Tensor | None]:
-    """x1 (P×N×d) at the scored positions and their condition latents (P×N×d) or None."""
-    rows, cols = scored.nonzero(as_tuple=True)
+def _gather_tokens(latents: Tensor, scored: Tensor | tuple[Tensor, Tensor],
+                   condition: Condition) -> tuple[Tensor, Tensor | None]:
+    """x1 (P×N×d) at the scored positions (a B×S mask, or its (rows, cols) indices) and their condition latents
+    (P×N×d) or None."""
+    rows, cols = scored.nonzero(as_tuple=True) if isinstance(scored, Tensor) else scored
     x1 = latents[:, rows, cols]
     if condition == "none":
         return x1, None
@@ -121,18 +124,73 @@ def velocity_deviation_scores(
     a given ``seed`` always gives the same scores, whatever ``max_rows`` (rows per field call) is.
     ``token_offset``: number of scored tokens in the batch's rows before these (micro-batching; see
     :func:`stacked_deviation`). ``debias=False`` drops the t/(1−t) weights: the mean of eq. 5's R_FM (ablation).
+    Under ZeRO-3 every rank calls the field equally often (:func:`~flowkit.distributed.agreed_call_count`).
     """
     scored = scored_token_mask(response_mask, condition)
     scores = torch.zeros(scored.shape, device=latents.device, dtype=torch.float32)
-    if not scored.any():
-        return scores
     x1, cond = _gather_tokens(latents, scored, condition)
     t = torch.tensor(list(timesteps), device=latents.device, dtype=torch.float32)
     weights = kernels.debias_weights(t) if debias else torch.ones_like(t)
-    total = sum(stacked_deviation(field, x1, cond, layer_positions, t, weights, seed + draw, max_rows, token_offset)
-                for draw in range(num_draws))
-    scores[scored] = total / num_draws
+    calls = num_draws * len(kernels.token_chunks(x1.shape[1], x1.shape[0] * len(t), max_rows))
+    padding = agreed_call_count(calls, field) - calls  # agreed before the first call
+    if calls:
+        total = sum(stacked_deviation(field, x1, cond, layer_positions, t, weights, seed + draw, max_rows, token_offset)
+                    for draw in range(num_draws))
+        scores[scored] = total / num_draws
+    for _ in range(padding):
+        padding_velocity(field)
     return scores
+
+
+def padding_velocity(field: VelocityField) -> Tensor:
+    """The field on one all-zero row: a call that keeps this rank's ZeRO-3 collectives in step with a rank that
+    has more rows (:func:`~flowkit.distributed.agreed_call_count`); a loss adds it × 0."""
+    param = next(field.parameters())
+    zeros = torch.zeros(1, field.hidden_size, device=param.device)
+    ones = torch.ones(1, device=param.device)
+    return field(zeros, ones / 2, ones, zeros if field.conditioned else None)
+
+
+LossPiece = Callable[[], Tensor]
+
+
+def flow_matching_loss_pieces(
+    field: VelocityField,
+    latents: Tensor,
+    response_mask: Tensor,
+    layer_positions: Sequence[float],
+    timesteps: Tensor,
+    seed: int,
+    condition: Condition = "next",
+    max_rows: int | None = None,
+) -> list[LossPiece]:
+    """Eq. 4 as pieces whose sum is the loss: mean over scored tokens, layers, timesteps and the hidden dim of
+    (v − (x1 − ε))², every token paired with every timestep in ``timesteps`` (the online update's rewarding
+    timesteps; offline pretraining draws one t per row instead, :func:`pretraining_loss_pieces`).
+
+    Each piece is a function that makes one field call over at most ``max_rows`` stacked rows (token × layer ×
+    timestep; at least one token) and returns its share Σ_piece / total, so a caller that backpropagates one piece
+    at a time holds one piece's activations, however many tokens the latents hold. The latents may stay on the
+    CPU: a piece moves only its tokens to the field's device. The noise follows the global token index, so the
+    pieces sum to the loss of one call whatever ``max_rows`` is.
+    """
+    scored = scored_token_mask(response_mask, condition)
+    rows, cols = scored.nonzero(as_tuple=True)
+    total = len(rows)
+    device = next(field.parameters()).device
+    timesteps = timesteps.to(device, torch.float32)
+    unit = torch.ones_like(timesteps)
+
+    def piece(tokens: slice) -> LossPiece:
+        def loss() -> Tensor:
+            x1, cond = _gather_tokens(latents, (rows[tokens], cols[tokens]), condition)
+            x1, cond = x1.to(device), None if cond is None else cond.to(device)
+            deviation = stacked_deviation(field, x1, cond, layer_positions, timesteps, unit, seed,
+                                          token_offset=tokens.start)
+            return deviation.sum() / total
+        return loss
+
+    return [piece(tokens) for tokens in kernels.token_chunks(total, latents.shape[0] * len(timesteps), max_rows)]
 
 
 def flow_matching_loss(
@@ -143,21 +201,60 @@ def flow_matching_loss(
     timesteps: Tensor,
     seed: int,
     condition: Condition = "next",
-    token_offset: int = 0,
 ) -> Tensor:
-    """Eq. 4: mean over scored tokens, layers, timesteps and the hidden dim of (v − (x1 − ε))².
+    """Eq. 4 in one field call: the sum of :func:`flow_matching_loss_pieces` (0 when no token is scored)."""
+    pieces = flow_matching_loss_pieces(field, latents, response_mask, layer_positions, timesteps, seed, condition)
+    return sum((piece() for piece in pieces), latents.new_zeros((), dtype=torch.float32))
 
-    Every token is paired with every timestep in ``timesteps`` (the online update's rewarding timesteps; offline
-    pretraining draws one t per row instead, :func:`pretraining_flow_loss`). ``token_offset`` as in
-    :func:`velocity_deviation_scores`.
+
+def pretraining_loss_pieces(
+    field: VelocityField,
+    latents: Tensor,
+    response_mask: Tensor,
+    layer_positions: Sequence[float],
+    copies: int,
+    generator: torch.Generator,
+    condition: Condition = "next",
+    logit_mean: float = 0.0,
+    max_rows: int | None = None,
+) -> list[LossPiece]:
+    """Eq. 4 as the official offline pretraining estimates it, as pieces whose sum is the loss: every scored token
+    at every layer enters ``copies`` times (its ``flow_batch_mul``: 4 for 1.5B, 2 for 7B), each copy with its own
+    t ~ logit-normal (location ``logit_mean``, official 0) and its own noise; mean over copies, layers, tokens and
+    the hidden dim of (v − (x1 − ε))².
+
+    One t per row (not per batch) decorrelates the timesteps within a batch. ``generator`` draws the timesteps
+    and the noise seed (here, once for all pieces), so a pretraining run never touches the global RNG. Rows are
+    (layer, copy, token), layer slowest; a piece is one field call over at most ``max_rows`` of them and regenerates
+    only its own noise, so pieces backpropagated one at a time bound the memory by ``max_rows``.
     """
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
     scored = scored_token_mask(response_mask, condition)
-    if not scored.any():
-        return latents.new_zeros((), dtype=torch.float32)
-    x1, cond = _gather_tokens(latents, scored, condition)
-    timesteps = timesteps.to(latents.device, torch.float32)
-    unit = torch.ones_like(timesteps)
-    return stacked_deviation(field, x1, cond, layer_positions, timesteps, unit, seed, token_offset=token_offset).mean()
+    rows, cols = scored.nonzero(as_tuple=True)
+    num_layers, num_tokens, dim = latents.shape[0], len(rows), latents.shape[-1]
+    total = num_layers * copies * num_tokens
+    if total == 0:
+        return []
+    device = next(field.parameters()).device
+    t = sample_logit_normal(total, generator, device, logit_mean)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    layers = torch.tensor(list(layer_positions), device=device, dtype=torch.float32)
+    offset = 1 if condition == "next" else -1
+
+    def piece(chunk: slice) -> LossPiece:
+        def loss() -> Tensor:
+            index = torch.arange(chunk.start, chunk.stop)
+            layer, token = index // (copies * num_tokens), index % num_tokens
+            x1 = latents[layer, rows[token], cols[token]].to(device, torch.float32)
+            cond = None if condition == "none" else latents[layer, rows[token], cols[token] + offset].to(device)
+            noise = kernels.flow_noise((len(index), dim), seed, offset=chunk.start * dim, device=device)
+            t_rows = t[chunk, None]
+            v = field(t_rows * x1 + (1 - t_rows) * noise, t[chunk], layers[layer.to(device)], cond).float()
+            return ((v - (x1 - noise)) ** 2).sum() / (total * dim)
+        return loss
+
+    return [piece(chunk) for chunk in kernels.token_chunks(total, 1, max_rows)]
 
 
 def pretraining_flow_loss(
@@ -170,31 +267,7 @@ def pretraining_flow_loss(
     condition: Condition = "next",
     logit_mean: float = 0.0,
 ) -> Tensor:
-    """Eq. 4 as the official offline pretraining estimates it: every scored token at every layer enters
-    ``copies`` times (its ``flow_batch_mul``: 4 for 1.5B, 2 for 7B), each copy with its own t ~ logit-normal
-    (location ``logit_mean``, official 0) and its own noise; mean over copies, layers, tokens and the hidden dim
-    of (v − (x1 − ε))².
-
-    One t per row (not per batch) decorrelates the timesteps within a batch. ``generator`` draws the timesteps
-    and the noise seed, so a pretraining run never touches the global RNG.
-    """
-    scored = scored_token_mask(response_mask, condition)
-    if not scored.any():
-        return latents.new_zeros((), dtype=torch.float32)
-    if copies < 1:
-        raise ValueError(f"copies must be >= 1, got {copies}")
-    x1, cond = _gather_tokens(latents, scored, condition)
-    num_layers, num_tokens, dim = x1.shape
-    rows = num_layers * copies * num_tokens  # row (p, c, n), p slowest
-    x1_rows = x1.float().unsqueeze(1).expand(num_layers, copies, num_tokens, dim).reshape(rows, dim)
-    t = sample_logit_normal(rows, generator, latents.device, logit_mean)
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-    noise = kernels.flow_noise((rows, dim), seed, device=latents.device)
-    x_t = t[:, None] * x1_rows + (1 - t[:, None]) * noise
-    layers = torch.tensor(list(layer_positions), device=latents.device, dtype=torch.float32)
-    layer_rows = layers.repeat_interleave(copies * num_tokens)
-    cond_rows = None
-    if cond is not None:
-        cond_rows = cond.unsqueeze(1).expand(num_layers, copies, num_tokens, dim).reshape(rows, dim)
-    v = field(x_t, t, layer_rows, cond_rows).float()
-    return ((v - (x1_rows - noise)) ** 2).mean()
+    """The offline pretraining loss in one field call: the sum of :func:`pretraining_loss_pieces`."""
+    pieces = pretraining_loss_pieces(field, latents, response_mask, layer_positions, copies, generator, condition,
+                                     logit_mean)
+    return sum((piece() for piece in pieces), latents.new_zeros((), dtype=torch.float32))

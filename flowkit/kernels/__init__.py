@@ -7,7 +7,9 @@ from ``csrc/``); :func:`available_backends` lists what runs here and ``FLOWKIT_K
 from .backends import available_backends
 from .flow_attention import flow_token_attention
 from .rng import flow_noise
-from .velocity_deviation import debias_weights, interpolate_latents, velocity_deviation, velocity_deviation_in_chunks
+from .velocity_deviation import (
+    debias_weights, interpolate_latents, token_chunks, velocity_deviation, velocity_deviation_in_chunks,
+)
 
 __all__ = [
     "available_backends",
@@ -15,6 +17,7 @@ __all__ = [
     "flow_noise",
     "flow_token_attention",
     "interpolate_latents",
+    "token_chunks",
     "velocity_deviation",
     "velocity_deviation_in_chunks",
 ]

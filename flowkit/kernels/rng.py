@@ -53,24 +53,38 @@ def stream_keys(seed: int) -> tuple[int, int]:
     return mix32(seed), mix32((seed + STREAM_STEP) & MASK32)
 
 
+# Counters per pass of :func:`flow_noise`: its int64 temporaries stay at a few × 8 MiB whatever the tensor's size.
+NOISE_BLOCK = 1 << 20
+
+
 def flow_noise(shape, seed: int, offset: int = 0, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Standard normal noise whose element ``i`` (row-major) depends only on ``(seed, offset + i)``.
 
     Same ``seed`` and ``offset`` give the same tensor on any device and in every kernel implementation;
-    ``flow_noise(shape, seed, offset=k)`` equals ``flow_noise(bigger, seed).flatten()[k:k + numel]``.
+    ``flow_noise(shape, seed, offset=k)`` equals ``flow_noise(bigger, seed).flatten()[k:k + numel]``. Generated
+    :data:`NOISE_BLOCK` counters at a time, so only the float32 result scales with ``shape``.
     """
     shape = tuple(shape)
     numel = 1
     for size in shape:
         numel *= int(size)
-    counter = torch.arange(int(offset), int(offset) + numel, device=device, dtype=torch.int64)
-    k0, k1 = stream_keys(seed)
-    if int(offset) + numel <= 2**32:  # c_hi = 0 and c_lo = c: skip the no-op mask and XOR
+    keys = stream_keys(seed)
+    noise = torch.empty(numel, device=device, dtype=torch.float32)
+    for start in range(0, numel, NOISE_BLOCK):
+        count = min(NOISE_BLOCK, numel - start)
+        noise[start:start + count] = _noise_block(int(offset) + start, count, keys, noise.device)
+    return noise.reshape(shape).to(dtype)
+
+
+def _noise_block(first: int, count: int, keys: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """The noise at counters ``first … first + count − 1`` (steps 3–5 of the module docstring)."""
+    k0, k1 = keys
+    counter = torch.arange(first, first + count, device=device, dtype=torch.int64)
+    if first + count <= 2**32:  # c_hi = 0 and c_lo = c: skip the no-op mask and XOR
         b0, b1 = _mix32_(_mix32_(counter ^ k0)), _mix32_(_mix32_(counter ^ k1))
     else:
         c_lo, c_hi = counter & MASK32, counter >> 32
         b0, b1 = _mix32_(_mix32_(c_lo ^ k0) ^ c_hi), _mix32_(_mix32_(c_lo ^ k1) ^ c_hi)
     u1 = ((b0 >> 8) + 1).to(torch.float32).mul_(1.0 / 16777216.0)
     u2 = (b1 >> 8).to(torch.float32).mul_(1.0 / 16777216.0)
-    noise = u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(TWO_PI).cos_())
-    return noise.reshape(shape).to(dtype)
+    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(TWO_PI).cos_())

@@ -132,10 +132,6 @@ def velocity_deviation_in_chunks(
         ``(N,)`` scores, as :func:`velocity_deviation`.
     """
     num_layers, num_tokens, _ = x1.shape
-    groups = num_layers * timesteps.numel()
-    if max_rows is not None and max_rows < 1:
-        raise ValueError(f"max_rows must be a positive row budget or None, got {max_rows}")
-    chunk = num_tokens if max_rows is None else max(1, max_rows // groups)
 
     def score_chunk(tokens: slice) -> torch.Tensor:
         # a function, so the chunk's x_t and v are freed before the next chunk allocates its own
@@ -144,5 +140,14 @@ def velocity_deviation_in_chunks(
         v = velocity(interpolate_latents(x1_chunk, timesteps, seed, token_offset=offset), tokens)
         return velocity_deviation(v, x1_chunk, timesteps, weights, seed, mask[tokens], token_offset=offset)
 
-    scores = [score_chunk(slice(start, min(start + chunk, num_tokens))) for start in range(0, num_tokens, chunk)]
+    scores = [score_chunk(tokens) for tokens in token_chunks(num_tokens, num_layers * timesteps.numel(), max_rows)]
     return torch.cat(scores) if scores else x1.new_zeros(0, dtype=torch.float32)
+
+
+def token_chunks(num_tokens: int, rows_per_token: int, max_rows: int | None) -> list[slice]:
+    """Consecutive slices of ``range(num_tokens)``, each of at most ``max_rows // rows_per_token`` tokens (at least one
+    token, so a chunk may exceed a budget smaller than one token's rows); None: one slice of all tokens."""
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be a positive row budget or None, got {max_rows}")
+    size = max(1, num_tokens if max_rows is None else max_rows // rows_per_token)
+    return [slice(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]

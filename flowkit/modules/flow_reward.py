@@ -14,13 +14,16 @@ from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.rollout import expert_latents
 from flowkit.modules.optim import LR_DECAYS, LrDecay, flow_pretraining_schedule
 from flowkit.rewards.flow_reward import FlowReward
+from flowkit.strategies import accumulate_until_step, manual_backward
 
 
 class FlowRewardModule(L.LightningModule):
     """Pretrain a :class:`FlowReward`'s velocity field on latents of expert (prompt, solution) pairs.
 
     The frozen backbone runs in inference mode with a :class:`LatentTap`; only the field trains (eq. 4,
-    logit-normal t). ``export_artifacts`` writes the field as safetensors for ``FlowReward(weights=...)``.
+    logit-normal t), one backward per piece of at most ``reward_model.max_rows_per_piece`` field rows, then one
+    optimizer step, so memory does not grow with the solutions' length. ``export_artifacts`` writes the field as
+    safetensors for ``FlowReward(weights=...)``.
 
     Args:
         backbone: hub id, local dir or ``bundled:NAME`` of the policy whose latents are modelled.
@@ -52,16 +55,28 @@ class FlowRewardModule(L.LightningModule):
         self.reward_model.bind(self.backbone.config.hidden_size, self.tap.layer_positions,
                                getattr(self.backbone.config, "rms_norm_eps", None))
         self.generator = torch.Generator()
+        self.automatic_optimization = False  # several backward passes (pieces) per step
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            accumulate_until_step(self.trainer, None)
 
     def on_fit_start(self) -> None:
         self.generator.manual_seed(torch.initial_seed() % 2**31)
 
-    def training_step(self, rows: dict[str, Any], batch_idx: int) -> torch.Tensor:
+    def training_step(self, rows: dict[str, Any], batch_idx: int) -> None:
         latents, mask = expert_latents(self.backbone, self.tokenizer, self.tap, rows["prompt"], rows["solution"],
                                        self.device)
-        loss = self.reward_model.pretrain_loss(latents, mask, self.generator)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = torch.zeros((), device=self.device)
+        for piece in self.reward_model.pretrain_losses(latents, mask, self.generator):
+            value = piece()
+            manual_backward(self, value)
+            loss += value.detach()
+        optimizer.step()
+        self.lr_schedulers().step()
         self.log("train/flow_loss", loss, prog_bar=True, batch_size=len(rows["prompt"]))
-        return loss
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.reward_model.parameters(), lr=self.hparams.lr)

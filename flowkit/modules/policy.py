@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import MeanMetric
@@ -34,6 +33,7 @@ from flowkit.rl.advantages import (
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK, lm_head_logprobs
 from flowkit.rl.losses import Aggregation, aggregation_denominator, clipped_policy_loss, kl_penalty
 from flowkit.rl.metrics import pass_at_k
+from flowkit.strategies import accumulate_until_step, manual_backward
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class PolicyModule(L.LightningModule):
     def _padding_backward(self, batch: RolloutBatch) -> None:
         """A zero loss through one row: this rank's share of a forward/backward that other ranks still run."""
         logprobs = self._forward(_rows(batch, torch.tensor([0])), tap=False)[0]
-        self._backward(logprobs.sum() * 0.0)
+        manual_backward(self, logprobs.sum() * 0.0)
 
     def _forward(self, batch: RolloutBatch, tap: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """Log-probs (B×S, with gradient if enabled), per-token entropies (B×S) and, with ``tap``, the latents."""
@@ -305,40 +305,9 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
         if stage == "fit":
-            self._hand_clipping_to_deepspeed()
-            self._own_gradient_accumulation_under_deepspeed()
+            accumulate_until_step(self.trainer, self.hparams.max_grad_norm)
         if stage == "fit" and self.hparams.flow_pretrain_steps > 0 and self.trainer.ckpt_path is None:
             self.pretrain_reward_model()
-
-    def _hand_clipping_to_deepspeed(self) -> None:
-        """``clip_gradients`` does nothing under DeepSpeed, so ``max_grad_norm`` goes into its config (read when
-        the engine is built, after this hook); a different ``gradient_clipping`` there is a conflict."""
-        strategy, clip = self.trainer.strategy, self.hparams.max_grad_norm
-        if not isinstance(strategy, DeepSpeedStrategy) or clip is None:
-            return
-        configured = strategy.config.get("gradient_clipping") or None
-        if configured is not None and configured != clip:
-            raise ValueError(f"max_grad_norm {clip} conflicts with the DeepSpeed config's gradient_clipping {configured}")
-        strategy.config["gradient_clipping"] = clip
-
-    def _own_gradient_accumulation_under_deepspeed(self) -> None:
-        """A step backpropagates every micro-batch (and flow piece) separately, then steps once. DeepSpeed's
-        default ("managed") accumulation treats every backward as a boundary when gradient_accumulation_steps
-        is 1, so ZeRO-2 kept only the last backward's gradients; ``managed_gradient_accumulation: false`` makes
-        ``step()`` the boundary: all backward calls before it accumulate (tested with DeepSpeed 0.19.8; a
-        DeepSpeed without the option is refused, since it would silently drop gradients)."""
-        strategy = self.trainer.strategy
-        if not isinstance(strategy, DeepSpeedStrategy):
-            return
-        from deepspeed.runtime.engine import DeepSpeedEngine
-
-        if not hasattr(DeepSpeedEngine, "managed_gradient_accumulation"):
-            raise ValueError("PolicyModule under DeepSpeed needs a DeepSpeed with managed_gradient_accumulation "
-                             "(0.19.8 has it): upgrade deepspeed")
-        if strategy.config.get("managed_gradient_accumulation", False):
-            raise ValueError("PolicyModule needs the DeepSpeed config's managed_gradient_accumulation to be false "
-                             "(it runs several backward passes per optimizer step)")
-        strategy.config["managed_gradient_accumulation"] = False
 
     def pretrain_reward_model(self) -> None:
         """Offline start (RLFR §3.2): fit the reward model to expert-solution latents, backbone frozen.
@@ -350,8 +319,8 @@ class PolicyModule(L.LightningModule):
         file: it skips the batches already seen and trains only the remaining steps.
         """
         reward = self.reward_model
-        if reward is None or not hasattr(reward, "pretrain_loss") or self.tap is None:
-            raise ValueError("flow_pretrain_steps > 0 needs a reward model with latents and pretrain_loss (FlowReward)")
+        if reward is None or not hasattr(reward, "pretrain_losses") or self.tap is None:
+            raise ValueError("flow_pretrain_steps > 0 needs a reward model with latents and pretrain_losses (FlowReward)")
         steps = self.hparams.flow_pretrain_steps
         device = next(self.policy.parameters()).device
         reward.to(device)
@@ -386,13 +355,16 @@ class PolicyModule(L.LightningModule):
             for step in range(done, steps):
                 rows = next(batches)
                 latents, mask = encode(rows["prompt"], rows["solution"])
-                loss = reward.pretrain_loss(latents, mask, generator)
                 optimizer.zero_grad()
-                loss.backward()
+                loss = 0.0
+                for piece in reward.pretrain_losses(latents, mask, generator):
+                    value = piece()
+                    value.backward()
+                    loss += float(value.detach())
                 optimizer.step()
                 schedule.step()
                 done = step + 1
-                progress.update(done, loss=loss.item())
+                progress.update(done, loss=loss)
                 if stop():
                     break
         progress.close()
@@ -489,7 +461,7 @@ class PolicyModule(L.LightningModule):
             bad = _agreed_over_ranks(_nonfinite(micro))
             if bad:
                 return self._skip(bad)
-            self._backward(self._policy_loss(micro, logprobs, denominator, stats))
+            manual_backward(self, self._policy_loss(micro, logprobs, denominator, stats))
         timings["time/update_s"] = time.perf_counter() - start
         self._finish_minibatch(batch, step, stats, timings, with_reward=True)
         return stats.means()
@@ -531,7 +503,7 @@ class PolicyModule(L.LightningModule):
                         continue
                     micro = _rows(mini, rows)
                     logprobs = self._forward(micro, tap=False)[0]
-                    self._backward(self._policy_loss(micro, logprobs, denominator, stats))
+                    manual_backward(self, self._policy_loss(micro, logprobs, denominator, stats))
                 self._finish_minibatch(batch, step, stats, timings, with_reward=first)
                 first = False
         timings["time/update_s"] = time.perf_counter() - start - timings.get("time/flow_s", 0.0)
@@ -563,9 +535,9 @@ class PolicyModule(L.LightningModule):
         stepped = {"policy"}
         if with_reward and self.reward_model is not None:
             start = time.perf_counter()
-            pieces = self.reward_model.update_losses(batch, step, self.hparams.micro_batch_size)
+            pieces = self.reward_model.update_losses(batch, step)
             for piece in pieces:
-                self._backward(piece())
+                manual_backward(self, piece())
             if pieces:
                 stepped.add("reward")
             timings["time/flow_s"] = time.perf_counter() - start
@@ -575,17 +547,6 @@ class PolicyModule(L.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
         step_groups(optimizer, stepped)  # the flow only moves on the minibatch that carried its loss
         optimizer.zero_grad()
-
-    def _backward(self, loss: Tensor) -> None:
-        """``manual_backward`` of one of the step's several backward passes. All of them run inside one DeepSpeed
-        engine forward (Lightning calls ``training_step`` through it), and ZeRO resets its per-backward gradient
-        hook state (which parameters to expect, copy-or-accumulate) only at an engine forward; so reset it here, as
-        that forward would, or ZeRO-2/3 overwrite or miss gradients of earlier backward passes."""
-        engine = getattr(self.trainer.strategy, "model", None) if isinstance(self.trainer.strategy, DeepSpeedStrategy) else None
-        reset = getattr(getattr(engine, "optimizer", None), "clear_backward_seen_flag", None)
-        if reset is not None:
-            reset()
-        self.manual_backward(loss)
 
     def _skip(self, bad: list[str]) -> None:
         """The ``nonfinite`` policy: fail, or drop the step (no optimizer step; gradients so far are discarded)."""
@@ -686,7 +647,7 @@ def _check_options(reward_model: TokenRewardModel | None, num_samples: int, max_
         raise ConfigError(f"PolicyModule.outcome_reward must be official, binary or none, got {outcome_reward!r}")
     if nonfinite not in ("skip", "fail"):
         raise ConfigError(f"PolicyModule.nonfinite must be skip or fail, got {nonfinite!r}")
-    pretrainable = reward_model is not None and hasattr(reward_model, "pretrain_loss") and bool(reward_model.percentiles)
+    pretrainable = reward_model is not None and hasattr(reward_model, "pretrain_losses") and bool(reward_model.percentiles)
     if flow_pretrain_steps > 0 and not pretrainable:
         raise ConfigError(f"PolicyModule.flow_pretrain_steps {flow_pretrain_steps} needs a reward_model with latents to "
                           f"pretrain (a FlowReward), got {type(reward_model).__name__ if reward_model else None}; "

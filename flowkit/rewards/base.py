@@ -21,9 +21,8 @@ class TokenRewardModel(nn.Module):
        response tokens, then :meth:`observe` (keep what the online update will need; the micro-batch's
        latents are freed afterwards);
     3. once per step, when every micro-batch was seen: :meth:`update_losses` → the online loss as a list of
-       pieces (functions returning a loss), one per micro-batch of training data, whose sum is the loss; the
-       module calls and backpropagates one piece at a time, so only one micro-batch of graph is alive (its
-       parameters form their own optimizer parameter group).
+       pieces (functions returning a loss) whose sum is the loss; the module calls and backpropagates one piece at a
+       time, so only one piece of graph is alive (its parameters form their own optimizer parameter group).
 
     Rewards must not depend on how the batch is split: a reward model that draws noise keys it by the global
     token index, which is ``token_offset`` plus the index inside the micro-batch (counted as
@@ -50,9 +49,10 @@ class TokenRewardModel(nn.Module):
     def observe(self, batch: RolloutBatch, first_row: int) -> None:
         """See a scored micro-batch (rows from ``first_row`` on) before its latents are dropped."""
 
-    def update_losses(self, batch: RolloutBatch, step: int, micro_batch_size: int | None) -> list[Callable[[], Tensor]]:
-        """The online loss in pieces of at most ``micro_batch_size`` training rows (None: one piece); ``[]`` when
-        there is nothing to learn this step. ``batch`` is the whole step's batch without latents."""
+    def update_losses(self, batch: RolloutBatch, step: int) -> list[Callable[[], Tensor]]:
+        """The online loss in pieces, each a bounded amount of work, that sum to it; ``[]`` when there is nothing to
+        learn this step. ``batch`` is the whole step's batch without latents. Every rank must return as many pieces
+        (each backward is a collective under DDP / ZeRO): pad with zero-valued pieces that run a real forward."""
         return []
 
     def step_metrics(self) -> dict[str, float]:

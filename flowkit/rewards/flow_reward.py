@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,8 +14,10 @@ from torch.distributed import ReduceOp
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int
 from flowkit.errors import ConfigError, check_nonempty, check_range
-from flowkit.flow import VelocityField, flow_matching_loss, pretraining_flow_loss, velocity_deviation_scores
-from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, scored_token_mask
+from flowkit.flow import (
+    VelocityField, flow_matching_loss_pieces, padding_velocity, pretraining_loss_pieces, velocity_deviation_scores,
+)
+from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, LossPiece, scored_token_mask
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rl.rejection import Metric, RolloutLatentBuffer, accept_rollouts
 from flowkit.rl.rewards import NORMALIZATIONS, Normalization, flow_token_rewards
@@ -54,6 +56,10 @@ class FlowReward(TokenRewardModel):
             R_FM of eq. 5 (the paper's "w/o debias" ablation).
         max_rows_per_call: velocity-field rows (token × percentile × timestep) per call when scoring; bounds the
             scoring memory for long rollouts without changing any score. None scores everything in one call.
+        max_rows_per_piece: velocity-field rows per backward piece of the flow loss (the online update and offline
+            pretraining): the pieces are backpropagated one at a time, so this bounds the field's activations held
+            for a backward whatever the number and length of the rollouts (README "Memory at paper scale"); the loss
+            does not change. None: one piece.
         seed: base seed of the reward noise (step s uses ``seed + 1000·s`` so rewards are reproducible) and of
             the field's initialisation, which runs on its own RNG so it never shifts the policy's sampling.
             ``None`` (default): the run's global seed (``seed_everything``); an int pins it.
@@ -87,6 +93,7 @@ class FlowReward(TokenRewardModel):
         noise_draws: int = 1,
         debias: bool = True,
         max_rows_per_call: int | None = DEFAULT_MAX_ROWS,
+        max_rows_per_piece: int | None = DEFAULT_MAX_ROWS,
         seed: int | None = None,
         rejection_metric: Metric = "correct",
         kappa: int = 32,
@@ -110,6 +117,7 @@ class FlowReward(TokenRewardModel):
         check_range("FlowReward", "top_k", top_k, 1)
         check_range("FlowReward", "noise_draws", noise_draws, 1)
         check_range("FlowReward", "max_rows_per_call", max_rows_per_call, 1)
+        check_range("FlowReward", "max_rows_per_piece", max_rows_per_piece, 1)
         check_range("FlowReward", "seed", seed, 0)
         check_range("FlowReward", "kappa", kappa, 1)
         check_range("FlowReward", "pretrain_timesteps", pretrain_timesteps, 1)
@@ -126,7 +134,7 @@ class FlowReward(TokenRewardModel):
         self.condition: Condition = condition
         self.noise_draws, self.seed = noise_draws, run_seed(seed)
         self.debias = debias
-        self.max_rows_per_call = max_rows_per_call
+        self.max_rows_per_call, self.max_rows_per_piece = max_rows_per_call, max_rows_per_piece
         self.rejection_metric: Metric = rejection_metric
         self.kappa, self.update_every_step, self.online_update = kappa, update_every_step, online_update
         self.pretrain_timesteps, self.pretrain_logit_mean = pretrain_timesteps, pretrain_logit_mean
@@ -197,9 +205,9 @@ class FlowReward(TokenRewardModel):
             if length:
                 self._candidates.append((first_row + row, batch.latents[:, row, :length].cpu(), mask[:length].cpu()))
 
-    def update_losses(self, batch: RolloutBatch, step: int, micro_batch_size: int | None) -> list[Callable[[], Tensor]]:
+    def update_losses(self, batch: RolloutBatch, step: int) -> list[LossPiece]:
         """Alg. 1: buffer the accepted rollouts; once ≥ κ are buffered (or, with ``update_every_step``, ≥ 1),
-        the flow loss (eq. 4) on all of them, in pieces of ``micro_batch_size`` rollouts that sum to it."""
+        the flow loss (eq. 4) on all of them, in pieces of at most ``max_rows_per_piece`` field rows that sum to it."""
         candidates, self._candidates = self._candidates, []
         if not self.online_update:
             return []
@@ -216,42 +224,34 @@ class FlowReward(TokenRewardModel):
             return []
         latents, mask = self.buffer.pop(len(self.buffer))  # one flow step consumes every buffered rollout
         self._metrics["flow/buffer_size"] = float(len(self.buffer))
-        pieces = self._flow_loss_pieces(latents, mask, self.seed + 1000 * step + 1, micro_batch_size)
-        # every rank backpropagates the same number of pieces (each backward may run gradient collectives)
-        field = self._require_field()
-        pieces += [lambda: sum(p.sum() for p in field.parameters()) * 0.0] * (
-            all_reduce_int(len(pieces), ReduceOp.MAX) - len(pieces))
         self._metrics["flow/loss"] = 0.0
-        return pieces
+        pieces = flow_matching_loss_pieces(self._require_field(), latents, mask, self.layer_positions,
+                                           torch.tensor(self.timesteps), self.seed + 1000 * step + 1, self.condition,
+                                           self.max_rows_per_piece)
+        return self._agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
 
-    def _flow_loss_pieces(self, latents: Tensor, mask: Tensor, seed: int,
-                          micro_batch_size: int | None) -> list[Callable[[], Tensor]]:
-        """Eq. 4 over rollouts P×K×S×d (CPU) as per-chunk terms Σ_chunk / N_total, noise keyed by the global token.
-        Each piece is a function, so only the chunk being backpropagated has latents on the device and a graph."""
-        field = self._require_field()
-        device = next(field.parameters()).device
-        counts = self.scored_token_counts(mask)
-        total = int(counts.sum())
-        timesteps = torch.tensor(self.timesteps, device=device)
-        size = micro_batch_size or mask.shape[0]
-
-        def piece(rows: slice) -> Callable[[], Tensor]:
-            def loss() -> Tensor:
-                value = flow_matching_loss(field, latents[:, rows].to(device), mask[rows].to(device), self.layer_positions,
-                                           timesteps, seed, self.condition, token_offset=int(counts[:rows.start].sum()))
-                value = value * (int(counts[rows].sum()) / total)
-                self._metrics["flow/loss"] = self._metrics.get("flow/loss", 0.0) + float(value.detach())
-                return value
-            return loss
-
-        chunks = [slice(start, start + size) for start in range(0, mask.shape[0], size)]
-        return [piece(rows) for rows in chunks if int(counts[rows].sum()) > 0]
-
-    def pretrain_loss(self, latents: Tensor, response_mask: Tensor, generator: torch.Generator) -> Tensor:
+    def pretrain_losses(self, latents: Tensor, response_mask: Tensor, generator: torch.Generator) -> list[LossPiece]:
         """Offline flow pretraining (eq. 4) as the official: ``pretrain_timesteps`` copies of every token, one
-        logit-normal t (location ``pretrain_logit_mean``) and one noise draw per copy, all from ``generator``."""
-        return pretraining_flow_loss(self._require_field(), latents, response_mask, self.layer_positions,
-                                     self.pretrain_timesteps, generator, self.condition, self.pretrain_logit_mean)
+        logit-normal t (location ``pretrain_logit_mean``) and one noise draw per copy, all from ``generator``; in
+        pieces of at most ``max_rows_per_piece`` field rows that sum to the loss, to backpropagate one at a time."""
+        pieces = pretraining_loss_pieces(self._require_field(), latents, response_mask, self.layer_positions,
+                                         self.pretrain_timesteps, generator, self.condition, self.pretrain_logit_mean,
+                                         self.max_rows_per_piece)
+        return self._agreed_over_ranks(pieces)
+
+    def _agreed_over_ranks(self, pieces: list[LossPiece]) -> list[LossPiece]:
+        """Every rank backpropagates as many pieces as the rank with the most (each backward reduces gradients, and
+        under ZeRO-3 each field call gathers weights); the extra pieces run the field on a dummy row, × 0."""
+        field = self._require_field()
+        padding = all_reduce_int(len(pieces), ReduceOp.MAX) - len(pieces)
+        return pieces + [lambda: padding_velocity(field).sum() * 0.0] * padding
+
+    def _logged(self, piece: LossPiece, name: str) -> LossPiece:
+        def loss() -> Tensor:
+            value = piece()
+            self._metrics[name] = self._metrics.get(name, 0.0) + float(value.detach())
+            return value
+        return loss
 
     def step_metrics(self) -> dict[str, float]:
         sums, self._sums = self._sums, {}

@@ -12,6 +12,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from flowkit.distributed import agreed_call_count
+
 # Response tokens per LM-head chunk: 1024 tokens × 152k vocab × 4 bytes ≈ 0.6 GB of float32 logits at a time.
 DEFAULT_LM_HEAD_CHUNK = 1024
 
@@ -76,14 +78,21 @@ def lm_head_logprobs(
     states, targets = hidden[rows, cols - 1], input_ids[rows, cols]
     size = max(1, len(targets)) if chunk_size is None else chunk_size
     checkpointed = torch.is_grad_enabled() and states.requires_grad
-    picked, entropy = [], []
-    for start in range(0, len(targets), size):
-        chunk = slice(start, start + size)
+
+    def head(chunk_states: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor]:
         if checkpointed:
-            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, states[chunk], targets[chunk],
-                                                        temperature, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(lm_head, states[chunk], targets[chunk], temperature)
+            return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, chunk_states, chunk_targets, temperature,
+                                                     use_reentrant=False)
+        return _chunk_logprobs(lm_head, chunk_states, chunk_targets, temperature)
+
+    chunks = [slice(start, start + size) for start in range(0, len(targets), size)]
+    # Ranks with fewer response tokens call a ZeRO-3-sharded head as often as the rank with the most (agreed before
+    # the first call: see agreed_call_count), on one dummy token whose log-prob joins the result × 0, so its backward
+    # runs too.
+    calls = agreed_call_count(len(chunks), lm_head) if isinstance(lm_head, torch.nn.Module) else len(chunks)
+    picked, entropy = [], []
+    for chunk in chunks:
+        lp, ent = head(states[chunk], targets[chunk])
         picked.append(lp)
         entropy.append(ent)
     logprobs = hidden.new_zeros(response.shape, dtype=torch.float32)
@@ -91,4 +100,6 @@ def lm_head_logprobs(
     if picked:
         logprobs = logprobs.index_put((rows, cols), torch.cat(picked))
         entropies[rows, cols] = torch.cat(entropy)
+    for _ in range(calls - len(chunks)):
+        logprobs = logprobs + head(hidden[:1, 0], input_ids[:1, 0])[0].sum() * 0.0
     return logprobs, entropies

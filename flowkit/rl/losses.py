@@ -9,6 +9,11 @@ from torch import Tensor
 
 Aggregation = Literal["token-mean", "seq-mean", "dr-grpo"]
 
+# verl's bounds: one bf16 outlier token (a log-ratio of 90 overflows exp in float32) must not make the step
+# non-finite. The log-ratio is clamped before exp (ratios up to e^20 still clip as usual), the k3 KL after it.
+LOG_RATIO_BOUND = 20.0
+KL_BOUND = 10.0
+
 
 def aggregation_denominator(mask: Tensor, aggregation: Aggregation = "token-mean",
                             max_new_tokens: int | None = None) -> Tensor:
@@ -60,7 +65,8 @@ def clipped_policy_loss(
     denominator: Tensor | float | None = None,
     max_new_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) with ρ = exp(logπ − logπ_old), aggregated over ``mask``.
+    """−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) with ρ = exp(logπ − logπ_old), aggregated over ``mask``; the log-ratio
+    is clamped to ±:data:`LOG_RATIO_BOUND` first (verl), so an outlier token cannot overflow exp.
 
     Args:
         clip_ratio_c: dual clip (Ye et al. 2020, verl's ``clip_ratio_c``, typically 3): for A < 0 the per-token
@@ -76,7 +82,7 @@ def clipped_policy_loss(
     Returns:
         The loss and, detached, ``clip_fraction`` and ``approx_kl`` (token means over this call's tokens).
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = torch.maximum(unclipped, clipped)
@@ -95,11 +101,12 @@ def clipped_policy_loss(
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean",
                denominator: Tensor | float | None = None, max_new_tokens: int | None = None) -> Tensor:
-    """k3 estimator of KL(π‖π_ref): exp(ref − logπ) − (ref − logπ) − 1 (Schulman 2020), non-negative.
+    """k3 estimator of KL(π‖π_ref): exp(ref − logπ) − (ref − logπ) − 1 (Schulman 2020), non-negative; as verl's
+    ``low_var_kl``, ref − logπ is clamped to ±:data:`LOG_RATIO_BOUND` and each token's value to :data:`KL_BOUND`.
 
     ``denominator`` / ``max_new_tokens`` as in :func:`clipped_policy_loss`.
     """
-    delta = ref_logprobs - logprobs
+    delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if denominator is None:
         denominator = aggregation_denominator(mask, aggregation, max_new_tokens)
-    return masked_sum(torch.exp(delta) - delta - 1, mask, aggregation) / denominator
+    return masked_sum((torch.exp(delta) - delta - 1).clamp(max=KL_BOUND), mask, aggregation) / denominator

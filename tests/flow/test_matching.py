@@ -7,7 +7,9 @@ from flowkit import kernels
 from flowkit.flow import (
     VelocityField,
     flow_matching_loss,
+    flow_matching_loss_pieces,
     pretraining_flow_loss,
+    pretraining_loss_pieces,
     sample_logit_normal,
     scored_token_mask,
     velocity_deviation_scores,
@@ -210,3 +212,36 @@ def test_debias_weights_and_their_ablation_by_hand():
         r_fm.append(((v - (x1 - eps[:, i])) ** 2).mean(-1))
     torch.testing.assert_close(debiased, (1.0 * r_fm[0] + 4.0 * r_fm[1]) / 2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(plain, (r_fm[0] + r_fm[1]) / 2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_rows", [1, 5, 12, None])
+def test_loss_pieces_sum_to_the_one_call_loss_and_gradient(max_rows):
+    """Pieces of at most ``max_rows`` field rows (tokens × layers × timesteps) rebuild eq. 4 and its gradient."""
+    torch.manual_seed(6)
+    field = _random_field(8)
+    latents = torch.randn(2, 3, 7, 8)
+    response = (torch.rand(3, 7) > 0.3).float()
+    timesteps = torch.tensor([0.7, 0.9])
+    args = (field, latents, response, [0.25, 0.5], timesteps, 4)
+    whole = flow_matching_loss(*args, condition="previous")
+    expected = torch.autograd.grad(whole, list(field.parameters()))
+    pieces = flow_matching_loss_pieces(*args, condition="previous", max_rows=max_rows)
+    tokens = int(scored_token_mask(response, "previous").sum())
+    assert len(pieces) == (1 if max_rows is None else -(-tokens // max(1, max_rows // 4)))
+    total = sum(piece() for piece in pieces)
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-7)
+    for got, want in zip(torch.autograd.grad(total, list(field.parameters())), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_rows", [1, 7, None])
+def test_pretraining_pieces_sum_to_the_one_call_loss(max_rows):
+    torch.manual_seed(2)
+    field = _random_field(6)
+    latents, response = torch.randn(2, 2, 5, 6), torch.tensor([[0.0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    args = (field, latents, response, [0.25, 0.75], 3)
+    whole = pretraining_flow_loss(*args, torch.Generator().manual_seed(9), logit_mean=0.5)
+    pieces = pretraining_loss_pieces(*args, torch.Generator().manual_seed(9), logit_mean=0.5, max_rows=max_rows)
+    rows = 2 * 3 * int(scored_token_mask(response, "next").sum())
+    assert len(pieces) == (1 if max_rows is None else -(-rows // max_rows))
+    torch.testing.assert_close(sum(piece() for piece in pieces), whole, rtol=1e-5, atol=1e-7)

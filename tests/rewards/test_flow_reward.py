@@ -26,10 +26,10 @@ def test_pretrained_flow_scores_expert_latents_below_shuffled():
     batches = data.expert_batches(32, seed=0)
     for _ in range(100):
         rows = next(batches)
-        loss = reward.pretrain_loss(*expert_latents(model, tokenizer, tap, rows["prompt"], rows["solution"], "cpu"),
-                                    generator)
+        pieces = reward.pretrain_losses(*expert_latents(model, tokenizer, tap, rows["prompt"], rows["solution"], "cpu"),
+                                        generator)
         optimizer.zero_grad()
-        loss.backward()
+        sum(piece() for piece in pieces).backward()
         optimizer.step()
 
     held_out = load_records(resolve_data_path("bundled:arithmetic/val.jsonl"), ["prompt", "solution"])[:64]

@@ -43,17 +43,22 @@ def in_micro_batches(reward: FlowReward, batch: RolloutBatch, size: int, step: i
 
 
 @pytest.mark.parametrize("metric", ["correct", "entropy"])
-def test_rewards_and_flow_loss_do_not_depend_on_micro_batches(metric):
+def test_rewards_and_flow_loss_do_not_depend_on_micro_batches_or_pieces(metric):
+    """Micro-batches of the step (token rewards) and row budgets of the online loss's pieces change nothing."""
     batch = scored_batch(6, torch.Generator().manual_seed(0))
     results = {}
-    for size in (1, 4, 6):
-        reward = bound_reward(kappa=1, rejection_metric=metric, noise_draws=2)
+    for size, rows_per_piece in ((1, 2), (4, 7), (6, None)):
+        reward = bound_reward(kappa=1, rejection_metric=metric, noise_draws=2, max_rows_per_piece=rows_per_piece)
         rewards = in_micro_batches(reward, batch, size)
-        pieces = reward.update_losses(batch, 3, micro_batch_size=size)
+        pieces = reward.update_losses(batch, 3)
         loss = sum(piece() for piece in pieces)
         grads = torch.autograd.grad(loss, list(reward.parameters()), allow_unused=True)
         metrics = reward.step_metrics()
-        assert len(pieces) == -(-round(metrics["flow/accepted_frac"] * 6) // size)  # ⌈accepted / size⌉
+        accepted = torch.arange(6)[accept(metric, batch)]
+        tokens = int(reward.scored_token_counts(batch.response_mask[accepted]).sum())
+        # a piece holds ⌊rows / (P·T)⌋ tokens (P = 2 layers, T = 1 timestep), at least one
+        per_piece = tokens if rows_per_piece is None else max(1, rows_per_piece // P)
+        assert len(pieces) == -(-tokens // per_piece)
         assert metrics["flow/loss"] == pytest.approx(float(loss))
         results[size] = (rewards, float(loss), grads)
     rewards, loss, grads = results[6]
@@ -66,13 +71,19 @@ def test_rewards_and_flow_loss_do_not_depend_on_micro_batches(metric):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def accept(metric: str, batch: RolloutBatch) -> torch.Tensor:
+    from flowkit.rl.rejection import accept_rollouts
+
+    return accept_rollouts(metric, batch.correct, batch.entropy)
+
+
 def test_only_the_accepted_rollouts_latents_are_kept_on_cpu():
     batch = scored_batch(6, torch.Generator().manual_seed(1))
     reward = bound_reward(kappa=100, rejection_metric="correct")
     in_micro_batches(reward, batch, 2)
     assert [row for row, _, _ in reward._candidates] == [0, 2, 4]
     assert all(latents.device.type == "cpu" for _, latents, _ in reward._candidates)
-    assert reward.update_losses(batch, 0, None) == []
+    assert reward.update_losses(batch, 0) == []
     assert len(reward.buffer) == 3 and not reward._candidates
 
 
@@ -84,7 +95,7 @@ def test_kappa_cadence_waits_and_every_step_cadence_does_not():
         batch = scored_batch(4, generator)  # 2 correct rollouts per step
         for name, reward in (("buffered", buffered), ("every_step", every_step)):
             in_micro_batches(reward, batch, 4, step)
-            taken[name].append(len(reward.update_losses(batch, step, None)) > 0)
+            taken[name].append(len(reward.update_losses(batch, step)) > 0)
     assert taken["buffered"] == [False, False, True]  # 2, 4, 6 ≥ κ = 5: one flow step on all 6
     assert taken["every_step"] == [True, True, True]
     assert len(buffered.buffer) == 0 and len(every_step.buffer) == 0

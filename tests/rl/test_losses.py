@@ -111,3 +111,18 @@ def test_entropy_ties_with_the_median_are_not_above_it():
     """Identical responses get entropies equal up to float noise of the batched forward; that noise must not decide."""
     entropy = torch.tensor([0.5, 0.5 + 1e-7, 0.5 - 1e-7, 0.9, 0.1, 0.5])
     assert accept_rollouts("entropy", torch.zeros(6, dtype=torch.bool), entropy).tolist() == [False] * 3 + [True] + [False] * 2
+
+
+def test_an_outlier_token_keeps_the_loss_and_gradient_finite():
+    """A log-ratio of 100 (exp overflows float32) and a KL of e^60 are clamped as verl clamps them: log-ratio to
+    ±20 before exp, the k3 value to 10."""
+    logprobs = torch.tensor([[0.0, 100.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[0.0, 0.0, -1.0]])
+    mask = torch.ones(1, 3)
+    loss, _ = clipped_policy_loss(logprobs, old, torch.tensor([[1.0, -1.0, 1.0]]), mask, clip_ratio_c=None)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    # tokens 0 and 2: ρ = 1, A = 1 → −1 each; token 1: A = −1, ρ = e^20 (clamped) → max(e^20, 1.2) = e^20
+    assert float(loss) == pytest.approx((-1.0 + math.exp(20.0) - 1.0) / 3, rel=1e-5)
+    kl = kl_penalty(torch.tensor([[0.0, -60.0]]), torch.tensor([[0.0, 0.0]]), torch.ones(1, 2))
+    assert float(kl) == pytest.approx((0.0 + 10.0) / 2)

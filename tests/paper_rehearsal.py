@@ -1,0 +1,72 @@
+"""Dress rehearsals of the paper configs: the YAML as shipped, run through the ``flowkit`` CLI on 2 CPU ranks.
+
+Only what a CPU machine cannot hold is overridden: the backbone (a bundled tiny model), the accelerator (cpu),
+the devices (2), the step count, the data (bundled) and the lengths. Everything else — the DeepSpeed strategy and
+its ZeRO config, ``bf16-mixed``, micro-batches, gradient checkpointing, the chunked LM head, the flow reward — is the
+file's. The lengths are chosen so that ranks disagree the way they do at scale: responses of different lengths,
+different numbers of accepted rollouts, and several LM-head and flow-scoring chunks per micro-batch.
+
+A script (not an in-process call) because Lightning relaunches the command once per extra rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+
+_SHRUNK_RUN = [
+    "--trainer.accelerator", "cpu",
+    "--trainer.devices", "2",
+    "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false",
+]
+
+# What each paper config needs beyond _SHRUNK_RUN: backbone, data and lengths.
+OVERRIDES: dict[str, list[str]] = {
+    "rlfr_qwen.yaml": [
+        "--model.init_args.backbone", "bundled:tiny_adder",
+        "--model.init_args.max_new_tokens", "28",
+        "--model.init_args.rollout_batch_size", "8",        # 2 generate calls per rank
+        "--model.init_args.lm_head_chunk_size", "8",        # ~10 LM-head chunks per micro-batch of 4
+        "--model.init_args.vllm_max_model_len", "128",
+        "--model.init_args.reward_model.init_args.max_rows_per_call", "48",  # 16 tokens × 3 layers per field call
+        "--model.init_args.reward_model.init_args.kappa", "2",  # the online flow step comes in step 1
+        "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
+        "--data.init_args.eval_paths", "{heldout: bundled:arithmetic/val.jsonl}",
+        "--data.init_args.max_val_examples", "8",
+        "--data.init_args.prompt_key", "prompt",
+        "--data.init_args.prompt_template", "{prompt}",
+        "--data.init_args.batch_size", "4",                 # 2 prompts × 8 samples per rank
+        "--data.init_args.val_batch_size", "4",
+    ],
+}
+
+
+def env() -> dict[str, str]:
+    """tests/ importable (callbacks), DeepSpeed on CPU, one thread per rank (2 ranks share 2 cores)."""
+    paths = [str(ROOT / "tests"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1"}
+
+
+def command(config: str, root: Path, steps: int, *extra: str) -> list[str]:
+    """``flowkit fit`` of ``configs/<config>`` for ``steps`` steps, validating once at the end, into ``root``."""
+    flowkit = shutil.which("flowkit") or "flowkit"
+    return [flowkit, "fit", "--config", str(CONFIGS / config), *_SHRUNK_RUN, *OVERRIDES[config],
+            "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+            "--trainer.default_root_dir", str(root / "run"), *extra]
+
+
+def run(config: str, root: Path, steps: int, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the rehearsal from the repository root (the configs name ``configs/deepspeed/*.json`` relatively); a
+    hang is a failure (``timeout``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(command(config, root, steps, *extra), env=env(), cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result

@@ -1,0 +1,49 @@
+"""Test helper callback for the paper rehearsals: proves that the ranks disagreed where the job must keep them in step.
+
+Added through the CLI (``--trainer.callbacks+=rehearsal_probe.RehearsalProbe --trainer.callbacks.out DIR``, with
+``tests/`` on PYTHONPATH). Before training it wraps the three places where a rank's data sets how often a sharded
+module is called — the LM-head chunks, the flow-scoring chunks and the online flow-loss pieces — and records, per
+call, this rank's own count and the count every rank then used. At the end each rank writes ``probe_rank{R}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+
+import flowkit.flow.matching as matching
+import flowkit.rl.logprobs as logprobs
+from flowkit.rewards.flow_reward import FlowReward
+
+
+class RehearsalProbe(L.Callback):
+    def __init__(self, out: str):
+        self.out = Path(out)
+        self.records: dict[str, list[tuple[int, int]]] = {"lm_head": [], "flow_scoring": [], "flow_pieces": []}
+
+    def setup(self, trainer, pl_module, stage):
+        for module, site in ((logprobs, "lm_head"), (matching, "flow_scoring")):
+            module.agreed_call_count = self._recording(module.agreed_call_count, site)
+        agree = FlowReward._agreed_over_ranks
+        records = self.records["flow_pieces"]
+
+        def recording_pieces(reward, pieces):
+            agreed = agree(reward, pieces)
+            records.append((len(pieces), len(agreed)))
+            return agreed
+        FlowReward._agreed_over_ranks = recording_pieces
+
+    def _recording(self, agreed_call_count, site):
+        records = self.records[site]
+
+        def recording(count, module):
+            agreed = agreed_call_count(count, module)
+            records.append((count, agreed))
+            return agreed
+        return recording
+
+    def on_train_end(self, trainer, pl_module):
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"probe_rank{trainer.global_rank}.json").write_text(json.dumps(self.records))
