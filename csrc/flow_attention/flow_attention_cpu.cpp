@@ -13,33 +13,12 @@
 #include <limits>
 #include <vector>
 
+#include "flow_attention_inputs.h"
+
 namespace flowkit {
 namespace {
 
-struct Dims {
-  int64_t batch, steps, flow, heads, kv_heads, context, head_dim, group;
-};
-
-Dims check_inputs(const at::Tensor& q, const at::Tensor& flow_k, const at::Tensor& flow_v, const at::Tensor& context_k,
-                  const at::Tensor& context_v, const at::Tensor& prefix_lengths) {
-  TORCH_CHECK(q.dim() == 5, "q must be (B, S, F, H, dh)");
-  const Dims d{q.size(0), q.size(1), q.size(2), q.size(3), flow_k.size(3), context_k.size(2), q.size(4),
-               q.size(3) / std::max<int64_t>(flow_k.size(3), 1)};
-  TORCH_CHECK(flow_k.dim() == 5 && flow_k.sizes() == flow_v.sizes(), "flow_k / flow_v must be (B, S, F, Hkv, dh)");
-  TORCH_CHECK(flow_k.size(0) == d.batch && flow_k.size(1) == d.steps && flow_k.size(2) == d.flow &&
-                  flow_k.size(4) == d.head_dim,
-              "flow_k does not match q");
-  TORCH_CHECK(d.kv_heads > 0 && d.heads % d.kv_heads == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(context_k.dim() == 4 && context_k.sizes() == context_v.sizes() && context_k.size(0) == d.batch &&
-                  context_k.size(1) == d.kv_heads && context_k.size(3) == d.head_dim,
-              "context_k / context_v must be (B, Hkv, N, dh)");
-  TORCH_CHECK(prefix_lengths.dim() == 2 && prefix_lengths.size(0) == d.batch && prefix_lengths.size(1) == d.steps &&
-                  prefix_lengths.scalar_type() == at::kLong,
-              "prefix_lengths must be int64 (B, S)");
-  TORCH_CHECK(q.scalar_type() == flow_k.scalar_type() && q.scalar_type() == context_k.scalar_type(),
-              "q, flow and context tensors must share a dtype");
-  return d;
-}
+using Dims = FlowAttentionDims;
 
 template <typename acc_t, typename scalar_t>
 inline acc_t dot(const acc_t* a, const scalar_t* b, int64_t n) {
@@ -71,7 +50,7 @@ inline void for_each_key(const Dims& d, const scalar_t* ck, const scalar_t* cv, 
 std::tuple<at::Tensor, at::Tensor> flow_attention_cpu(const at::Tensor& q_in, const at::Tensor& fk_in,
                                                       const at::Tensor& fv_in, const at::Tensor& ck_in,
                                                       const at::Tensor& cv_in, const at::Tensor& lens_in) {
-  const Dims d = check_inputs(q_in, fk_in, fv_in, ck_in, cv_in, lens_in);
+  const Dims d = check_flow_attention_inputs(q_in, fk_in, fv_in, ck_in, cv_in, lens_in);
   const at::Tensor q = q_in.contiguous(), fk = fk_in.contiguous(), fv = fv_in.contiguous();
   const at::Tensor ck = ck_in.contiguous(), cv = cv_in.contiguous(), lens = lens_in.contiguous();
   at::Tensor out = at::empty_like(q);
@@ -121,7 +100,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flow_attention_backward_cpu(
     const at::Tensor& grad_in, const at::Tensor& q_in, const at::Tensor& fk_in, const at::Tensor& fv_in,
     const at::Tensor& ck_in, const at::Tensor& cv_in, const at::Tensor& lens_in, const at::Tensor& out_in,
     const at::Tensor& lse_in) {
-  const Dims d = check_inputs(q_in, fk_in, fv_in, ck_in, cv_in, lens_in);
+  const Dims d = check_flow_attention_inputs(q_in, fk_in, fv_in, ck_in, cv_in, lens_in);
+  check_flow_attention_backward_inputs(q_in, grad_in, out_in, lse_in);
   const at::Tensor q = q_in.contiguous(), fk = fk_in.contiguous(), fv = fv_in.contiguous();
   const at::Tensor ck = ck_in.contiguous(), cv = cv_in.contiguous(), lens = lens_in.contiguous();
   const at::Tensor grad = grad_in.contiguous().to(q.scalar_type()), out = out_in.contiguous(), lse = lse_in.contiguous();

@@ -116,3 +116,16 @@ def test_native_core_gradcheck_and_opcheck():
     out, lse = torch.ops.flowkit.flow_attention(q, fk, fv, ck, cv, prefix)
     torch.library.opcheck(torch.ops.flowkit.flow_attention_backward.default,
                           (torch.randn_like(out), q.detach(), fk.detach(), fv.detach(), ck, cv, prefix, out.detach(), lse.detach()))
+
+
+@needs_native
+def test_native_rejects_inputs_that_do_not_match():
+    """The kernels index raw pointers with q's sizes: mismatched inputs are an error, checked once for CPU and CUDA."""
+    q, fk, fv, ck, cv, prefix = core_inputs(2, 2, 4, 2, 8, 7, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="context_k / context_v must be"):
+        torch.ops.flowkit.flow_attention(q, fk, fv, ck[..., :4], cv[..., :4], prefix)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.flowkit.flow_attention(q, fk, fv.double(), ck, cv, prefix)
+    out, lse = torch.ops.flowkit.flow_attention(q, fk, fv, ck, cv, prefix)
+    with pytest.raises(RuntimeError, match="lse must be"):
+        torch.ops.flowkit.flow_attention_backward(torch.ones_like(out), q, fk, fv, ck, cv, prefix, out, lse[:, :1])

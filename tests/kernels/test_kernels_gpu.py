@@ -65,6 +65,43 @@ def test_flow_attention_matches_reference(backend, case, dtype, tol, monkeypatch
     torch.testing.assert_close(grad, expected_grad, atol=tol * 10, rtol=tol * 10)
 
 
+@pytest.mark.parametrize("case", [
+    (1, 2, 4, 1, 128, 1000, 64),  # 256 query rows per (b, s, kv head): GQA 4 x 64 flow tokens, 16 row blocks each
+    (2, 1, 2, 2, 128, 77, 300),   # 300 rows and 300 flow keys per task: 19 row and 19 key blocks, the last partial
+])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-5), (torch.bfloat16, 2e-2)])  # C++ on CPU: 6e-7, 4e-3
+def test_native_flow_attention_above_the_old_shared_memory_limit(case, dtype, tol):
+    """Head dim 128 with more query rows per task than the kernels once held in one block's shared memory (~193
+    forward, fewer backward: a launch failure), against the float64 reference; the backward is the same bitwise on
+    a second run (no atomics)."""
+    if not backends.native_has("cuda"):
+        pytest.skip("no CUDA build")
+    *shape, num_flow = case
+    inputs = [t.cuda() for t in core_inputs(*shape, num_flow=num_flow, dtype=torch.float64)]
+    leaves = [t.clone().requires_grad_() for t in inputs[:3]]
+    expected = attention_reference.attention_core(*leaves, *inputs[3:])
+    grad_out = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    cast = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+    q, fk, fv = (t.requires_grad_() for t in cast[:3])
+    out, _ = torch.ops.flowkit.flow_attention(q, fk, fv, *cast[3:])
+    grads = torch.autograd.grad(out, (q, fk, fv), grad_out.to(dtype), retain_graph=True)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad.double(), expected_grad, atol=tol, rtol=tol)
+    again = torch.autograd.grad(out, (q, fk, fv), grad_out.to(dtype))
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+def test_native_flow_attention_names_the_shared_memory_limit():
+    """A head dim whose K/V tiles alone exceed a block's shared memory is a clear error, not a launch failure."""
+    if not backends.native_has("cuda"):
+        pytest.skip("no CUDA build")
+    q, fk, fv, ck, cv, prefix = (t.cuda() for t in core_inputs(1, 1, 1, 1, 8192, 3, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="cudaDevAttrMaxSharedMemoryPerBlockOptin"):
+        torch.ops.flowkit.flow_attention(q, fk, fv, ck, cv, prefix)
+
+
 def test_opcheck_cuda_and_triton_ops():
     x1, ts, w, mask, v = deviation_inputs(2, 3, 6, 20, device="cuda")
     v, mask = v.detach().requires_grad_(), mask.float()
