@@ -2,9 +2,10 @@
 
 One engine per rank, as TRL's ``vllm_mode="colocate"``: each rank samples its own prompts with its own
 ``vllm.LLM`` (tensor parallel size 1) and, after every training step, :meth:`VllmRolloutEngine.sync_weights`
-copies the policy's current weights into it — LoRA adapters merged into the base weights, ZeRO-3 shards
-gathered first — so the next generation samples the policy being trained. On a GPU the engine sleeps while the
-trainer trains (``enable_sleep_mode``: weights offloaded, KV cache freed) and wakes for generation.
+marks vLLM's copy of the weights stale; the next generation first pushes the policy's current weights into it
+— LoRA adapters merged into the base weights, ZeRO-3 shards gathered first — so it samples the policy being
+trained. On a GPU the engine sleeps while the trainer trains (``enable_sleep_mode``, as TRL's colocate mode: level
+2, weights and KV cache released) and wakes in stages for generation: weights, then the push, then the KV cache.
 
 vLLM is an optional dependency (``pip install flowkit[vllm]``) and is imported only when an engine is built.
 The engine runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here unless the
@@ -14,6 +15,7 @@ user set it): a weight sync is then a direct call on the model object, no copy t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import random
 from collections.abc import Iterator
@@ -43,29 +45,57 @@ def require_vllm() -> None:
         first_line = (str(err).splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"PolicyModule.rollout_engine 'vllm': vLLM is installed but does not import ({first_line}); "
                           "on CPU, uninstall torchvision, torchaudio and torchcodec") from None
+    if not _reloads_weights_from_an_iterator():
+        raise ConfigError(f"PolicyModule.rollout_engine 'vllm': vLLM {vllm.__version__} cannot load weights handed over "
+                          "by the trainer (its reload_weights takes no weights_iterator); install flowkit[vllm] "
+                          "(vLLM >= 0.32, the version CI runs)")
 
 
-def _gathered(params: list[torch.nn.Parameter]):
-    """Full values of ``params`` inside the context: DeepSpeed ZeRO-3 partitions them (marked ``ds_id``) and
-    ``GatheredParameters`` all-gathers them (a collective, so every rank syncs at the same point)."""
-    if zero3_sharded(params):
-        import deepspeed
+def _reloads_weights_from_an_iterator() -> bool:
+    """Whether vLLM's model runner reloads weights in place from an iterator (``reload_weights(weights_iterator=…)``),
+    which the weight push calls through ``collective_rpc``; older vLLMs reload only from the model directory."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner subclasses it
+    except ImportError:
+        return False
+    reload_weights = getattr(GPUModelRunner, "reload_weights", None)
+    return reload_weights is not None and "weights_iterator" in inspect.signature(reload_weights).parameters
 
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    return contextlib.nullcontext()
+
+def _whole(param: torch.nn.Parameter) -> Tensor:
+    """A tensor of its own holding ``param``'s full value.
+
+    A DeepSpeed ZeRO-3 partition (marked ``ds_id``) is all-gathered here from every rank's shard (``ds_tensor``, a
+    collective: every rank pushes at the same point), read-only. Not with ``GatheredParameters``: that changes the
+    parameter's gather state under ZeRO-3's own fetches. Each forward through the DeepSpeed engine (a Lightning
+    ``training_step`` or ``validation_step``) prefetches the next sub-modules' parameters, and their all-gather is
+    still in flight when no sub-module runs before the push (vLLM generates outside the policy);
+    ``GatheredParameters`` skips a parameter in flight, then refuses to re-partition it ("Cannot partition a param
+    in flight"). The copy is also the consumer's to keep: vLLM's reload holds a fused layer's tensors (q/k/v,
+    gate/up) until the layer's last one arrives.
+    """
+    if not zero3_sharded([param]):
+        return param.detach()
+    group = param.ds_process_group
+    shard = param.ds_tensor.detach().reshape(-1)
+    if torch.distributed.get_backend(group) == "nccl":
+        shard = shard.cuda()  # an offloaded partition lives on the CPU
+    shards = [torch.empty_like(shard) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(shards, shard, group=group)
+    return torch.cat(shards)[: param.ds_numel].view(param.ds_shape)
 
 
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """``(HF parameter name, full tensor)`` for every weight of ``model``, one module at a time.
+    """``(HF parameter name, full tensor)`` for every weight of ``model``, each a new tensor (:func:`_whole`).
 
-    A peft LoRA model yields the merged weight ``W + ΔW`` of each adapted layer (``ΔW = B·A·alpha/r``, peft's
-    ``get_delta_weight``) under the base model's names, computed out of place: merging into the trainer's weights
-    and unmerging again would round a bf16 base weight twice per step and let it drift. Under ZeRO-3 each
-    module's parameters are gathered only while its tensors are consumed, so at most one module is whole at a
-    time; the consumer must copy a tensor before asking for the next (vLLM's ``load_weights`` does).
+    A peft LoRA model yields the merged weight ``W + ΔW`` of each adapted layer (``ΔW = B·A·scaling``, transposed
+    for ``fan_in_fan_out``, as peft's ``get_delta_weight`` for the plain LoRA ``flowkit.llm.lora`` builds; computed
+    in fp32) under the base model's names, out of place: merging into the trainer's weights and unmerging again
+    would round a bf16 base weight twice per step and let it drift.
     """
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
+    from peft.utils.other import transpose
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     adapted: list[str] = []  # LoRA layers, whose sub-modules (base_layer, lora_A, lora_B, ...) are handled whole
@@ -75,21 +105,18 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         if isinstance(module, LoraLayer):
             adapted.append(name)
             layer = module.get_base_layer()
-            with _gathered(list(module.parameters())), torch.no_grad():
-                weight = layer.weight
-                if not module.merged and not module.disable_adapters:
-                    for adapter in module.active_adapters:
-                        if adapter in module.lora_A:
-                            weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
-                yield f"{name}.weight", weight
-                if getattr(layer, "bias", None) is not None:
-                    yield f"{name}.bias", layer.bias
+            weight = _whole(layer.weight)
+            if not module.merged and not module.disable_adapters:
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        delta = _whole(module.lora_B[adapter].weight).float() @ _whole(module.lora_A[adapter].weight).float()
+                        weight = weight + (transpose(delta, module.fan_in_fan_out) * module.scaling[adapter]).to(weight.dtype)
+            yield f"{name}.weight", weight
+            if getattr(layer, "bias", None) is not None:
+                yield f"{name}.bias", _whole(layer.bias)
             continue
-        own = list(module.named_parameters(recurse=False))
-        if own:
-            with _gathered([p for _, p in own]):
-                for param_name, param in own:
-                    yield f"{name}.{param_name}" if name else param_name, param.detach()
+        for param_name, param in module.named_parameters(recurse=False):
+            yield f"{name}.{param_name}" if name else param_name, _whole(param)
 
 
 @contextlib.contextmanager
@@ -117,16 +144,16 @@ class VllmRolloutEngine:
     weights; the policy module then skips or fails the step, as with :class:`RolloutEngine`).
 
     Args:
-        model: the policy (HF or peft); its weights are pushed into vLLM at the first generation and by
-            :meth:`sync_weights`.
+        model: the policy (HF or peft); its weights are pushed into vLLM at the first generation and at the first
+            one after each :meth:`sync_weights`.
         tokenizer: the policy's tokenizer.
         model_path: directory or hub id vLLM builds the architecture from (its weights are overwritten).
         max_new_tokens, temperature, top_p: sampling, as :class:`RolloutEngine`.
         gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache); unused on CPU, where the
             KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB.
         max_model_len: longest prompt + response vLLM plans its KV cache for (``None``: the model's maximum).
-        enable_sleep_mode: on a GPU, sleep between generations (weights to CPU, KV cache freed) so training
-            gets the memory back; vLLM's CPU backend has no sleep mode, so it is ignored there.
+        enable_sleep_mode: on a GPU, sleep between generations (level 2: weights and KV cache released) so
+            training gets the memory back; vLLM's CPU backend has no sleep mode, so it is ignored there.
     """
 
     def __init__(
@@ -154,6 +181,7 @@ class VllmRolloutEngine:
         self.sleep_mode = False
         self.saw_nonfinite_logits = False
         self._sleeping: set[str] = set()  # vLLM memory tags ("weights", "kv_cache") currently released
+        self._weights_stale = True  # vLLM's weights are not the policy's: never pushed, trained since, or released
 
     # ------------------------------------------------------------------------------------------ engine
     def _build(self) -> None:
@@ -189,51 +217,80 @@ class VllmRolloutEngine:
                 enforce_eager=not on_gpu,
                 **settings,
             )
-        self.sync_weights(self.model)  # the policy may differ from the directory (LoRA, a resumed checkpoint)
+        # The directory's weights are not pushed yet: the policy may differ (LoRA, a resumed checkpoint).
+        self._weights_stale = True
 
     def _sleep(self) -> None:
-        """Level 1: weights to CPU memory, KV cache dropped (level 2 would drop the weights, but it would also
-        drop buffers such as the rotary tables, which a weight sync does not restore)."""
+        """Level 2 (as TRL): weights and KV cache released, nothing copied. Level 1 would copy every weight to host
+        memory and back each step, only for the next wake to overwrite them with the trained policy's. vLLM keeps
+        the model's buffers (rotary tables) across it: its GPU worker saves them to host at a level-2 sleep and
+        puts them back when the weights wake (read in vLLM 0.32's ``Worker.sleep``/``wake_up``)."""
         if self.sleep_mode and not self._sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self._sleeping = {"weights", "kv_cache"}
+            self._weights_stale = True
 
-    def _wake(self, tags: list[str]) -> None:
-        waking = [tag for tag in tags if tag in self._sleeping]
-        if waking:
-            self.llm.wake_up(tags=waking)
-            self._sleeping -= set(waking)
+    def _wake(self, tag: str) -> None:
+        if tag in self._sleeping:
+            # vLLM maps its memory outside torch's caching allocator: blocks the trainer freed but torch still
+            # caches must go back to the driver first, or the wake can run out of memory (TRL does the same).
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=[tag])
+            self._sleeping.discard(tag)
 
-    @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Copy ``model``'s current weights (LoRA merged, ZeRO-3 gathered) into vLLM; call after each step.
-
-        Under ZeRO-3 this is a collective: every rank must call it at the same point.
-        """
+    def _ready_to_generate(self) -> None:
+        """Build on first use, then wake in TRL's order: the weights, the policy's weights pushed into them if
+        vLLM's are stale, then the KV cache (so the push never shares the GPU with the KV cache)."""
         if self.llm is None:
-            self._build()  # the build pushes the weights itself
-            return
-        self._wake(["weights"])
-        # vLLM's in-place reload: checkpoint-format weights through the model's own loader (q/k/v and gate/up
-        # fused), then its post-load processing (e.g. the CPU backend's repacked linear weights) redone.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model),
+            self._build()
+        if self._weights_stale:
+            self._wake("weights")
+            self._push_weights()
+        self._wake("kv_cache")
+
+    def _push_weights(self) -> None:
+        """The policy's weights (LoRA merged, ZeRO-3 shards gathered one weight at a time) into vLLM, in place.
+
+        vLLM reloads checkpoint-format weights through the model's own loader (q/k/v and gate/up fused) and redoes
+        its post-load processing (e.g. the CPU backend's repacked linear weights). Under ZeRO-3 this is a
+        collective, safe inside a step's forward (see :func:`_whole`).
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model),
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        self._weights_stale = False
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Call after each training step: ``model``'s weights changed, so the next generation pushes them first.
+
+        The push waits for that generation because on a GPU it needs vLLM's weights awake, which the generation
+        wakes anyway (and a step followed by none, the last, pushes nothing). Under ZeRO-3 the push is a
+        collective: every rank must generate at the same points, as the HF engine's forward passes require too.
+        """
+        self.model = model
+        self._weights_stale = True
 
     # ------------------------------------------------------------------------------------------ sampling
-    def _sampling_params(self, prompts: int, n: int, temperature: float) -> list:
-        """One ``SamplingParams`` per vLLM request, requests prompt-major. Sampled requests are seeded from the
-        trainer's seeded torch RNG (a new seed per step, one per prompt), so a run is reproducible."""
+    def _sampling_params(self, samples: int, temperature: float) -> list:
+        """One ``SamplingParams`` per sample (one vLLM request each, n = 1), prompt-major.
+
+        Sampled requests get a seed each, distinct over (rank, prompt, sample): a base drawn from the trainer's
+        seeded torch RNG (a new one per call, so a run is reproducible) plus the sample's index interleaved over
+        the ranks. Lightning seeds every rank alike, so the base is the same on every rank; and vLLM seeds the j-th
+        sample of an n > 1 request with ``seed + j``, so per-prompt seeds would make samples of neighbouring
+        prompts, and of every rank, draw the same random numbers.
+        """
         from vllm import SamplingParams
 
         common = {"max_tokens": self.max_new_tokens, "logprobs": 0, "detokenize": False,
                   "stop_token_ids": [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else None}
-        if temperature > 0:
-            seed = int(torch.randint(0, 2**31 - prompts, ()))
-            return [SamplingParams(n=n, temperature=temperature, top_p=self.top_p, seed=seed + i, **common)
-                    for i in range(prompts)]
-        # vLLM's greedy sampling takes n = 1: n requests per prompt instead
-        return [SamplingParams(n=1, temperature=0.0, **common) for _ in range(prompts * n)]
+        if temperature <= 0:
+            return [SamplingParams(n=1, temperature=0.0, **common) for _ in range(samples)]
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+        base = int(torch.randint(0, 2**62, ()))  # + samples × world stays below vLLM's int64 seeds
+        return [SamplingParams(n=1, temperature=temperature, top_p=self.top_p, seed=base + sample * world + rank,
+                               **common) for sample in range(samples)]
 
     @torch.no_grad()
     def generate(
@@ -247,17 +304,13 @@ class VllmRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         temperature = self.temperature if temperature is None else temperature
-        if self.llm is None:
-            self._build()
-        self._wake(["weights", "kv_cache"])
+        self._ready_to_generate()
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
-        params = self._sampling_params(len(prompts), n, temperature)
-        per_prompt = len(params) // len(prompts)
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids for _ in range(per_prompt)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids for _ in range(n)]
+        outputs = self.llm.generate(requests, self._sampling_params(len(requests), temperature), use_tqdm=False)
         self._sleep()
-        samples = [sample for request in outputs for sample in request.outputs]  # prompt-major, as HF orders them
+        samples = [request.outputs[0] for request in outputs]  # prompt-major, as HF orders them
 
         pad = self.tokenizer.pad_token_id
         width = max(len(s.token_ids) for s in samples)

@@ -12,7 +12,9 @@ import gc
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import lightning as L
 import pytest
@@ -107,15 +109,16 @@ def test_layout_matches_hf_engine_and_sampler_logprobs_match_the_trainer(single_
     prompts, answers = val_prompts(6)
     prompts[0] = "7+5="  # a shorter prompt, so rows are left-padded
 
-    # Building the engine leaves the trainer's RNG streams where they were (vLLM seeds them in its constructor).
+    # The first generation builds the engine, which leaves the trainer's RNG streams where they were (vLLM seeds
+    # them in its constructor; greedy sampling draws nothing from them).
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    engine.sync_weights(policy)  # the first sync builds the engine
+    ours = engine.generate(prompts, 1, answers, temperature=0)
     assert engine.llm is not None and torch.equal(torch.rand(3), expected)
 
     # Greedy: the same RolloutBatch as HF generate, field by field.
-    ours, theirs = engine.generate(prompts, 1, answers, temperature=0), hf.generate(prompts, 1, answers, temperature=0)
+    theirs = hf.generate(prompts, 1, answers, temperature=0)
     for name in ["input_ids", "attention_mask", "response_mask", "group_ids"]:
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
     assert (ours.responses, ours.prompts, ours.answers) == (theirs.responses, theirs.prompts, theirs.answers)
@@ -189,6 +192,29 @@ def test_tiny_rlfr_job_runs_end_to_end_with_vllm_and_syncs_full_weights(tmp_path
     release(cli.model)
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_rlfr_qwen_rehearsal_with_vllm_samples_the_trained_zero3_policy(tmp_path, monkeypatch):
+    """``configs/rlfr_qwen.yaml`` rehearsed as shipped (tests/paper_rehearsal.py: 2 CPU ranks, its ZeRO-3 config,
+    ``bf16-mixed``, its rollout engine, vLLM) for 3 steps. At the end every rank's vLLM completes its prompts
+    greedily as HF ``generate`` does with the trained, sharded weights (tests/greedy_parity.py), and the export that
+    follows gathers the shards. Beyond the rehearsal's overrides, a learning rate at which 3 steps move greedy
+    outputs: at the config's 1e-6 the bf16 weights do not change, and a stale vLLM copy would pass."""
+    pytest.importorskip("deepspeed")
+    import paper_rehearsal
+
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # this venv's flowkit
+    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 3, "--trainer.callbacks+=greedy_parity.GreedyParity",
+                        "--model.init_args.lr", "1e-3")
+    ranks = [json.loads((tmp_path / "run/greedy_parity" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for completions in ranks:
+        assert completions["global_step"] == 3
+        assert completions["trained_vllm"] == completions["trained_hf"], completions
+    assert any(completions["trained_hf"] != completions["initial_hf"] for completions in ranks), ranks
+    assert next((tmp_path / "run").glob("**/export/hf_policy/model.safetensors"), None) is not None
+
+
 # ------------------------------------------------------------------ the weights a sync sends (no vLLM needed)
 def lora_policy() -> torch.nn.Module:
     """The tiny policy with LoRA adapters whose B is non-zero (peft initialises B = 0, a no-op adapter)."""
@@ -250,7 +276,9 @@ for kind, model in [("full", load_backbone("bundled:tiny_adder")[0]), ("lora", l
     trainable = [p for p in model.parameters() if p.requires_grad]
     deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=0.1), config=config)
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters()), "not partitioned"
-    sent = {name: weight.clone() for name, weight in policy_weights(model)}
+    # Kept as vLLM's layerwise reload keeps a fused layer's tensors, and read at the end.
+    sent = dict(policy_weights(model))
+    assert all(p.numel() == 0 for p in model.parameters()), "left gathered"
     assert sent.keys() == expected.keys(), sorted(set(sent) ^ set(expected))
     for name, weight in expected.items():
         torch.testing.assert_close(sent[name], weight, rtol=0, atol=1e-6, msg=name)
@@ -260,10 +288,10 @@ for kind, model in [("full", load_backbone("bundled:tiny_adder")[0]), ("lora", l
 
 @pytest.mark.slow
 def test_sync_gathers_zero3_partitioned_weights():
-    """Under ZeRO-3 the parameters are empty shards; the sync gathers each module's and sends full weights,
-    for full fine-tuning and LoRA (one rank here: GatheredParameters is the same collective with more ranks)."""
+    """Under ZeRO-3 the parameters are empty shards; the sync all-gathers each weight's shards and sends full
+    weights, for full fine-tuning and LoRA (merged from gathered A and B), and leaves the parameters partitioned
+    (one rank here: the all-gather is the same collective with more ranks)."""
     import subprocess
-    import sys
 
     pytest.importorskip("deepspeed")
     code = f"TESTS = {str(Path(__file__).parent)!r}\n" + ZERO3_JOB
@@ -271,6 +299,65 @@ def test_sync_gathers_zero3_partitioned_weights():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gathered full" in result.stdout and "gathered lora" in result.stdout
+
+
+IN_FLIGHT_JOB = """
+import torch, deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from flowkit.llm.backbone import load_backbone
+from flowkit.llm.vllm_engine import policy_weights
+torch.set_num_threads(1)
+deepspeed.init_distributed(dist_backend="gloo")
+
+
+class Step(torch.nn.Module):
+    # As PolicyModule under Lightning: the engine's module, whose forward is a step; a vLLM step runs no sub-module.
+    def __init__(self):
+        super().__init__()
+        self.policy = load_backbone("bundled:tiny_adder")[0]
+
+    def forward(self, ids, through_policy=True):
+        return self.policy(ids).logits.float().pow(2).mean() if through_policy else ids.sum()
+
+
+torch.manual_seed(0)
+step = Step()
+config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+engine, *_ = deepspeed.initialize(model=step, optimizer=torch.optim.SGD(step.parameters(), lr=1.0), config=config)
+ids = torch.randint(3, 20, (2, 8))
+for _ in range(3):  # the second forward records ZeRO-3's trace, the third prefetches by it
+    engine.backward(engine(ids))
+    engine.step()
+with torch.no_grad():
+    engine(ids, through_policy=False)
+in_flight = [n for n, p in step.named_parameters() if p.ds_status == ZeroParamStatus.INFLIGHT]
+assert in_flight, "nothing in flight: the job no longer sets up what it tests"
+sent = dict(policy_weights(step.policy))
+engine.empty_partition_cache()  # what flowkit.strategies.full_parameters does before gathering
+with deepspeed.zero.GatheredParameters(list(step.policy.parameters())):
+    expected = {name: p.detach().clone() for name, p in step.policy.named_parameters(remove_duplicate=False)}
+assert sent.keys() == expected.keys(), sorted(set(sent) ^ set(expected))
+for name, weight in expected.items():
+    assert torch.equal(sent[name], weight), name
+print(f"rank {torch.distributed.get_rank()} sent {len(sent)} with {len(in_flight)} in flight", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sync_reads_zero3_weights_while_prefetches_are_in_flight(tmp_path):
+    """2 ranks, ZeRO-3: a step's forward that runs no sub-module (a vLLM step) leaves ZeRO-3's prefetch of the
+    policy's parameters in flight. The sync reads every trained weight whole all the same (GatheredParameters
+    died here: "Cannot partition a param in flight"), and after DeepSpeed's fetches are released they gather."""
+    import subprocess
+
+    pytest.importorskip("deepspeed")
+    job = tmp_path / "in_flight.py"
+    job.write_text(IN_FLIGHT_JOB)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(job)], env=env, capture_output=True, text=True, timeout=300)
+    assert "rank 0 sent" in result.stdout and "rank 1 sent" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 TWO_RANK_JOB = """
@@ -292,7 +379,7 @@ engine.sync_weights(policy)
 after = engine.generate(prompts, 1, temperature=0).responses
 assert after == RolloutEngine(policy, tokenizer, 28).generate(prompts, 1, temperature=0).responses, after
 assert after != before
-print("rank", dist.get_rank(), "synced", flush=True)
+print(f"rank {dist.get_rank()} synced", flush=True)
 """
 
 
@@ -303,7 +390,6 @@ def test_one_engine_per_rank_in_the_trainers_process_group(tmp_path):
     """Two ranks (gloo), each with its own colocated engine joining the existing process group (vLLM's
     external launcher); each rank's sync reaches its own engine."""
     import subprocess
-    import sys
 
     job = tmp_path / "two_ranks.py"
     job.write_text(TWO_RANK_JOB)
@@ -311,3 +397,126 @@ def test_one_engine_per_rank_in_the_trainers_process_group(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(job)], env=env, capture_output=True, text=True, timeout=300)
     assert "rank 0 synced" in result.stdout and "rank 1 synced" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+# ------------------------------------------------------- colocation, against a fake vLLM (no vLLM or GPU needed)
+class FakeLLM:
+    """Records what the engine asks of ``vllm.LLM``, in order, into ``events``; a reload reads every weight,
+    and every request completes with EOS at once."""
+
+    def __init__(self, events: list[str], eos: int):
+        self.events, self.eos = events, eos
+        self.reloaded: list[list[str]] = []  # weight names of each reload
+        self.sampling: list[list] = []  # SamplingParams of each generate call
+
+    def sleep(self, level):
+        self.events.append(f"sleep level {level}")
+
+    def wake_up(self, tags):
+        self.events.append(f"wake_up {tags}")
+
+    def collective_rpc(self, method, kwargs):
+        assert kwargs["is_checkpoint_format"]
+        self.reloaded.append([name for name, _ in kwargs["weights_iterator"]])
+        self.events.append(method)
+
+    def reset_prefix_cache(self):
+        self.events.append("reset_prefix_cache")
+
+    def generate(self, requests, params, use_tqdm):
+        self.events.append("generate")
+        self.sampling.append(params)
+        sample = SimpleNamespace(token_ids=[self.eos], logprobs=[{self.eos: SimpleNamespace(logprob=-0.5)}])
+        return [SimpleNamespace(outputs=[sample]) for _ in requests]
+
+
+def fake_vllm(monkeypatch, reload_weights) -> None:
+    """A stand-in ``vllm`` package with just what the engine imports; ``reload_weights`` is its model runner's."""
+    modules = {name: ModuleType(name) for name in
+               ["vllm", "vllm.inputs", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu_model_runner"]}
+    modules["vllm"].__version__ = "0.0.fake"
+    modules["vllm"].SamplingParams = SimpleNamespace
+    modules["vllm.inputs"].TokensPrompt = dict
+    modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner = type("GPUModelRunner", (), {"reload_weights": reload_weights})
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def reload_from_an_iterator(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+    """vLLM 0.32's ``GPUModelRunner.reload_weights`` signature."""
+
+
+def reload_from_the_directory(self):
+    """The ``reload_weights`` of a vLLM without in-place loading of given weights."""
+
+
+def fake_engine(monkeypatch, events: list[str], sleep_mode: bool):
+    from flowkit.llm.vllm_engine import VllmRolloutEngine
+
+    fake_vllm(monkeypatch, reload_from_an_iterator)
+    policy, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = VllmRolloutEngine(policy, tokenizer, "unused", max_new_tokens=4)
+    engine.llm, engine.sleep_mode = FakeLLM(events, tokenizer.eos_token_id), sleep_mode  # as _build sets them
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    return engine
+
+
+def test_a_vllm_without_in_place_reload_from_an_iterator_is_a_one_line_config_error(monkeypatch):
+    fake_vllm(monkeypatch, reload_from_the_directory)
+    with pytest.raises(ConfigError, match=r"^PolicyModule.rollout_engine 'vllm': vLLM 0\.0\.fake cannot load weights "
+                                          r"handed over by the trainer .*flowkit\[vllm\]") as raised:
+        PolicyModule(rollout_engine="vllm")
+    assert "\n" not in str(raised.value)
+
+
+def test_sleep_mode_sleeps_at_level_2_and_wakes_weights_then_push_then_kv_cache(monkeypatch):
+    """As TRL's colocate mode: level 2 after each generation (nothing copied to host), and each wake frees torch's
+    cached blocks first, wakes the weights, pushes the policy into them, then wakes the KV cache. Level 2 releases
+    the weights, so a generation without a training step before it (validation) pushes them again too."""
+    events: list[str] = []
+    engine = fake_engine(monkeypatch, events, sleep_mode=True)
+    names = sorted(name for name, _ in engine.model.named_parameters(remove_duplicate=False))
+    wake_push_generate = ["empty_cache", "wake_up ['weights']", "reload_weights", "reset_prefix_cache",
+                          "empty_cache", "wake_up ['kv_cache']", "generate", "sleep level 2"]
+
+    engine.generate(["1+1="], 2)  # first generation: vLLM awake, holding the directory's weights
+    assert events == ["reload_weights", "reset_prefix_cache", "generate", "sleep level 2"]
+    events.clear()
+    engine.sync_weights(engine.model)  # after a training step: nothing happens until the next generation
+    assert events == []
+    engine.generate(["1+1="], 2)
+    assert events == wake_push_generate
+    events.clear()
+    engine.generate(["1+1="], 1, temperature=0)
+    assert events == wake_push_generate
+    assert [sorted(reloaded) for reloaded in engine.llm.reloaded] == [names] * 3
+
+
+def test_without_sleep_mode_weights_are_pushed_once_per_training_step(monkeypatch):
+    events: list[str] = []
+    engine = fake_engine(monkeypatch, events, sleep_mode=False)
+    engine.generate(["1+1="], 2)
+    engine.sync_weights(engine.model)
+    engine.generate(["1+1="], 2)
+    engine.generate(["1+1="], 2)  # no step since the last push
+    assert events == ["reload_weights", "reset_prefix_cache", "generate"] * 2 + ["generate"]
+
+
+def test_sampling_seeds_differ_over_ranks_prompts_and_samples_and_follow_the_trainer_seed(monkeypatch):
+    """One request per sample (n = 1, so vLLM's ``seed + j`` for the j-th sample of a request never applies), each
+    with its own seed; every rank draws the same base from the equally seeded trainer RNG but gets other seeds."""
+    engine = fake_engine(monkeypatch, [], sleep_mode=False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    seeds = {}
+    for rank in (0, 1, 0):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+        torch.manual_seed(0)
+        engine.generate(["1+1=", "2+2=", "3+3="], 4)
+        params = engine.llm.sampling[-1]
+        assert len(params) == 12 and all(p.n == 1 and p.temperature == 1.0 for p in params)
+        seeds.setdefault(rank, []).append([p.seed for p in params])
+    assert seeds[0][0] == seeds[0][1]  # reproducible from the trainer's seed
+    assert len(set(seeds[0][0]) | set(seeds[1][0])) == 24
+    engine.generate(["1+1="], 2, temperature=0)
+    assert all(p.temperature == 0.0 and "seed" not in vars(p) for p in engine.llm.sampling[-1])
