@@ -4,7 +4,9 @@
   fsyncs it and ``os.replace``-s it over the target: a kill at any moment leaves either the old or the
   new checkpoint, never a truncated one. (Lightning's default writes through an fsspec transaction whose
   temporary file lives in the system temp dir; when that is another filesystem the final move is a
-  copy, which a kill can interrupt.)
+  copy, which a kill can interrupt.) It keeps the checkpoint a save replaces as ``<name>.previous`` and
+  resumes from that one when the checkpoint itself cannot be read; a failed write (a full disk) is one line.
+* :func:`lock_run_directory`: one run at a time in a run directory.
 * :class:`RNGStateCheckpoint` stores the torch (CPU and CUDA), numpy and Python RNG states and restores
   them right before the first training batch after a resume — not at load time, because building the
   dataloader iterator draws from the torch RNG in between.
@@ -22,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import importlib.util
 import logging
@@ -34,6 +37,7 @@ import signal
 import socket
 import tempfile
 import threading
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,12 +51,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from flowkit.distributed import all_reduce_int
-from flowkit.errors import ConfigError
+from flowkit.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 
 RNG_KEY = "rng_states"
 PRETRAINING_STATE_NAME = "flow_pretrain.ckpt"  # no "last" in it: `--ckpt_path last` must not pick it
+PREVIOUS_SUFFIX = ".previous"  # no ".ckpt" at the end: `--ckpt_path last` must not pick it either
+
+
+def previous_checkpoint_path(path: str | Path) -> Path:
+    """Where :class:`AtomicCheckpointIO` keeps the checkpoint that a save over ``path`` replaced."""
+    path = Path(path)
+    return path.with_name(path.name + PREVIOUS_SUFFIX)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -60,25 +71,123 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     The temporary name is the writer's own (host and process id), so processes saving into one directory
     never write into each other's file, and a reader of the target only ever sees a whole checkpoint. The
-    temporary files that killed writers of the same target on this host left behind are removed.
+    temporary files that killed writers of the same target on this host left behind are removed. A write that
+    fails (a full disk) raises :class:`~flowkit.errors.RunError` naming the file; the target stays as it was.
+
+    With ``keep_previous`` (default) the whole checkpoint a save replaces stays as ``<name>.previous`` (a hard link,
+    so nothing is copied; the disk holds two checkpoints of each name), and :meth:`load_checkpoint` resumes from it,
+    with a one-line warning, when the checkpoint asked for cannot be read (truncated, empty, damaged after it was
+    written). At every moment of a save the target holds a whole checkpoint, so a run always keeps a good one.
+    Single-file checkpoints only: DeepSpeed writes its checkpoint directories itself.
     """
+
+    def __init__(self, keep_previous: bool = True):
+        super().__init__()
+        self.keep_previous = keep_previous
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+        temporary = _temporary_path(path)
+        previous_staged = _temporary_path(previous_checkpoint_path(path))
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with temporary.open("wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+            if self.keep_previous and _is_whole(path):
+                _link_or_copy(path, previous_staged)
+                os.replace(previous_staged, previous_checkpoint_path(path))
             os.replace(temporary, path)
+            _fsync_directory(path.parent)
+        except Exception as err:
+            cause = _os_error(err)
+            if cause is None:
+                raise
+            kept = f"{path.name} there is unchanged" if path.exists() else "nothing was saved"
+            raise RunError(f"cannot write checkpoint {path}: {cause.strerror or cause}; {kept}") from None
         finally:
             temporary.unlink(missing_ok=True)
-        _fsync_directory(path.parent)
+            previous_staged.unlink(missing_ok=True)
         _remove_orphaned_temporaries(path)
+        _remove_orphaned_temporaries(previous_checkpoint_path(path))
+
+    def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        """The checkpoint at ``path``; if it cannot be read, the previous one kept beside it, with a warning."""
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except FileNotFoundError:
+            raise RunError(f"checkpoint {path} does not exist") from None
+        except Exception as err:
+            problem = unreadable_checkpoint(err)
+            if problem is None:
+                raise
+        previous = previous_checkpoint_path(path)
+        if not previous.is_file():
+            raise RunError(f"cannot resume from {path}: {problem}, and no previous checkpoint ({previous.name}) is "
+                           "kept beside it; pass another --ckpt_path, or start a new run with --trainer.default_root_dir")
+        try:
+            checkpoint = super().load_checkpoint(previous, map_location=map_location, weights_only=weights_only)
+        except Exception as err:
+            if unreadable_checkpoint(err) is None:
+                raise
+            raise RunError(f"cannot resume from {path} ({problem}) nor from {previous} "
+                           f"({unreadable_checkpoint(err)})") from None
+        log.warning("%s cannot be read (%s): resuming from the checkpoint before it, %s (step %s)", path, problem,
+                    previous, checkpoint.get("global_step", "?"))
+        return checkpoint
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        super().remove_checkpoint(path)
+        previous_checkpoint_path(path).unlink(missing_ok=True)
+
+
+def _temporary_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
+def _is_whole(path: Path) -> bool:
+    """Does ``path`` end in a complete zip directory, as every ``torch.save`` file does? A truncated or empty one
+    does not."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    destination.unlink(missing_ok=True)
+    try:
+        os.link(source, destination)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(source, destination)
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The operating system's error behind ``err`` (torch.save reports a failed write as a RuntimeError)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def unreadable_checkpoint(err: BaseException) -> str | None:
+    """Why ``torch.load`` could not read a checkpoint file (truncated, empty, not torch's format), in a few words; None
+    for any other error, in particular an object refused by :func:`tensors_only_loading`, which must stay an error."""
+    if isinstance(err, pickle.UnpicklingError) and "GLOBAL" in str(err):
+        return None
+    if isinstance(err, EOFError):
+        return "the file is empty or ends early"
+    if isinstance(err, (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile)):
+        return str(err).split(". ")[0].strip().removesuffix(".") or type(err).__name__
+    return None
 
 
 def _remove_orphaned_temporaries(path: Path) -> None:
@@ -245,6 +354,51 @@ def sigterm_stops() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGTERM, previous)
 
 
+LOCK_NAME = ".flowkit.lock"
+# Set by launchers (torchrun, Lightning's own, SLURM, MPI) for a process that is one rank of a multi-process job.
+_RANK_VARIABLES = ("RANK", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                   "JSM_NAMESPACE_RANK")
+
+
+class RunDirectoryLock:
+    """An exclusive ``fcntl`` lock on ``<run dir>/.flowkit.lock``, held until :meth:`release` or the process ends."""
+
+    def __init__(self, fd: int):
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops the lock
+            self._fd = None
+
+
+def lock_run_directory(run_dir: str | Path) -> RunDirectoryLock | None:
+    """Lock ``run_dir`` for this run, or raise :class:`~flowkit.errors.RunError` naming the process holding it.
+
+    Only a job's global rank 0 locks; a process the environment marks as another rank (``RANK``, ``LOCAL_RANK``,
+    ``NODE_RANK``, ``SLURM_PROCID``, ... not 0: the ranks Lightning launches re-run the command) returns ``None``, so
+    the ranks of one job never refuse each other. The kernel drops the lock when its process ends, however it ends,
+    so the lock file a killed run leaves behind blocks nothing; the file stays (deleting it would race with a run
+    that is starting).
+    """
+    if any(os.environ.get(name, "0").strip() != "0" for name in _RANK_VARIABLES):
+        return None
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "a process"
+        os.close(fd)
+        raise RunError(f"{run_dir} is in use by another run ({holder}, see {path}): wait for it to end, or give this "
+                       "run its own --trainer.default_root_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return RunDirectoryLock(fd)
+
+
 def fault_tolerance_defaults() -> dict[str, Any]:
     """Trainer defaults the ``flowkit`` CLI sets: atomic checkpoint files, RNG states, SIGTERM checkpoint."""
     # The plugin as a class_path (unlike the callbacks it is a parser default, and lands in config.yaml).
@@ -318,7 +472,15 @@ def consolidated_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} does not exist")
     with tensors_only_loading(checkpoint):
-        return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+        try:
+            return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+        except Exception as err:
+            problem = unreadable_checkpoint(err)
+            if problem is None:
+                raise
+        previous = previous_checkpoint_path(checkpoint)
+        kept = f"; the one before it is {previous}" if previous.is_file() else ""
+        raise RunError(f"checkpoint {str(checkpoint)!r} cannot be read: {problem}{kept}")
 
 
 def load_trained_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:

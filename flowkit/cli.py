@@ -34,8 +34,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressB
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
-from flowkit.checkpointing import fault_tolerance_defaults, tensors_only_loading
-from flowkit.errors import ConfigError
+from flowkit.checkpointing import RunDirectoryLock, fault_tolerance_defaults, lock_run_directory, tensors_only_loading
+from flowkit.errors import ConfigError, RunError
 from flowkit.modules.summary import ParameterSummary, RunSummary
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 
@@ -75,7 +75,12 @@ class FlowkitCLI(LightningCLI):
                                for name, fn in STANDALONE.items())
             kwargs["parser_kwargs"] = {"epilog": f"other commands (each has --help): {others}",
                                        **(kwargs.get("parser_kwargs") or {})}
-        super().__init__(*args, **kwargs)
+        self._run_lock: RunDirectoryLock | None = None
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            if self._run_lock is not None:
+                self._run_lock.release()
 
     def _parse_ckpt_path(self) -> None:
         """Keep the configuration the YAML files and the command line gave: a checkpoint supplies state only.
@@ -101,6 +106,8 @@ class FlowkitCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         self._config_as_given = self.config.clone()
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand == "fit":  # one run at a time in a run directory, until this command ends
+            self._run_lock = lock_run_directory(config.trainer.default_root_dir or os.getcwd())
         place_run(config, fresh_fit=self.subcommand == "fit" and config.get("ckpt_path") is None)
 
     def instantiate_trainer(self, **kwargs):
@@ -202,6 +209,7 @@ def main(args: list[str] | None = None) -> None:
         STANDALONE[argv[0]](argv[1:])
         return
     try:
+        _check_config_files(argv)
         # Every checkpoint this command loads (Lightning's, DeepSpeed's under any strategy) is loaded tensors-only.
         with tensors_only_loading(_checkpoint_argument(argv)):
             # The parser raises instead of printing its usage and a nested error report: main() prints one line.
@@ -224,6 +232,34 @@ def _without_lightning_noise(record: logging.LogRecord) -> bool:
     return not any(noise in message for noise in LIGHTNING_NOISE)
 
 
+def _check_config_files(argv: list[str]) -> None:
+    """Each ``--config`` file must be YAML; the parser would say only ``in "<unicode string>", line 2`` (not the file,
+    nor that a tab indents it)."""
+    import yaml
+
+    for i, arg in enumerate(argv):
+        name, sep, value = arg.partition("=")
+        if name not in ("--config", "-c") or (not sep and i + 1 == len(argv)):
+            continue
+        path = Path(value if sep else argv[i + 1])
+        if not path.is_file():  # the parser also takes the config itself as a string
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: cannot read the config file ({err})") from None
+        try:
+            yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            problem = " ".join((getattr(err, "problem", None) or str(err)).split())
+            if mark is None:
+                raise ConfigError(f"{path}: not YAML ({problem})") from None
+            line = (text.splitlines() or [""])[min(mark.line, len(text.splitlines()) - 1)]
+            tab = "; YAML indents with spaces, never tabs" if "\t" in line[:mark.column + 1] else ""
+            raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: {problem}{tab}") from None
+
+
 def _checkpoint_argument(argv: list[str]) -> str:
     """The checkpoint named on the command line (``--ckpt_path`` / ``--checkpoint``), for error messages."""
     for i, arg in enumerate(argv):
@@ -238,7 +274,8 @@ def _input_error(err: BaseException) -> str | None:
 
     Bad input is a :class:`~flowkit.errors.ConfigError` (any module's option check), a
     :class:`~flowkit.data.records.RecordError`, a :class:`~flowkit.llm.backbone.BackboneError`, a value
-    Lightning rejects (``MisconfigurationException``) or a command line / config the parser rejects.
+    Lightning rejects (``MisconfigurationException``) or a command line / config the parser rejects; a
+    :class:`~flowkit.errors.RunError` (a full disk, a run directory in use) is printed the same way.
     jsonargparse and Lightning wrap exceptions raised while building or fitting the module; the user
     should see the message that names the option, not that chain.
     """
@@ -256,7 +293,7 @@ def _input_error(err: BaseException) -> str | None:
         chain.append(err)
         err = err.__cause__ or err.__context__
     for link in chain:
-        if isinstance(link, (ConfigError, RecordError, BackboneError, MisconfigurationException)):
+        if isinstance(link, (ConfigError, RunError, RecordError, BackboneError, MisconfigurationException)):
             return " ".join(str(link).split())
     if isinstance(chain[0], ArgumentError):
         return _parser_error_line(str(chain[0]))

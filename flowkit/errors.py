@@ -1,7 +1,8 @@
-"""Errors that mean "the input is wrong", which the ``flowkit`` CLI prints as one line (exit code 2).
+"""Errors the ``flowkit`` CLI prints as one line (exit code 2): the input is wrong, or the run cannot go on.
 
 Raise :class:`ConfigError` for a bad option value as early as possible (in ``__init__``), naming the option
-and the allowed range: ``ConfigError("PolicyModule.num_samples must be >= 1, got 0")``.
+and the allowed range: ``ConfigError("PolicyModule.num_samples must be >= 1, got 0")``. Raise :class:`RunError`
+for what the user must fix outside the configuration (a full disk, a run directory in use), naming the file.
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ from collections.abc import Sized
 
 class ConfigError(ValueError):
     """A bad option value or combination of options, found before any work starts."""
+
+
+class RunError(RuntimeError):
+    """The run cannot go on for a reason outside its options: a full disk, another run in its run directory, a
+    checkpoint that cannot be read. The message is one line naming the file and what to do."""
 
 
 def check_range(owner: str, name: str, value: float | None, low: float | None = None, high: float | None = None,

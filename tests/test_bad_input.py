@@ -5,14 +5,17 @@ the weights; secrets from the environment never reach logs or saved configs."""
 import csv
 import json
 import logging
+import pickle
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import cli_errors
 import lightning as L
 import pytest
+import rlfr_run
 import torch
 from transformers import T5Config
 
@@ -23,6 +26,7 @@ from flowkit.llm.backbone import ASSETS
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.explanation import ExplanationPolicyModule, ExplanationRewardModule
 from flowkit.rewards import FlowReward
+from backbone_stub import backbone_stub
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "rlfr_tiny.yaml")
@@ -223,7 +227,11 @@ RECORD_CASES = {
                               ":21: the prompt is 603 tokens; with max_new_tokens 28 it exceeds the policy's context "
                               "of 512"),
     "megabyte-prompt": ([GOOD] * 20, json.dumps({"prompt": "1+" * 500_000 + "1=", "answer": "1"}),  # never tokenized
-                        ":21: the prompt is 1000002 characters, at least 200001 tokens: beyond the policy's context"),
+                        ":21: field 'prompt' is 1000002 characters, at least 200001 tokens: beyond the policy's context"),
+    "long-solution": ([GOOD] * 20, json.dumps({**GOOD, "solution": "1" * 100_000}),  # every text field is bounded
+                      ":21: field 'solution' is 100000 characters, at least 20000 tokens: beyond the policy's context"),
+    "long-answer": ([GOOD] * 20, json.dumps({**GOOD, "answer": "1" * 100_000}),
+                    ":21: field 'answer' is 100000 characters, at least 20000 tokens: beyond the policy's context"),
 }
 
 
@@ -250,7 +258,7 @@ def truncate(path: Path) -> None:
 
 def flow_weights(tmp_path: Path, depth: int) -> Path:
     reward = FlowReward(depth=depth)
-    reward.bind(hidden_size=128, layer_positions=[0.25, 0.5, 0.75])  # the tiny adder's width
+    reward.bind(backbone_stub(128), [0.25, 0.5, 0.75])  # the tiny adder's width
     reward.save_field(tmp_path / f"flow_depth{depth}.safetensors")
     return tmp_path / f"flow_depth{depth}.safetensors"
 
@@ -414,3 +422,110 @@ def test_secrets_in_the_environment_never_reach_logs_or_saved_config(in_tmp, mon
     for where, text in texts.items():
         for value in SECRETS.values():
             assert value not in text, f"secret leaked into {where}"
+
+
+# ----------------------------------------------------------------------------- hostile input (issue 21)
+# Each case runs the installed `flowkit` command in a subprocess, as a user meets it: exit code 2, at most 3 lines on
+# stderr, the last the one error line naming the file or option, no traceback, and nothing of the run written.
+
+
+def _nested_json(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(GOOD) + "\n" + '{"prompt": "1+1=", "answer": "2", "meta": ' + "[" * 5000 + "]" * 5000
+                    + "}\n")
+    return ["--data.init_args.train_path", str(data)], f"error: {data}:2: JSON nested too deeply to parse"
+
+
+def _pickle_backbone(tmp_path):
+    """The weights as a pickle that would run code (write a marker) if anything unpickled it."""
+    from test_security import Payload
+
+    model = tiny_adder_copy(tmp_path, ("*.safetensors",))
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "payload": Payload(tmp_path / "marker")},
+               model / "pytorch_model.bin")
+    return (model_args("backbone", str(model)),
+            f"error: model directory '{model}' holds its weights as pickle (pytorch_model.bin), which flowkit never "
+            "loads (unpickling can run code); convert them to safetensors")
+
+
+def _template_null(tmp_path):
+    return (["--data.init_args.prompt_format", "text", "--data.init_args.prompt_template", "null"],
+            "error: RolloutDataModule.prompt_template must be a string holding {prompt}, got None")
+
+
+def _yaml_with_a_tab(tmp_path):
+    config = tmp_path / "override.yaml"
+    config.write_text("trainer:\n  max_steps: 0\n\tlog_every_n_steps: 1\n")
+    return (["--config", str(config)],
+            f"error: {config}:3:1: found character '\\t' that cannot start any token; YAML indents with spaces, never tabs")
+
+
+def _percentile_past_the_last_block(tmp_path):
+    return (model_args("reward.percentiles", "[0.25, 1.0]"),
+            "error: percentiles: 1.0 taps decoder block round(1.0·4) = 4, but the model's blocks are 0..3; the last "
+            "block is percentile 0.75")
+
+
+HOSTILE_CASES = [_nested_json, _pickle_backbone, _template_null, _yaml_with_a_tab, _percentile_past_the_last_block]
+
+
+@pytest.mark.parametrize("case", HOSTILE_CASES, ids=[case.__name__.strip("_") for case in HOSTILE_CASES])
+def test_hostile_input_is_one_line_from_the_flowkit_command(tmp_path, case):
+    extra, expected = case(tmp_path)
+    result = cli_errors.fit(tmp_path, 0, "--model.init_args.flow_pretrain_steps", "5", *extra)
+    assert cli_errors.one_line_error(result).startswith(expected), result.stderr
+    assert not (tmp_path / "runs" / "rlfr_tiny" / "checkpoints").exists()  # no work began
+    assert not (tmp_path / "marker").exists()  # nothing was unpickled
+
+
+def test_convert_flow_of_a_plain_pickle_is_one_line(tmp_path):
+    source = tmp_path / "flow_model.bin"
+    source.write_bytes(pickle.dumps({"model.input_proj.weight": [[1.0]]}, protocol=4))
+    result = cli_errors.run_flowkit(tmp_path, [shutil.which("flowkit") or "flowkit", "convert-flow", "--config", CONFIG,
+                                               "--input", str(source), "--output", str(tmp_path / "flow.safetensors")])
+    # A subcommand runs once the Trainer is built: Lightning's "GPU available" and "TPU available" lines come first.
+    assert cli_errors.one_line_error(result, max_lines=4) == (
+        f"error: convert-flow --input '{source}' is not a torch.save file of tensors (a pickle the tensors-only loader "
+        "refuses: Unsupported operand 149); save the official flow's weights with torch.save(model.state_dict(), PATH)")
+    assert not (tmp_path / "flow.safetensors").exists()
+
+
+def huge_field_data(tmp_path: Path) -> Path:
+    """20 good records, then a 64 MB solution (line 21) and a 100 000-character answer (line 22)."""
+    data = tmp_path / "train.jsonl"
+    with data.open("w") as f:
+        f.write((json.dumps(GOOD) + "\n") * 20)
+        f.write(json.dumps({**GOOD, "solution": "1" * 64_000_000}) + "\n")
+        f.write(json.dumps({**GOOD, "answer": "1" * 100_000}) + "\n")
+    return data
+
+
+def test_a_64_mb_field_is_one_line_under_an_address_space_limit(tmp_path):
+    """Tokenizing the 64 MB solution would need over 8 GB; the line is refused unread, under the limit."""
+    data = huge_field_data(tmp_path)
+    result = cli_errors.fit(tmp_path, 0, "--data.init_args.train_path", str(data),
+                            address_space=cli_errors.address_space_limit())
+    assert cli_errors.one_line_error(result).startswith(f"error: {data}:21: the line is longer than 1089536 bytes")
+
+
+def test_huge_fields_are_skipped_under_an_address_space_limit_with_on_error_skip(tmp_path):
+    data = huge_field_data(tmp_path)
+    result = cli_errors.fit(tmp_path, 0, "--data.init_args.train_path", str(data), "--data.init_args.on_error", "skip",
+                            address_space=cli_errors.address_space_limit())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"{data}: skipped 2 bad record(s) of 22; first: {data}:21: the line is longer than 1089536 bytes"
+            in result.stderr)
+
+
+def test_expert_solutions_on_some_records_only_pretrain_on_those(tmp_path):
+    """Training batches then mix records with and without a solution; pretraining draws from those that have one."""
+    data = tmp_path / "train.jsonl"
+    without = {k: v for k, v in GOOD.items() if k != "solution"}
+    data.write_text("".join(json.dumps(GOOD if i else without) + "\n" for i in range(8)))
+    result = cli_errors.fit(tmp_path, 1, "--data.init_args.train_path", str(data), "--data.init_args.batch_size", "8",
+                            "--model.init_args.flow_pretrain_steps", "2", "--model.init_args.flow_pretrain_batch_size",
+                            "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{data}: offline flow pretraining uses the 7 of 8 records that have a 'solution' field" in result.stderr
+    # The RL step ran on a batch of all 8 records, the first of which (in the seed-0 order) has a solution.
+    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [0]

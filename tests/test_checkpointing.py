@@ -1,3 +1,4 @@
+import errno
 import os
 import random
 import signal
@@ -14,11 +15,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import flowkit.checkpointing as checkpointing
 from flowkit.checkpointing import (
     AtomicCheckpointIO,
     PreemptionCheckpoint,
     RNGStateCheckpoint,
+    lock_run_directory,
 )
+from flowkit.errors import RunError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -191,3 +195,105 @@ def test_sigterm_writes_last_checkpoint_and_exits_cleanly(tmp_path):
 def test_preemption_checkpoint_path_without_model_checkpoint(tmp_path):
     trainer = L.Trainer(default_root_dir=tmp_path, enable_checkpointing=False, logger=False)
     assert PreemptionCheckpoint.last_checkpoint_path(trainer) == tmp_path / "checkpoints" / "last.ckpt"
+
+
+# ------------------------------------------------------------------------------ the checkpoint before, a full disk
+
+
+def test_a_save_keeps_the_checkpoint_it_replaces_and_a_load_falls_back_to_it(tmp_path, caplog):
+    io, target = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    for step in (1, 2, 3):
+        io.save_checkpoint({"global_step": step}, target)
+    previous = tmp_path / "last.ckpt.previous"
+    assert torch.load(previous, weights_only=True) == {"global_step": 2}
+    assert io.load_checkpoint(target) == {"global_step": 3}
+
+    target.write_bytes(target.read_bytes()[:50])  # truncated after it was written
+    with caplog.at_level("WARNING", logger="flowkit.checkpointing"):
+        assert io.load_checkpoint(target) == {"global_step": 2}
+    assert f"{target} cannot be read (PytorchStreamReader failed reading zip archive" in caplog.text
+    io.save_checkpoint({"global_step": 4}, target)  # over the truncated file: the good previous one stays
+    assert torch.load(previous, weights_only=True) == {"global_step": 2}
+
+    io.remove_checkpoint(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_without_keep_previous_nothing_is_kept_and_an_unreadable_checkpoint_is_one_line(tmp_path):
+    io, target = AtomicCheckpointIO(keep_previous=False), tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1}, target)
+    io.save_checkpoint({"global_step": 2}, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    target.write_bytes(b"")
+    with pytest.raises(RunError, match=rf"^cannot resume from {target}: the file is empty or ends early, and no "
+                                       r"previous checkpoint \(last.ckpt.previous\) is kept beside it"):
+        io.load_checkpoint(target)
+    with pytest.raises(RunError, match=f"^checkpoint {tmp_path / 'missing.ckpt'} does not exist$"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_a_checkpoint_holding_objects_is_refused_not_replaced_by_the_previous_one(tmp_path):
+    from test_security import Payload
+
+    from flowkit.checkpointing import UnsafeCheckpointError, tensors_only_loading
+
+    io, target, marker = AtomicCheckpointIO(), tmp_path / "last.ckpt", tmp_path / "marker"
+    io.save_checkpoint({"global_step": 1}, target)
+    io.save_checkpoint({"global_step": 2}, target)
+    torch.save({"global_step": 3, "payload": Payload(marker)}, target)
+    with pytest.raises(UnsafeCheckpointError, match=r"holds a pickled io\.open"), tensors_only_loading(target):
+        io.load_checkpoint(target)
+    assert not marker.exists()
+
+
+def test_a_failed_write_names_the_file_and_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
+    io, target = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1}, target)
+    real_save = torch.save
+
+    def disk_full(obj, f):
+        real_save({"partial": torch.zeros(10)}, f)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpointing.torch, "save", disk_full)
+    with pytest.raises(RunError, match=rf"^cannot write checkpoint {target}: No space left on device; last.ckpt there "
+                                       "is unchanged$"):
+        io.save_checkpoint({"global_step": 2}, target)
+    with pytest.raises(RunError, match=rf"^cannot write checkpoint {tmp_path / 'new.ckpt'}: No space left on device; "
+                                       "nothing was saved$"):
+        io.save_checkpoint({"global_step": 2}, tmp_path / "new.ckpt")
+    monkeypatch.undo()
+    assert torch.load(target, weights_only=True) == {"global_step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary file, no .previous
+
+
+def test_export_of_an_unreadable_checkpoint_is_one_line_naming_the_one_before_it(tmp_path):
+    from flowkit.checkpointing import consolidated_state_dict
+
+    io, target = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    for step in (1, 2):
+        io.save_checkpoint({"state_dict": {"w": torch.full((2,), float(step))}}, target)
+    target.write_bytes(b"")
+    with pytest.raises(RunError, match=rf"^checkpoint '{target}' cannot be read: the file is empty or ends early; the "
+                                       rf"one before it is {tmp_path / 'last.ckpt.previous'}$"):
+        consolidated_state_dict(target)
+    assert torch.equal(consolidated_state_dict(tmp_path / "last.ckpt.previous")["w"], torch.full((2,), 1.0))
+
+
+# ------------------------------------------------------------------------------ run directory locks
+
+
+def test_only_global_rank_zero_locks_the_run_directory(tmp_path, monkeypatch):
+    for name in ("RANK", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a rank Lightning launched for the same job
+    assert lock_run_directory(tmp_path / "a") is None and not (tmp_path / "a").exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("NODE_RANK", "1")  # local rank 0 of the second node
+    assert lock_run_directory(tmp_path / "a") is None
+    monkeypatch.setenv("NODE_RANK", "0")
+    lock = lock_run_directory(tmp_path / "a")
+    try:
+        assert (tmp_path / "a" / ".flowkit.lock").read_text() == f"process {os.getpid()} on {socket.gethostname()}\n"
+    finally:
+        lock.release()

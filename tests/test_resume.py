@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import cli_errors
 import pytest
 import rlfr_run
 import torch
@@ -110,3 +111,42 @@ def assert_same_nested(actual, expected, where: str = "") -> None:
             assert_same_nested(a, e, f"{where}[{i}]")
     else:
         assert actual == expected, where
+
+
+# ------------------------------------------------------------------------------ an unreadable last.ckpt
+
+EVERY_STEP = ("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+              "      init_args: {save_last: true, save_top_k: 0, every_n_train_steps: 1}\n")
+
+
+@pytest.mark.slow  # two runs of the CLI: a checkpoint to damage, then the resume
+def test_a_truncated_last_checkpoint_resumes_from_the_one_before_it(tmp_path):
+    (tmp_path / "every_step.yaml").write_text(EVERY_STEP)
+    every_step = ["--config", str(tmp_path / "every_step.yaml")]
+    first = cli_errors.fit(tmp_path, 2, *every_step)
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = last_path(tmp_path)
+    previous = last.with_name("last.ckpt.previous")
+    assert torch.load(previous, weights_only=True)["global_step"] == 1  # the step-1 save, kept by the step-2 save
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 2])  # e.g. an interrupted copy of the run directory
+
+    resumed = cli_errors.fit(tmp_path, 3, *every_step, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"{last} cannot be read (PytorchStreamReader failed reading zip archive: failed finding central "
+            f"directory): resuming from the checkpoint before it, {previous} (step 1)\n") in resumed.stderr
+    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [1, 2]  # steps 2 and 3 ran again
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    assert torch.load(previous, weights_only=True)["global_step"] == 2  # the truncated file was never kept
+
+
+def test_an_empty_last_checkpoint_without_one_before_it_is_one_line(tmp_path):
+    last = last_path(tmp_path)
+    last.parent.mkdir(parents=True)
+    last.write_bytes(b"")
+    result = cli_errors.fit(tmp_path, 1, "--ckpt_path", "last")
+    assert cli_errors.one_line_error(result, max_lines=None) == (
+        f"error: cannot resume from {last}: the file is empty or ends early, and no previous checkpoint "
+        "(last.ckpt.previous) is kept beside it; pass another --ckpt_path, or start a new run with "
+        "--trainer.default_root_dir")
+    assert not (last.parent.parent / "version_0" / "metrics.csv").exists()  # no step ran

@@ -18,13 +18,16 @@ Usage (the config decides which FlowReward the converted weights must fit; they 
 
 from __future__ import annotations
 
+import pickle
 import re
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from flowkit.errors import ConfigError
 from flowkit.registry import subcommand
 from flowkit.flow.velocity_field import sinusoidal_frequencies
 
@@ -83,13 +86,43 @@ def convert_official_state_dict(state: dict[str, Tensor]) -> tuple[dict[str, Ten
 
 
 def convert_official_flow(source: str | Path, destination: str | Path) -> dict[str, int]:
-    """Read an official ``.bin`` flow checkpoint, write flowkit safetensors; returns the field's architecture."""
-    state = torch.load(str(source), map_location="cpu", weights_only=True)
-    converted, architecture = convert_official_state_dict(state)
+    """Read an official ``.bin`` flow checkpoint, write flowkit safetensors; returns the field's architecture.
+
+    The file is loaded tensors-only (``torch.load(weights_only=True)``); one that is no ``torch.save`` file of a
+    state dict (a plain pickle, a truncated file, another format) or that the converter cannot map is a
+    :class:`~flowkit.errors.ConfigError` naming ``--input``.
+    """
+    if not Path(source).is_file():
+        raise ConfigError(f"convert-flow --input {str(source)!r} is not a file")
+    try:
+        with warnings.catch_warnings():  # torch warns before refusing a pickle of another protocol: the error says it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(str(source), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+        raise ConfigError(f"convert-flow --input {str(source)!r} is not a torch.save file of tensors "
+                          f"({_load_failure(err)}); save the official flow's weights with "
+                          "torch.save(model.state_dict(), PATH)") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        raise ConfigError(f"convert-flow --input {str(source)!r} holds a {type(state).__name__}, not a state dict of "
+                          "tensors; save it with torch.save(model.state_dict(), PATH)")
+    try:
+        converted, architecture = convert_official_state_dict(state)
+    except ValueError as err:
+        raise ConfigError(f"convert-flow --input {str(source)!r}: {err}") from None
     Path(destination).parent.mkdir(parents=True, exist_ok=True)
     metadata = {"source": "official RLFR flow_model.bin", **{k: str(v) for k, v in architecture.items()}}
     save_file(converted, str(destination), metadata=metadata)
     return architecture
+
+
+def _load_failure(err: BaseException) -> str:
+    """torch.load's reason in a few words (its messages run to paragraphs)."""
+    refused = re.search(r"WeightsUnpickler error:\s*(.*)", str(err))
+    if refused:
+        return f"a pickle the tensors-only loader refuses: {refused.group(1).strip()}"
+    if isinstance(err, EOFError):
+        return "the file ends early"
+    return str(err).split(". ")[0].strip() or type(err).__name__
 
 
 @subcommand("convert-flow")

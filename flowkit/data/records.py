@@ -1,11 +1,12 @@
 """Load prompt records from JSONL, parquet or a ``datasets.save_to_disk`` directory, with clear errors.
 
 Every problem with the input is a :class:`RecordError` whose one-line message names the file and the
-line (JSONL) or row (parquet, datasets): malformed JSON, a line that is not an object, a missing
-required field, an empty or whitespace-only required value, a text field holding a list, object or
+line (JSONL) or row (parquet, datasets): malformed JSON, JSON nested too deeply to parse, a line that is not an
+object, a missing required field, an empty or whitespace-only required value, a text field holding a list, object or
 boolean (a number is converted with ``str``), text no tokenizer can encode (a lone UTF-16 surrogate such
-as ``"\ud800"``), bytes that are not UTF-8, a path that does not exist (the message lists nearby files),
-and a file without any usable record. With ``on_error="skip"`` bad records are dropped instead, one
+as ``"\ud800"``), bytes that are not UTF-8, a JSONL line longer than ``max_line_bytes`` (never read into
+memory whole), a path that does not exist (the message lists nearby files), and a file without any usable
+record. With ``on_error="skip"`` bad records are dropped instead, one
 warning reports how many, and the returned :class:`Records` carries the count as ``skipped``.
 """
 
@@ -14,9 +15,10 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from flowkit.errors import ConfigError
 
@@ -44,6 +46,7 @@ def load_records(
     on_error: Literal["raise", "skip"] = "raise",
     text: Sequence[str] = (),
     convert: Callable[[dict[str, Any]], Any] | None = None,
+    max_line_bytes: int | None = None,
 ) -> Records:
     """Read the records at ``path`` and check that every ``required`` field is present and non-empty.
 
@@ -54,7 +57,8 @@ def load_records(
     null counts as absent (``required`` fields must not be null).
     Every string in a record must be encodable as UTF-8. ``convert(record)``, if given, runs after these
     checks and its result is what is kept; a ``ValueError`` it raises is that record's problem (reported with its
-    file and line, or skipped).
+    file and line, or skipped). A JSONL line longer than ``max_line_bytes`` is a bad record, read in pieces and
+    dropped, so memory stays bounded whatever a line holds (parquet files and datasets are read whole).
     A path without any (usable) record is an error.
     """
     if on_error not in ("raise", "skip"):
@@ -67,7 +71,7 @@ def load_records(
     elif path.is_dir():
         rows = _dataset_rows(path)
     elif path.suffix == ".jsonl":
-        rows = _jsonl_rows(path)
+        rows = _jsonl_rows(path, max_line_bytes)
     elif path.suffix == ".parquet":
         rows = _parquet_rows(path)
     else:
@@ -123,7 +127,7 @@ def _check_text(row: dict[str, Any], text: Sequence[str], where: str) -> None:
         elif field in row and not isinstance(value, str):
             raise RecordError(f"{where}: field {field!r} must be a string (or a number), got {type(value).__name__}")
     for field, value in row.items():
-        for string in _strings(value):
+        for string in strings_in(value):
             try:
                 string.encode("utf-8")
             except UnicodeEncodeError as err:
@@ -131,23 +135,28 @@ def _check_text(row: dict[str, Any], text: Sequence[str], where: str) -> None:
                                   f"{err.start})") from None
 
 
-def _strings(value: Any) -> Iterator[str]:
-    """Every string inside a JSON value."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _strings(item)
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string inside a JSON value, without recursion (a parsed value may nest as deep as the parser went)."""
+    pending = [value]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            pending.extend(reversed(value.values()))
+        elif isinstance(value, list):
+            pending.extend(reversed(value))
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any] | RecordError]]:
+def _jsonl_rows(path: Path, max_line_bytes: int | None) -> Iterator[tuple[str, dict[str, Any] | RecordError]]:
     """Yield ``(where, row)`` per non-blank line; a bad line yields its :class:`RecordError` instead."""
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(_lines(f, max_line_bytes), start=1):
             where = f"{path}:{number}"
+            if raw is None:
+                yield where, RecordError(f"{where}: the line is longer than {max_line_bytes} bytes, the most a record "
+                                         "may take here")
+                continue
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -160,10 +169,25 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any] | RecordError]
             except json.JSONDecodeError as err:
                 yield where, RecordError(f"{where}: malformed JSON ({err.msg} at column {err.colno})")
                 continue
+            except RecursionError:  # the parser recurses per nesting level; Python's recursion limit ends it
+                yield where, RecordError(f"{where}: JSON nested too deeply to parse (more than about "
+                                         f"{sys.getrecursionlimit()} levels)")
+                continue
             if not isinstance(row, dict):
                 yield where, RecordError(f"{where}: expected a JSON object, got {type(row).__name__}")
                 continue
             yield where, row
+
+
+def _lines(f: BinaryIO, limit: int | None) -> Iterator[bytes | None]:
+    """The lines of ``f``; in place of a line longer than ``limit`` bytes, ``None`` (the line is read in pieces)."""
+    while line := (f.readline() if limit is None else f.readline(limit + 1)):
+        if limit is not None and len(line) > limit:
+            while line and not line.endswith(b"\n"):
+                line = f.readline(1 << 20)
+            yield None
+        else:
+            yield line
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -31,6 +31,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 # Files that hold a tokenizer's vocabulary; a local model directory without any loads an empty tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# Weights in torch's pickle format, which flowkit never loads (unpickling a file can run its code).
+_PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth")
 
 
 class BackboneError(ValueError):
@@ -70,7 +72,8 @@ def load_backbone(
 
     A local path that does not exist fails before any hub lookup, so a typo never turns into a
     download attempt. A bad ``dtype`` is a :class:`~flowkit.errors.ConfigError`, found before anything loads;
-    a config that is not a causal LM's, weights that do not load (e.g. a truncated file) and a local directory
+    a config that is not a causal LM's, weights that do not load (e.g. a truncated file), weights only in pickle
+    format (``pytorch_model.bin``: only safetensors are loaded, a pickle is never opened) and a local directory
     without tokenizer files are each a :class:`BackboneError`.
     """
     torch_dtype(dtype)
@@ -89,10 +92,12 @@ def load_backbone(
         raise BackboneError(f"{path!r} is not a causal LM (config type {config.model_type!r})")
     if looks_local and not any((Path(path).expanduser() / name).is_file() for name in _TOKENIZER_FILES):
         raise BackboneError(f"model directory {path!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
+    if looks_local:
+        _check_safetensors_weights(Path(path).expanduser())
     try:
         with _weights_bar_only_on_a_terminal():
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+                path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=True
             )
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # e.g. truncated or mismatched weights
         raise BackboneError(f"cannot load the weights of {path!r}: {_first_line(err)}") from None
@@ -100,6 +105,18 @@ def load_backbone(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def _check_safetensors_weights(directory: Path) -> None:
+    """A model directory whose weights are only pickles: say what to do instead of failing in ``from_pretrained``."""
+    if any(directory.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for pattern in _PICKLE_WEIGHTS for p in directory.glob(pattern))
+    if pickles:
+        raise BackboneError(
+            f"model directory {str(directory)!r} holds its weights as pickle ({', '.join(pickles[:3])}), which flowkit "
+            "never loads (unpickling can run code); convert them to safetensors where you trust the file: "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR) writes model.safetensors")
 
 
 @contextlib.contextmanager

@@ -7,22 +7,30 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from flowkit.errors import ConfigError
 from flowkit.llm.backbone import decoder_layers
 
 
 def tapped_layer_indices(percentiles: Sequence[float], num_layers: int) -> list[int]:
-    """Hidden-state indices ``h = min(round(p·L), L−1) + 1`` for layer percentiles ``p``, as the official RLFR code taps.
+    """Hidden-state indices ``h = round(p·L) + 1`` for layer percentiles ``p``, as the official RLFR code taps.
 
-    The official code hooks decoder block ``model.layers[min(round(p·L), L−1)]`` (0-based); its output is HF's
+    The official code hooks decoder block ``model.layers[round(p·L)]`` (0-based); its output is HF's
     ``output_hidden_states`` entry ``h`` = block index + 1 (for L = 28: 8 / 15 / 22 at P = 0.25 / 0.5 / 0.75).
-    The block index is clamped to L−1 only because block L does not exist; the tap records the block's own output,
-    so at h = L it is the last block's output before the final norm (HF's last hidden state is after it).
+    The tap records the block's own output, so at h = L it is the last block's output before the final norm (HF's
+    last hidden state is after it). A percentile with round(p·L) = L names a block that does not exist: the official
+    code clamps it to the last block (L−1) silently, which another percentile may tap already; flowkit refuses it
+    (:class:`~flowkit.errors.ConfigError`) and names the percentile of the last block, (L−1)/L.
     """
     indices = []
     for p in percentiles:
         if not 0.0 < p <= 1.0:
             raise ValueError(f"layer percentile must be in (0, 1], got {p}")
-        indices.append(min(round(p * num_layers), num_layers - 1) + 1)
+        block = round(p * num_layers)
+        if block >= num_layers:
+            raise ConfigError(f"percentiles: {p} taps decoder block round({p}·{num_layers}) = {block}, but the "
+                              f"model's blocks are 0..{num_layers - 1}; the last block is percentile "
+                              f"{(num_layers - 1) / num_layers:.4g}")
+        indices.append(block + 1)
     return indices
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,11 +12,13 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
-from flowkit.data.records import LOAD_DATASET_PREFIX, RecordError, load_records
+from flowkit.data.records import LOAD_DATASET_PREFIX, RecordError, load_records, strings_in
 from flowkit.errors import ConfigError, check_range
 from flowkit.llm.backbone import ASSETS
 from flowkit.llm.chat import PROMPT_FORMATS, PromptFormat, format_prompt, is_conversation, resolve_prompt_format
 from flowkit.seeding import run_seed
+
+log = logging.getLogger(__name__)
 
 BUNDLED_ARITHMETIC = ASSETS / "arithmetic"
 
@@ -29,6 +32,30 @@ def resolve_data_path(path: str) -> Path | str:
     return Path(path).expanduser()
 
 
+def _check_lengths(record: dict[str, Any], fields: list[str], budget: tuple[int | None, int, int]) -> None:
+    """Characters first: no text field may hold more characters than the policy's context holds as tokens (one token
+    covers at most the tokenizer's longest vocabulary entry), so nothing is tokenized that cannot fit anyway —
+    tokenizing a 64 MB field takes minutes and tens of GB."""
+    context, _, longest_token = budget
+    if context is None:
+        return
+    for field in fields:
+        length = sum(map(len, strings_in(record.get(field))))
+        if length > context * longest_token:
+            raise ValueError(f"field {field!r} is {length} characters, at least {-(-length // longest_token)} tokens: "
+                             f"beyond the policy's context of {context} tokens (max_position_embeddings)")
+
+
+def _max_line_bytes(budget: tuple[int | None, int, int] | None) -> int | None:
+    """The longest JSONL line worth reading, so one line cannot fill memory: 16 bytes for each character the policy's
+    context holds, plus 1 MiB for other fields (None without a context). The fields themselves are bounded by
+    :func:`_check_lengths`; this only has to be loose enough never to refuse a record they would accept."""
+    if budget is None or budget[0] is None:
+        return None
+    context, _, longest_token = budget
+    return 16 * context * longest_token + 2**20
+
+
 def _normalize(record: dict[str, Any], prompt: str, answer_key: str, solution_key: str | None) -> dict[str, str]:
     row = {"prompt": prompt, "answer": str(record[answer_key])}
     if solution_key is not None and solution_key in record:
@@ -37,7 +64,8 @@ def _normalize(record: dict[str, Any], prompt: str, answer_key: str, solution_ke
 
 
 def collate_records(rows: list[dict[str, str]]) -> dict[str, list[str]]:
-    return {key: [row[key] for row in rows] for key in rows[0]}
+    """The fields every row has, as lists (a ``solution`` only some records carry is not a batch column)."""
+    return {key: [row[key] for row in rows] for key in rows[0] if all(key in row for row in rows)}
 
 
 class PromptStream(IterableDataset):
@@ -95,14 +123,17 @@ class RolloutDataModule(L.LightningDataModule):
             has a chat template (instruct models), else ``text``.
         prompt_template: the text of a string prompt, ``{prompt}`` replaced by the record's prompt (e.g. with a
             "put your final answer within \\boxed{}" instruction); in ``chat`` format, the user message's text.
+            It must hold ``{prompt}``.
         batch_size: prompts per RL step (optimizer step) across all ranks, as in the paper (128 prompts × n
             samples); each of the W ranks takes ``batch_size / W`` of them (it must divide).
         val_batch_size: prompts per validation batch.
         max_val_examples: cap on each eval set (``None`` for all).
         on_error: ``raise`` on a bad record, or ``skip`` it and log a count. Records are checked in ``setup``
-            (:func:`~flowkit.data.records.load_records`); with the trained module's tokenizer, a prompt must also
-            encode and, with the module's ``max_new_tokens``, fit its model's context (``max_position_embeddings``);
-            prompts are never truncated. Fewer usable training records than ``batch_size`` is an error.
+            (:func:`~flowkit.data.records.load_records`); with the trained module's tokenizer, no text field
+            (prompt, answer, solution) may hold more characters than the model's context can hold as tokens
+            (checked before anything is tokenized), a prompt must encode and, with the module's ``max_new_tokens``,
+            fit its model's context (``max_position_embeddings``); prompts are never truncated. Fewer usable
+            training records than ``batch_size`` is an error.
         seed: shuffling seed of the training stream; ``None`` (default): the run's global seed
             (``seed_everything``), so one seed varies the prompt order too; an int pins it.
     """
@@ -134,6 +165,9 @@ class RolloutDataModule(L.LightningDataModule):
         if prompt_format not in PROMPT_FORMATS:
             raise ConfigError(f"RolloutDataModule.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
                               f"got {prompt_format!r}")
+        if not isinstance(prompt_template, str) or "{prompt}" not in prompt_template:
+            raise ConfigError(f"RolloutDataModule.prompt_template must be a string holding {{prompt}}, got "
+                              f"{prompt_template!r}")
         self.prompt_format, self.prompt_template = prompt_format, prompt_template
         self.tokenizer: PreTrainedTokenizerBase | None = None  # the policy's (see use_module)
         self._module: L.LightningModule | None = None
@@ -149,10 +183,13 @@ class RolloutDataModule(L.LightningDataModule):
         budget = self._token_budget()
 
         def convert(record: dict[str, Any]) -> dict[str, str]:
+            if budget is not None:
+                _check_lengths(record, [prompt_key, *text], budget)
             prompt = self._checked_prompt(record, prompt_key, solution_key, budget)
             return _normalize(record, prompt, answer_key, solution_key)
 
-        return list(load_records(resolve_data_path(path), [prompt_key, answer_key], self.on_error, text, convert))
+        return list(load_records(resolve_data_path(path), [prompt_key, answer_key], self.on_error, text, convert,
+                                 _max_line_bytes(budget)))
 
     def _checked_prompt(self, record: dict[str, Any], prompt_key: str, solution_key: str | None,
                         budget: tuple[int | None, int, int] | None) -> str:
@@ -167,10 +204,7 @@ class RolloutDataModule(L.LightningDataModule):
         text = self._format_prompt(prompt)
         if budget is None:
             return text
-        context, max_new_tokens, longest_token = budget
-        if context is not None and len(text) > context * longest_token:  # tokenizing a 50 MB prompt takes minutes
-            raise ValueError(f"the prompt is {len(text)} characters, at least {-(-len(text) // longest_token)} tokens: "
-                             f"beyond the policy's context of {context} tokens (max_position_embeddings)")
+        context, max_new_tokens, _ = budget
         try:
             length = len(self.tokenizer(text)["input_ids"])
         except Exception as err:  # the Rust tokenizers raise TypeError / pyo3 exceptions for text they cannot take
@@ -200,7 +234,8 @@ class RolloutDataModule(L.LightningDataModule):
         return format_prompt(prompt, self.tokenizer, self._resolved_format, self.prompt_template)
 
     def _load_eval(self, path: str) -> list[dict[str, str]]:
-        first = load_records(resolve_data_path(path), [], "raise")[:1]
+        max_line_bytes = _max_line_bytes(self._token_budget())
+        first = load_records(resolve_data_path(path), [], "raise", max_line_bytes=max_line_bytes)[:1]
         prompt_key = self.prompt_key if not first or self.prompt_key in first[0] else "problem"
         rows = self._load(path, prompt_key, self.answer_key, None)
         return rows[: self.max_val_examples] if self.max_val_examples else rows
@@ -252,6 +287,9 @@ class RolloutDataModule(L.LightningDataModule):
         if not rows:  # raised here, when pretraining asks for its batches, before its first step
             raise RecordError(f"{resolve_data_path(self.train_path)}: offline flow pretraining (flow_pretrain_steps > 0)"
                               f" needs expert solutions, and no record has a {self.solution_key!r} field")
+        if len(rows) < len(self.train_records):
+            log.warning("%s: offline flow pretraining uses the %d of %d records that have a %r field",
+                        resolve_data_path(self.train_path), len(rows), len(self.train_records), self.solution_key)
         return iter(PromptStream(rows, min(batch_size, len(rows)), seed))
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

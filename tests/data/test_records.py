@@ -1,9 +1,10 @@
 import json
 import logging
+import sys
 
 import pytest
 
-from flowkit.data.records import RecordError, load_records
+from flowkit.data.records import RecordError, load_records, strings_in
 
 REQUIRED = ("prompt", "answer")
 
@@ -126,3 +127,29 @@ def test_saved_dataset_without_datasets_installed_says_what_to_install(tmp_path,
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)
     with pytest.raises(RecordError, match="needs the 'datasets' package"):
         load_records(tmp_path / "ds", REQUIRED)
+
+
+def test_json_nested_too_deeply_is_a_record_error_not_a_recursion_error(tmp_path):
+    deep = b'{"prompt": "1+1=", "answer": "2", "meta": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    path = write_lines(tmp_path / "train.jsonl", [good(1), deep, good(2)])
+    with pytest.raises(RecordError, match=rf"^{path}:2: JSON nested too deeply to parse \(more than about \d+ levels\)$"):
+        load_records(path, REQUIRED)
+    assert load_records(path, REQUIRED, on_error="skip").skipped == 1
+
+
+def test_strings_are_found_at_any_depth_without_recursion():
+    """A parsed record nests as deep as the parser went, close to the recursion limit: the walk must not recurse."""
+    value = ["deep"]
+    for _ in range(10 * sys.getrecursionlimit()):
+        value = [{"k": value}]
+    assert list(strings_in({"a": "x", "b": [1, "y", value]})) == ["x", "y", "deep"]
+
+
+def test_a_line_longer_than_max_line_bytes_is_a_bad_record_and_the_next_line_still_loads(tmp_path):
+    long = json.dumps({"prompt": "1+1=", "answer": "2", "solution": "x" * 5000}).encode()
+    path = write_lines(tmp_path / "train.jsonl", [good(1), long, good(2)])
+    with pytest.raises(RecordError, match=rf"^{path}:2: the line is longer than 1000 bytes, the most a record may take"):
+        load_records(path, REQUIRED, max_line_bytes=1000)
+    records = load_records(path, REQUIRED, on_error="skip", max_line_bytes=1000)
+    assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+1=", "answer": "3"}] and records.skipped == 1
+    assert len(load_records(path, REQUIRED, max_line_bytes=len(long) + 1)) == 3  # the newline counts

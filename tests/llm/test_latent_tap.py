@@ -1,24 +1,33 @@
 import pytest
 import torch
 
+from flowkit.errors import ConfigError
 from flowkit.llm.latent_tap import LatentTap, tapped_layer_indices
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 
 
 def test_layer_indices_by_hand():
-    # The official code hooks block round(p·L) (0-based; clamped to L−1): HF hidden-state index round(p·L) + 1.
+    # The official code hooks block round(p·L) (0-based): HF hidden-state index round(p·L) + 1.
     assert tapped_layer_indices([0.25, 0.5, 0.75], 28) == [8, 15, 22]
     assert tapped_layer_indices([0.25, 0.5, 0.75], 4) == [2, 3, 4]
-    assert tapped_layer_indices([1.0], 4) == [4]  # block 4 does not exist: the last block, 3
     assert tapped_layer_indices([0.01], 4) == [1]  # block 0
     with pytest.raises(ValueError):
         tapped_layer_indices([0.0], 4)
 
 
+@pytest.mark.parametrize(("percentile", "layers", "last"), [(1.0, 4, "0.75"), (0.99, 28, "0.9643")])
+def test_a_percentile_past_the_last_block_is_refused_not_clamped(percentile, layers, last):
+    """The official code clamps block round(p·L) = L to the last block, silently tapping it twice next to p = (L−1)/L."""
+    with pytest.raises(ConfigError, match=rf"percentiles: {percentile} taps decoder block round\({percentile}·{layers}\) = "
+                                          rf"{layers}, but the model's blocks are 0..{layers - 1}; the last block is "
+                                          rf"percentile {last}$"):
+        tapped_layer_indices([0.25, percentile], layers)
+
+
 def test_layer_positions_are_block_index_over_depth():
     """The flow sees the official layer value: the hooked block's 0-based index / L (7/28 = 0.25 for L = 28)."""
     model = tiny_qwen2(len(char_tokenizer("0123456789+=")), hidden_size=64, num_layers=28)
-    tap = LatentTap(model, [0.25, 0.5, 0.75, 1.0])
+    tap = LatentTap(model, [0.25, 0.5, 0.75, 27 / 28])
     assert tap.indices == [8, 15, 22, 28]
     assert tap.layer_positions == [7 / 28, 14 / 28, 21 / 28, 27 / 28]
 

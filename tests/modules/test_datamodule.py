@@ -3,7 +3,8 @@ import json
 import pytest
 
 from flowkit.data.records import RecordError
-from flowkit.modules.datamodule import PromptStream, RolloutDataModule
+from flowkit.errors import ConfigError
+from flowkit.modules.datamodule import PromptStream, RolloutDataModule, collate_records
 
 
 def test_prompt_stream_is_a_function_of_seed_and_index():
@@ -60,3 +61,15 @@ def test_batch_size_is_prompts_per_step_across_all_ranks():
     data.trainer = SimpleNamespace(global_rank=0, world_size=3)
     with pytest.raises(ConfigError, match=r"batch_size \(8, prompts per step across all ranks\) must be divisible by the number of ranks \(3\)"):
         data.train_dataloader()
+
+
+def test_batches_of_records_with_and_without_a_solution_leave_the_solution_out():
+    records = [{"prompt": "1", "answer": "1", "solution": "s"}, {"prompt": "2", "answer": "2"}]
+    assert collate_records(records) == {"prompt": ["1", "2"], "answer": ["1", "2"]}
+    assert collate_records(records[:1]) == {"prompt": ["1"], "answer": ["1"], "solution": ["s"]}
+
+
+@pytest.mark.parametrize("template", [None, "Solve this."])
+def test_a_prompt_template_without_the_prompt_is_refused(template):
+    with pytest.raises(ConfigError, match=r"RolloutDataModule.prompt_template must be a string holding \{prompt\}"):
+        RolloutDataModule(prompt_format="text", prompt_template=template)
