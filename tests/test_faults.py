@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import cli_errors
 import pytest
 import rlfr_run
 import torch
@@ -20,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from flowkit.checkpointing import AtomicCheckpointIO
+from flowkit.checkpointing import AtomicCheckpointIO, lock_run_directory
 from flowkit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +195,7 @@ def test_resume_after_sigterm_keeps_one_last_checkpoint(tmp_path):
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 4  # saved on SIGTERM
 
     toy_fit(tmp_path, 10, 5, "resume")
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]  # no last-v1.ckpt
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "last.ckpt.previous"]  # no last-v1.ckpt
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 10
 
 
@@ -244,7 +245,7 @@ def test_processes_saving_to_one_directory_never_expose_a_partial_file(tmp_path)
         out, err = writer.communicate(timeout=60)
         assert writer.returncode == 0 and out.strip() == "done", err[-2000:]
     assert reads > 10 and len(seen) >= 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.previous"]  # no temporary file left
 
 
 # ------------------------------------------------------------------------------ export into a non-empty directory
@@ -310,3 +311,51 @@ def test_score_creates_missing_output_directories_and_checks_outputs_before_work
         score(None, flow_policy, None, input=str(tmp_path / "never-read.jsonl"), output=str(tmp_path / "b.jsonl"),
               html_output=str(tmp_path / "taken"))
     assert not (tmp_path / "b.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------ a full disk, two runs at once
+
+EVERY_STEP = ("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+              "      init_args: {save_last: true, save_top_k: 0, every_n_train_steps: 1}\n")
+
+
+@pytest.mark.slow  # two runs of the CLI: a checkpoint to keep, then the resume whose save fails
+def test_a_write_that_fails_mid_checkpoint_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """Resumed with every file capped at 1 MiB (the checkpoint is 13 MB), the save fails with EFBIG as it would with
+    ENOSPC on a full disk: one line naming the file, and the step-1 last.ckpt stays whole."""
+    (tmp_path / "every_step.yaml").write_text(EVERY_STEP)
+    every_step = ["--config", str(tmp_path / "every_step.yaml")]
+    first = cli_errors.fit(tmp_path, 1, *every_step)
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = tmp_path / "runs" / "rlfr_tiny" / "checkpoints" / "last.ckpt"
+    saved = last.read_bytes()
+
+    result = cli_errors.fit(tmp_path, 2, *every_step, "--ckpt_path", "last", file_size=1 << 20)
+    assert cli_errors.one_line_error(result, max_lines=None) == (
+        f"error: cannot write checkpoint {last}: File too large; last.ckpt there is unchanged")
+    assert last.read_bytes() == saved
+    assert torch.load(last, weights_only=True)["global_step"] == 1
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # the partial temporary file is gone
+
+
+def test_a_second_fit_in_a_run_directory_in_use_refuses_and_a_killed_runs_lock_blocks_nothing(tmp_path):
+    run_dir = tmp_path / "runs" / "rlfr_tiny"
+    first = subprocess.Popen(rlfr_run.command(tmp_path, 100_000, "--data.init_args.val_path", "null"),
+                             env=rlfr_run.env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / ".flowkit.lock").is_file() or not (run_dir / ".flowkit.lock").read_text():
+            if first.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the first run never locked its directory:\n{first.communicate()[1][-3000:]}")
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)  # it holds the lock while frozen, and leaves the CPU to the second run
+        second = cli_errors.fit(tmp_path, 0)
+        assert cli_errors.one_line_error(second).startswith(
+            f"error: {run_dir} is in use by another run (process {first.pid} on ")
+        assert first.poll() is None  # the refusal did not touch the first run
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    assert (run_dir / ".flowkit.lock").read_text().startswith(f"process {first.pid} ")  # left behind by the kill
+    lock_run_directory(run_dir).release()  # yet it blocks nothing (this test is another process)
