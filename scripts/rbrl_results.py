@@ -68,6 +68,7 @@ def run_fit(config: str, arm: str, seed: int, root: Path, numeric_sac_steps: int
     return {
         "config": Path(config).stem, "arm": arm, "seed": seed, "fit_seconds": seconds,
         "eval_seeds": results.pop("eval_seeds"), "diagnostics": results.pop("selector_diagnostics"),
+        "llm_report": results.pop("llm_report", []),
         "returns": results, "curve": curve,
     }
 
@@ -133,11 +134,11 @@ def table(name: str, rows: list[dict]) -> str:
     seeds = [r["seed"] for r in rows]
     trained, fixed = trained_rows(rows), training_free_rows(rows)
     lines = [f"== {name}: episode return, mean ± std; training seeds {seeds}, evaluation seeds {rows[0]['eval_seeds']}",
-             f"{'policy':48s} {'mean':>9s} {'± std':>7s}   values"]
+             f"{'policy':56s} {'mean':>9s} {'± std':>7s}   values"]
     entries = [(f"{k} ({len(seeds)} training seeds)", v) for k, v in trained.items()]
     entries += [(f"{k} ({len(v)} eval seeds)", v) for k, v in fixed.items()]
     for label, values in sorted(entries, key=lambda e: -e[1].mean()):
-        lines.append(f"{label:48s} {values.mean():9.3f} {std(values):7.3f}   " + " ".join(f"{v:.3f}" for v in values))
+        lines.append(f"{label:56s} {values.mean():9.3f} {std(values):7.3f}   " + " ".join(f"{v:.3f}" for v in values))
 
     lines += ["", f"paired difference trained selector − policy, over the {len(seeds)} training seeds",
               f"{'policy':40s} {'mean':>8s} {'± std':>7s} {'95% CI':>17s} {'wins':>5s}"]

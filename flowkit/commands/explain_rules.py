@@ -25,7 +25,8 @@ def format_step(record: StepRecord) -> str:
         lines.append(f"  {marker} p={prob} {rule['rule']}")
     lines.append(f"  action: {record.action_text}")
     lines.append(f"  explanation: {record.explanation}")
-    lines.append(f"  reward: env {record.env_reward:+.3f}, rule {record.rule_reward:.2f}")
+    rule = "none (not judged)" if record.rule_reward is None else f"{record.rule_reward:.2f}"
+    lines.append(f"  reward: env {record.env_reward:+.3f}, rule {rule}")
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 
 from flowkit.errors import ConfigError
 from flowkit.rbrl import sac
@@ -54,7 +54,7 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-class _TrainingSteps(IterableDataset):
+class _TrainingSteps(Dataset):
     """One item per training step (its index): the module samples its own replay batches, several per
     step (``critic_updates`` + ``actor_updates``), after the step's environment interaction."""
 
@@ -64,15 +64,15 @@ class _TrainingSteps(IterableDataset):
     def __len__(self) -> int:
         return self.datamodule.updates_per_epoch
 
-    def __iter__(self):
-        yield from range(self.datamodule.updates_per_epoch)
+    def __getitem__(self, index: int) -> int:
+        return index
 
 
 class RuleEnvDataModule(LightningDataModule):
     """Environment, rule source, judge, embedding cache and replay buffer.
 
     Args:
-        env: ``binpacking`` or ``wearables``; ``env_kwargs`` go to the environment.
+        env: ``binpacking``, ``wearables`` or ``heatalerts``; ``env_kwargs`` go to the environment.
         rules: where candidate rules and rule-following actions come from.
         judge: the rule-reward judge.
         max_rules: rule sets are truncated/padded to this many.
@@ -624,8 +624,10 @@ class SelectorModule(LightningModule):
         self.eval()
         results, diagnostics = dm.compare(self.greedy_rule, self.sampled_chooser)
         table = format_results(f"RBRL {dm.env_name}", results, dm.eval_seeds, dm.eval_episodes, diagnostics)
-        print("\n" + table, flush=True)
+        llm_report = [part.report() for part in (dm.source, dm.judge) if hasattr(part, "report")]
+        print("\n" + "\n".join([table, *llm_report]), flush=True)
         out = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "results.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        summary = {"eval_seeds": dm.eval_seeds, "selector_diagnostics": diagnostics | {"same_as_fixed_rule": same_as_fixed_rule(results, diagnostics)}}
+        summary = {"eval_seeds": dm.eval_seeds, "llm_report": llm_report,
+                   "selector_diagnostics": diagnostics | {"same_as_fixed_rule": same_as_fixed_rule(results, diagnostics)}}
         out.write_text(json.dumps({k: v.tolist() for k, v in results.items()} | summary, indent=1))

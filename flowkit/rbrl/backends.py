@@ -37,9 +37,10 @@ class ChatBackendUnavailable(ConfigError):
 class FailureStreak:
     """Consecutive failures of one kind for one user of a backend (e.g. ``LLMJudge``'s backend calls).
 
-    ``failed`` counts a failure (``total`` counts them all), logs a warning at the first failure of a streak
-    (the rest of a streak at INFO, so a dead server is one warning line, not one per call) and raises
-    :class:`ChatBackendUnavailable` once ``limit`` failures came in a row; ``succeeded`` ends the streak.
+    ``failed`` counts a failure (``total`` counts them all), logs the run's first one as a warning and the rest at
+    INFO (a dead server is one warning line and then the error, an occasional refusal in a long run one warning in
+    all) and raises :class:`ChatBackendUnavailable` once ``limit`` failures came in a row; ``succeeded`` ends the
+    streak. ``summary()`` is the count for the end-of-run report.
     """
 
     def __init__(self, owner: str, what: str, limit: int, option: str):
@@ -49,7 +50,8 @@ class FailureStreak:
         self.in_a_row = 0
         self.total = 0
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, quiet: bool = False) -> None:
+        """Count a failure; ``quiet``: log it at INFO even if it is the first (another streak warned already)."""
         self.in_a_row += 1
         self.total += 1
         if self.in_a_row >= self.limit:
@@ -57,9 +59,13 @@ class FailureStreak:
                 f"{self.owner}: {self.limit} {self.what} in a row failed, the last: {reason}; stopping the run "
                 f"(check the backend's base_url / model and its server, or raise {self.option})"
             )
-        level = logging.WARNING if self.in_a_row == 1 else logging.INFO
-        log.log(level, "%s: %s failed (%d in a row, %d in all; the run stops at %d in a row): %s",
-                 self.owner, self.what.removesuffix("s"), self.in_a_row, self.total, self.limit, reason)
+        level = logging.WARNING if self.total == 1 and not quiet else logging.INFO
+        log.log(level, "%s: %s failed (%d in a row, %d in all; the run stops at %d in a row, later failures are "
+                "counted and logged at INFO): %s", self.owner, self.what.removesuffix("s"), self.in_a_row, self.total,
+                self.limit, reason)
+
+    def summary(self) -> str:
+        return f"{self.total} failed {self.what}"
 
     def succeeded(self) -> None:
         if self.in_a_row:
@@ -223,6 +229,12 @@ class HTTPChatBackend(ChatBackend):
             raise ChatBackendError(f"{self.url}: no complete reply within deadline_s = {self.deadline_s} s")
         return remaining
 
+    def _timed_out(self, wait: float, what: str) -> Exception:
+        """A wait that ran out: the call's deadline when it cut the wait short (not retried), else ``timeout_s``."""
+        if wait < self.timeout_s:
+            return ChatBackendError(f"{self.url}: no complete reply within deadline_s = {self.deadline_s} s ({what})")
+        return _Retry(f"timed out after {self.timeout_s} s ({what})")
+
     def _post(self, request: urllib.request.Request, deadline: float) -> bytes:
         """One attempt: the raw body of a 2xx reply, or :class:`_Retry` / :class:`ChatBackendError`."""
         wait = min(self.timeout_s, self._remaining(deadline))
@@ -238,11 +250,11 @@ class HTTPChatBackend(ChatBackend):
             if err.code not in self.RETRY_STATUS:
                 raise ChatBackendError(f"{self.url}: HTTP {err.code} {err.reason}") from None
             raise _Retry(f"HTTP {err.code} {err.reason}", retry_after_seconds(err.headers.get("Retry-After"))) from None
-        except TimeoutError as err:
-            raise _Retry(f"timed out after {self.timeout_s} s ({type(err).__name__})") from None
+        except TimeoutError:
+            raise self._timed_out(wait, "waiting for the reply") from None
         except urllib.error.URLError as err:
             if isinstance(err.reason, TimeoutError):
-                raise _Retry(f"timed out after {self.timeout_s} s (connect)") from None
+                raise self._timed_out(wait, "connect") from None
             raise _Retry(f"connection failed: {err.reason}") from None
         except (http.client.HTTPException, OSError) as err:  # e.g. the server closed without a status line
             raise _Retry(f"connection failed: {type(err).__name__}: {err}") from None
@@ -264,7 +276,7 @@ class HTTPChatBackend(ChatBackend):
             try:
                 chunk = response.read1(self.READ_CHUNK)
             except TimeoutError:
-                raise _Retry(f"timed out after {wait:.3g} s reading the reply") from None
+                raise self._timed_out(wait, "reading the reply") from None
             except (http.client.HTTPException, OSError) as err:  # IncompleteRead of a chunked body, resets
                 raise _Retry(f"reply cut short: {type(err).__name__}") from None
             if not chunk:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from flowkit.errors import ConfigError
 from flowkit.rbrl.binpacking import BinPackingLanguage
 from flowkit.rbrl.boehmer import BoehmerLanguage
+from flowkit.rbrl.heatalerts import HeatAlertsLanguage
 from flowkit.rbrl.language import LanguageEnv
 from flowkit.rbrl.wearables import WearablesLanguage
 
@@ -22,7 +23,9 @@ def make_wearables(simulator: str = "random_walk", **kwargs) -> LanguageEnv:
     return WEARABLES_SIMULATORS[simulator](**kwargs)
 
 
-ENVIRONMENTS: dict[str, Callable[..., LanguageEnv]] = {"binpacking": BinPackingLanguage, "wearables": make_wearables}
+ENVIRONMENTS: dict[str, Callable[..., LanguageEnv]] = {
+    "binpacking": BinPackingLanguage, "wearables": make_wearables, "heatalerts": HeatAlertsLanguage,
+}
 
 
 def make_env(name: str, **kwargs) -> LanguageEnv:

@@ -115,6 +115,11 @@ class LLMRuleSource(RuleSource):
     def seed(self, seed: int) -> None:
         """Nothing to reset: the randomness is the backend's sampling."""
 
+    def report(self) -> str:
+        """What went wrong so far, counted (printed at the end of ``fit``)."""
+        return (f"LLM rule source: {self.failures.summary()}, {self.skipped} states without valid rules "
+                f"({self.invalid_outputs} invalid rule lists), {self.fallback_actions} selected rules without a valid action")
+
     def _ask(self, content: str, call: str) -> str:
         """One backend call for ``call`` (thoughts, rules, action, explanation) at that call's temperature."""
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
@@ -142,13 +147,13 @@ class LLMRuleSource(RuleSource):
             prompt=env.prompt(), thoughts=_section("Thoughts", thoughts), n=self.num_rules,
             examples=("\n\n### Example rules\n" + "\n".join(examples)) if examples else "",
         )
-        reason = ""
+        reason, backend_failed = "", False
         for attempt in range(1, self.max_attempts + 1):
             try:
                 rules = parse_rules(self._ask(content, "rules"), max_chars=self.max_chars, max_rules=self.num_rules)
             except (RuleParseError, ChatBackendError) as err:
                 self.invalid_outputs += isinstance(err, RuleParseError)
-                reason = str(err)
+                reason, backend_failed = str(err), isinstance(err, ChatBackendError)
                 log.info("rule generation attempt %d/%d rejected: %s", attempt, self.max_attempts, reason)
                 continue
             self.states_without_rules.succeeded()
@@ -156,7 +161,8 @@ class LLMRuleSource(RuleSource):
         self.skipped += 1
         self.states_without_rules.failed(
             f"no valid rules after {self.max_attempts} attempts ({self.skipped} states skipped, "
-            f"{self.invalid_outputs} invalid outputs so far): {reason}"
+            f"{self.invalid_outputs} invalid outputs so far): {reason}",
+            quiet=backend_failed,  # the backend calls' own streak has warned
         )
         raise RuleGenerationError(reason)
 

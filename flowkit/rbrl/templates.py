@@ -207,7 +207,58 @@ BOEHMER_RULES = (
         lambda env: [0]),
 )
 
-LIBRARIES = {"binpacking": BINPACKING_RULES, "wearables": WEARABLES_RULES, "boehmer": BOEHMER_RULES}
+# ---- heat alerts (flowkit.rbrl.heatalerts) ----------------------------------------------------------------
+
+
+def _warn_if(condition: Callable[[dict, LanguageEnv], bool]) -> Callable[[LanguageEnv], list[int]]:
+    """Warn (1) when ``condition(today's features, env)`` holds and budget is left, else no warning (0)."""
+
+    def preferred(env) -> list[int]:
+        features = env.unwrapped.features()
+        return [1] if features["remaining_budget"] > 0 and condition(features, env) else [0]
+
+    return preferred
+
+
+def _hottest_ahead(features: dict, env) -> bool:
+    forecast = [hi for _, hi in env.forecast()[:3]]
+    return features["heat_qi"] >= 0.8 and all(features["hi_max"] * 100 >= hi for hi in forecast)
+
+
+HEATALERTS_RULES = (
+    TemplateRule(
+        "never", "Warnings are costly to credibility.", "Never issue a warning.", lambda env: [0]),
+    TemplateRule(
+        "whenever_budget", "Any warning may prevent some harm.", "Issue a warning whenever the budget allows.",
+        _warn_if(lambda f, env: True)),
+    TemplateRule(
+        "hot_day", "Hospitalisations rise on days that are hot for the location.",
+        "Issue a warning when today's heat index is at or above the 90th percentile for this location.",
+        _warn_if(lambda f, env: f["heat_qi"] >= 0.9)),
+    TemplateRule(
+        "very_hot_day", "Only the most extreme heat justifies a scarce warning.",
+        "Issue a warning only when today's heat index is at or above the 95th percentile for this location.",
+        _warn_if(lambda f, env: f["heat_qi"] >= 0.95)),
+    TemplateRule(
+        "unexpected_heat", "Heat is most dangerous when people are not used to it yet.",
+        "Issue a warning when today is hot (75th percentile or above) and clearly hotter than the last three days.",
+        _warn_if(lambda f, env: f["heat_qi"] >= 0.75 and f["excess_heat_3d"] >= 0.1)),
+    TemplateRule(
+        "hot_no_streak", "Warnings issued in a row lose their effect (warning fatigue).",
+        "Issue a warning on days at or above the 90th percentile, unless a warning was issued yesterday.",
+        _warn_if(lambda f, env: f["heat_qi"] >= 0.9 and not f["alert_lag1"])),
+    TemplateRule(
+        "hot_weekend", "People are outdoors more at weekends and on holidays.",
+        "Issue a warning on hot (75th percentile or above) weekend days and holidays.",
+        _warn_if(lambda f, env: f["heat_qi"] >= 0.75 and (f["weekend"] or f["holiday"]))),
+    TemplateRule(
+        "hottest_ahead", "A warning is best spent on the peak of a heatwave.",
+        "Issue a warning when today is hot (80th percentile or above) and no hotter day is forecast in the next three days.",
+        _warn_if(_hottest_ahead)),
+)
+
+LIBRARIES = {"binpacking": BINPACKING_RULES, "wearables": WEARABLES_RULES, "boehmer": BOEHMER_RULES,
+             "heatalerts": HEATALERTS_RULES}
 
 
 class TemplateRuleSource(RuleSource):

@@ -121,7 +121,7 @@ def _datamodule(**kwargs) -> RuleEnvDataModule:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"env": "cartpole"}, r"RuleEnvDataModule.env must be one of \['binpacking', 'wearables'\]"),
+        ({"env": "cartpole"}, r"RuleEnvDataModule.env must be one of \['binpacking', 'heatalerts', 'wearables'\]"),
         ({"max_rules": 0}, r"RuleEnvDataModule.max_rules must be >= 1"),
         ({"num_envs": 0}, r"RuleEnvDataModule.num_envs must be >= 1"),
         ({"batch_size": 0}, r"RuleEnvDataModule.batch_size must be >= 1"),
@@ -296,3 +296,13 @@ def test_official_target_entropy_uses_the_action_count_and_warns_when_unreachabl
     model.num_actions = 6  # 0.89 · log 6 = 1.59 < log 7: reachable, no warning
     model._check_target_entropy(SimpleNamespace(buffer=buffer))
     assert caplog.text == ""
+
+
+def test_explain_rules_prints_a_step_without_a_rule_reward():
+    from flowkit.commands.explain_rules import format_step
+    from flowkit.rbrl.agent import StepRecord
+
+    record = StepRecord(t=3, state_text="s", rules=[{"rule": "r0"}, {"rule": "r1"}], chosen=1, action=0,
+                        action_text="a", explanation="e", env_reward=-1.0, rule_reward=None, probabilities=[0.25, 0.75])
+    text = format_step(record)
+    assert "→ p=0.75 r1" in text and "reward: env -1.000, rule none (not judged)" in text

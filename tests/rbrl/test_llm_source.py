@@ -98,7 +98,8 @@ def test_agent_step_follows_algorithm_1_order(env):
         return env_step(action)
 
     env.step = recorded_step
-    agent = RuleAgent(env, LLMRuleSource(backend, num_rules=2), LLMJudge(backend), FixedEmbeddings(), max_rules=4)
+    judge = LLMJudge(backend, questions="paper")
+    agent = RuleAgent(env, LLMRuleSource(backend, num_rules=2), judge, FixedEmbeddings(), max_rules=4)
     obs = agent.observe()
     prompt_before = env.prompt()
     assert events == ["thoughts", "rules"] and "THOUGHT: nothing is open yet" in prompts[1]
@@ -117,9 +118,29 @@ def test_agent_step_follows_algorithm_1_order(env):
 
 
 def test_llm_judge_averages_three_yes_no_answers(env):
-    judge = LLMJudge(Scripted(["Yes.", "no", "I cannot tell"]))
+    judge = LLMJudge(Scripted(["Yes.", "no", "I cannot tell"]), questions="paper")
     assert judge.score(env, Rule(**RULE), Decision(0, "")) == pytest.approx(1 / 3)
     assert judge.unparsed == 1
+
+
+def test_official_judge_asks_two_calls_of_two_json_answers_before_and_after_the_action(env):
+    """The official agents.py's rule reward: mean of q1, q2 before the action (temperature 0) and q1, q2 after
+    (0.2); a reply without both answers scores its two questions 0, as the official code does."""
+    temperatures = []
+
+    class Judging(Scripted):
+        def complete(self, messages, temperature=None, max_tokens=None):
+            temperatures.append(temperature)
+            return super().complete(messages)
+
+    backend = Judging(['Sure: {"q1": 1, "q2": 0}', "{'q1': 'yes', 'q2': 1}"])
+    judge = LLMJudge(backend)
+    assert judge.score(env, Rule(**RULE), Decision(0, "")) == pytest.approx(3 / 4) and judge.unparsed == 0
+    assert temperatures == [0.0, 0.2]
+    assert "Rule: Fill the fullest bag." in backend.prompts[0] and "Action taken:" not in backend.prompts[0]
+    assert "Action taken: put the size-" in backend.prompts[1]
+    judge = LLMJudge(Judging(['{"q1": 1}', "I cannot judge this."]))
+    assert judge.score(env, Rule(**RULE), Decision(0, "")) == 0.0 and judge.unparsed == 2
 
 
 def test_untrained_hf_model_output_is_retried_then_skipped_and_counted(env, tmp_path, caplog):
@@ -166,7 +187,8 @@ def test_llm_agent_step_over_a_loopback_http_server(env, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with ScriptedServer(script) as server:
         backend = HTTPChatBackend(server.base_url, "local-model", max_retries=0, timeout_s=5.0)
-        agent = RuleAgent(env, LLMRuleSource(backend, num_rules=2), LLMJudge(backend), EmbeddingCache(), max_rules=4)
+        judge = LLMJudge(backend, questions="paper")
+        agent = RuleAgent(env, LLMRuleSource(backend, num_rules=2), judge, EmbeddingCache(), max_rules=4)
         obs = agent.observe()
         assert [r.rule for r in obs.rules] == [RULE["rule"], "Open a new bag for every item."]
         assert obs.embeddings.shape == (2, 384)

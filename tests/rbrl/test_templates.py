@@ -23,7 +23,8 @@ def test_every_template_rule_gives_valid_actions_along_random_episodes(name):
             before = env.snapshot()
             action = source.act(env, rule)
             assert action == rule.preferred[0]
-            _, _, done, _, info = env.step(action)
+            _, _, terminated, truncated, info = env.step(action)
+            done = terminated or truncated
             assert not info["invalid"]
             explanation = source.explain(before, rule, action)
             assert rule.rule in explanation and before.valid_actions()[action] in explanation
