@@ -192,6 +192,11 @@ class RuleEnvDataModule(LightningDataModule):
         return DataLoader(_TrainingSteps(self), batch_size=None)
 
     def sample(self) -> dict[str, torch.Tensor]:
+        if not len(self.buffer):
+            raise ConfigError(
+                f"{type(self).__name__}: no transition to learn from after the warm-up: every step lacked valid rules, "
+                "a valid action or a rule reward (see the warnings above); check data.init_args.rules and judge"
+            )
         return self.buffer.sample(self.batch_size, self.generator)
 
     # ---- interaction ------------------------------------------------------------------------------

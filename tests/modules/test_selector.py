@@ -306,3 +306,9 @@ def test_explain_rules_prints_a_step_without_a_rule_reward():
                         action_text="a", explanation="e", env_reward=-1.0, rule_reward=None, probabilities=[0.25, 0.75])
     text = format_step(record)
     assert "→ p=0.75 r1" in text and "reward: env -1.000, rule none (not judged)" in text
+
+
+def test_an_empty_replay_buffer_is_a_one_line_error_not_a_crash():
+    """When no step could be learned from (no valid rules, actions or rule rewards), the first update says so."""
+    with pytest.raises(ConfigError, match="RuleEnvDataModule: no transition to learn from after the warm-up"):
+        _datamodule().sample()

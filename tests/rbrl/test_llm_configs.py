@@ -44,6 +44,32 @@ def short_run(config: str, root: Path, base_url: str, *extra: str, **backend_opt
     ]
 
 
+def test_hf_config_runs_the_loop_through_a_local_model(tmp_path, capsys):
+    """rbrl_wearables_llm_hf.yaml with a tiny saved chat model in place of Llama-3.1-8B-Instruct, on CPU: the loop
+    prompts it through its chat template for thoughts and rules; an untrained model writes no valid rule list, so
+    the rule source stops the run in one line after 5 such states in a row."""
+    import string
+
+    from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
+
+    tokenizer = char_tokenizer(string.printable)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+               max_positions=8192).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    args = short_run("rbrl_wearables_llm_hf.yaml", tmp_path / "run", "unused")
+    args = args[: args.index("--data.init_args.rules.init_args.backend.init_args.base_url")]
+    for place in BACKEND_PLACES:
+        args += [f"--data.init_args.{place}.init_args.model", str(tmp_path / "model"),
+                 f"--data.init_args.{place}.init_args.device", "cpu", f"--data.init_args.{place}.init_args.max_new_tokens", "8"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: LLMRuleSource: 5 rule generations in a row failed, the last: no valid rules after 3 attempts" in err
+    assert "not valid JSON" in err and "Traceback" not in err
+
+
 def test_there_is_an_llm_config_per_environment():
     assert {"rbrl_binpacking_llm.yaml", "rbrl_wearables_llm.yaml"} <= set(LLM_CONFIGS)
 
