@@ -11,7 +11,10 @@ run again). Arms:
   also trains the numeric baselines (``--numeric-sac-steps``, ``--numeric-ppo-transitions``; default: the
   selector's environment steps, the paper's "equal environment steps");
 - ``no_rule_reward``: the same with ``rule_reward_coef: 0`` (environment reward only, no baselines), to tell
-  whether the rule reward is what moves the selector.
+  whether the rule reward is what moves the selector;
+- ``reward_x100``: the same with ``reward_scale: 100`` (the whole reward × 100, no baselines), to tell whether the
+  entropy term outweighs the reward: bin packing's official 1/100 rewards make the Q differences between rules
+  small beside α · log π.
 
 Then, per config and arm, ``results.md`` gets a table of mean ± std episode returns (rows that train: over training
 seeds, each value that seed's mean over the evaluation seeds; rows that do not train — fixed rules, random rule —
@@ -22,7 +25,7 @@ diagnostics: the rules the greedy selector chose, its agreement with each fixed 
 and the entropy of its rule choice at the first and last learning-curve evaluation. ``learning_curves.png``
 (needs matplotlib) plots greedy and sampled returns and the rule-choice entropy over training.
 
-    nice -n 10 python scripts/rbrl_results.py                            # both envs, seeds 0..4, both arms
+    nice -n 10 python scripts/rbrl_results.py                            # both envs, seeds 0..4, all arms
     python scripts/rbrl_results.py --configs configs/rbrl_wearables.yaml --seeds 0 1 --arms paper
     python scripts/rbrl_results.py --report-only                         # tables and plot from rows.jsonl
 """
@@ -39,7 +42,8 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_CONFIGS = ["configs/rbrl_binpacking.yaml", "configs/rbrl_wearables.yaml"]
-ARMS = {"paper": [], "no_rule_reward": ["--model.init_args.rule_reward_coef", "0"]}
+ARMS = {"paper": [], "no_rule_reward": ["--model.init_args.rule_reward_coef", "0"],
+        "reward_x100": ["--model.init_args.reward_scale", "100"]}
 SELECTOR = "trained selector"
 # t_{0.975, df} for the 95 % interval of a mean over n = df + 1 training seeds
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -204,7 +208,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["paper", "no_rule_reward"])
+    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["paper", "no_rule_reward", "reward_x100"])
     parser.add_argument("--root", type=Path, default=Path("runs/rbrl_results"))
     parser.add_argument("--numeric-sac-steps", type=int, default=1216,
                         help="numeric SAC training steps in the paper arm, after its 256-transition warm-up (0: none)")
