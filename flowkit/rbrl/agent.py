@@ -170,8 +170,7 @@ def evaluate(
 def selection_diagnostics(records: list[StepRecord]) -> dict[str, dict[str, float]]:
     """What a selector did over ``records`` (the steps where it chose a rule):
 
-    - ``chosen``: fraction of steps it chose each named rule (rules without a name, e.g. LLM-written ones,
-      count as ``"(unnamed)"``);
+    - ``chosen``: fraction of steps it chose each named rule (LLM-written rules have no name: empty for them);
     - ``agreement``: for each named executable rule, the fraction of steps where the action taken equals
       the action that rule takes in that state — 1.0 means the selector behaved exactly as that fixed rule
       (rules that tie on most states agree often without being chosen).
@@ -179,8 +178,8 @@ def selection_diagnostics(records: list[StepRecord]) -> dict[str, dict[str, floa
     steps = [r for r in records if r.chosen is not None]
     if not steps:
         return {"chosen": {}, "agreement": {}}
-    names = [r.rules[r.chosen].get("name") or "(unnamed)" for r in steps]
-    chosen = {name: names.count(name) / len(steps) for name in sorted(set(names))}
+    names = [r.rules[r.chosen].get("name") for r in steps]
+    chosen = {name: names.count(name) / len(steps) for name in sorted(set(names) - {None})}
     rules = sorted({name for r in steps for name in r.fixed_actions})
     agreement = {
         name: float(np.mean([r.fixed_actions.get(name) == r.action for r in steps])) for name in rules
