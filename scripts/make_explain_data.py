@@ -60,14 +60,20 @@ def sft(model, tensors, steps: int, batch_size: int, lr: float, seed: int, name:
     model.eval()
 
 
-def proxy_pairs(records: list[dict], seed: int, noise: float) -> list[tuple[str, str]]:
-    """(proxy prompt over s^{1:k}, " label") for every record and prefix k ≥ 1."""
+def proxy_pairs(records: list[dict], seed: int, noise: float,
+                misreading: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """(proxy prompt over s^{1:k}, " label") for every record and prefix k ≥ 1.
+
+    ``misreading`` maps an implied decision to the one this proxy reads instead (a systematic error, used by
+    ``scripts/make_noisy_proxies.py``); None: every implied decision is read as it is."""
+    misreading = misreading or {}
     rng = random.Random(seed)
     pairs = []
     for rec in records:
         sentences = split_sentences(rec["explanation"])
         for k in range(1, len(sentences) + 1):
-            label = rec["implied"] or rng.choice(DECISIONS)
+            implied = misreading.get(rec["implied"], rec["implied"])
+            label = implied or rng.choice(DECISIONS)
             if rng.random() < noise:
                 label = rng.choice(DECISIONS)
             pairs.append((proxy_prompt(rec["context"], " ".join(sentences[:k])), " " + label))
