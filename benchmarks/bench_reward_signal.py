@@ -171,7 +171,7 @@ def pretrained_flow(args, model, tokenizer) -> tuple[FlowReward, LatentTap]:
     with this script's flow options."""
     reward = flow_reward(args)
     tap = LatentTap(model, reward.percentiles)
-    reward.bind(model.config.hidden_size, tap.layer_positions, getattr(model.config, "rms_norm_eps", None))
+    reward.bind(model, tap.layer_positions)
     train = load_records(resolve_data_path("bundled:arithmetic/train.jsonl"), ["prompt", "solution"])
     optimizer = torch.optim.AdamW(reward.parameters(), lr=args.flow_lr)
     schedule = flow_pretraining_schedule(optimizer, args.pretrain_steps, decay=args.pretrain_lr_decay)

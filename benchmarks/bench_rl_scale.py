@@ -56,7 +56,7 @@ class StepPhases(L.Callback):
         self.device, self.steps, self.flow_reward_s, self.flow_pieces = device, [], 0.0, 0
 
     def wrap_reward(self, reward: FlowReward) -> None:
-        original, original_update = reward.token_rewards, reward.update_losses
+        original, original_update = reward.score, reward.end_step
 
         def timed(*args, **kwargs):
             synchronize(self.device)
@@ -71,7 +71,7 @@ class StepPhases(L.Callback):
             self.flow_pieces += len(pieces)
             return pieces
 
-        reward.token_rewards, reward.update_losses = timed, counted
+        reward.score, reward.end_step = timed, counted
 
     def on_train_batch_start(self, *args):
         synchronize(self.device)

@@ -27,7 +27,7 @@ from flowkit.explain.context import encode_context
 from flowkit.explain.flow_net import ExplanationFlow
 from flowkit.explain.gridworld import make_records
 from flowkit.explain.prompts import explanation_prompt
-from flowkit.explain.reward_model import FlowRewardModel
+from flowkit.explain.reward_model import ExplanationFlowModel
 from flowkit.explain.sentence_rewards import (
     flow_samples,
     flow_samples_per_prefix,
@@ -66,7 +66,7 @@ def reward_variance(args, backbone, tokenizer) -> None:
     """Variance over z0 seeds of r(s^k) with common vs independent draws per prefix (see module docstring)."""
     ids, mask, prompt_lengths, ends = explanation_rows(tokenizer, args.rows, 4)
     prefixes, prefix_mask = prefix_table(prompt_lengths, ends)
-    model = FlowRewardModel(4, backbone.config.hidden_size, num_steps=args.steps, num_draws=args.draws,
+    model = ExplanationFlowModel(4, backbone.config.hidden_size, num_steps=args.steps, num_draws=args.draws,
                             time_dim=32, projector_dim=128)
     context = model.encode(backbone, ids, mask)
     targets = torch.softmax(3 * torch.randn(args.rows, 4, generator=torch.Generator().manual_seed(1)), -1)

@@ -27,6 +27,7 @@ class RolloutBatch:
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)  # reference answers, one per row
+    columns: dict[str, list] = field(default_factory=dict)  # the data's other fields, one value per row
     outcome_rewards: Tensor | None = None  # B float
     correct: Tensor | None = None  # B bool
     token_rewards: Tensor | None = None  # B×S float, dense (flow) rewards on response tokens
@@ -55,6 +56,8 @@ class RolloutBatch:
                 value = tensor_fn(f.name, value)
             elif isinstance(value, list):
                 value = list_fn(value)
+            elif isinstance(value, dict):
+                value = {key: list_fn(column) for key, column in value.items()}
             values[f.name] = value
         return RolloutBatch(**values)
 
@@ -72,6 +75,12 @@ class RolloutBatch:
             lambda values: [values[i] for i in rows] if values else [],
         )
 
+    def trimmed(self) -> RolloutBatch:
+        """The rows cut after their last real token (right padding costs compute and changes nothing)."""
+        length = int(self.attention_mask.any(0).nonzero().max()) + 1
+        return self._map(lambda name, t: t[:, :, :length] if name == "latents" else t[:, :length] if t.dim() >= 2 else t,
+                         list)
+
     @staticmethod
     def cat(batches: list[RolloutBatch]) -> RolloutBatch:
         """Concatenate rows, right-padding sequences to the longest one."""
@@ -85,6 +94,8 @@ class RolloutBatch:
                 values[f.name] = None
             elif isinstance(parts[0], list):
                 values[f.name] = [x for p in parts for x in p]
+            elif isinstance(parts[0], dict):
+                values[f.name] = {key: [x for p in parts for x in p[key]] for key in parts[0]}
             elif any(p is None for p in parts):
                 raise ValueError(f"RolloutBatch.cat: field {f.name!r} is set in some batches only")
             elif f.name == "latents":

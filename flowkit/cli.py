@@ -202,6 +202,11 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # flowkit checkpoints the state after each RL step's optimizer steps on purpose: resume continues from there.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+    # Frozen models (proxies, evaluators, KL references) are in eval mode on purpose.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+    # DeepSpeed calls torch's collectives by their deprecated names on every ZeRO gather: not the user's to act on.
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+                                              r"deprecated")
     rank_zero_module.log.addFilter(_without_lightning_noise)
     _load_builtin_subcommands()
     argv = sys.argv[1:] if args is None else list(args)

@@ -8,7 +8,8 @@ are filled here:
   rebuilds it as ``DeepSpeedCPUAdam`` with the same parameter groups and hyperparameters, so modules
   stay strategy-agnostic.
 * A module with several backward passes per optimizer step (:func:`accumulate_until_step`,
-  :func:`manual_backward`) needs DeepSpeed's accumulation boundary moved to ``step()``.
+  :func:`manual_backward`, :func:`average_gradients`) needs DeepSpeed's accumulation boundary moved to ``step()``,
+  and under DDP its gradients averaged once per step instead of in every backward.
 * Lightning refuses DeepSpeed without CUDA; on the CPU accelerator :class:`FlowkitDeepSpeedStrategy` runs ZeRO
   0–3 on CPU processes (``devices=N``) over gloo with DeepSpeed's CPU accelerator, so a GPU config rehearses on
   CPU by setting ``trainer.accelerator: cpu`` alone. :class:`CPUDeepSpeedStrategy` is the same strategy refusing
@@ -156,16 +157,45 @@ def accumulate_until_step(trainer: L.Trainer, max_grad_norm: float | None) -> No
 
 
 def manual_backward(module: L.LightningModule, loss: torch.Tensor) -> None:
-    """``module.manual_backward(loss)`` for one of a step's several backward passes. All of them run inside one
-    DeepSpeed engine forward (Lightning calls ``training_step`` through it), and ZeRO resets its per-backward
-    gradient-hook state (which parameters to expect, copy-or-accumulate) only at an engine forward; so it is reset
-    here, as that forward would, or ZeRO-2/3 overwrite or miss gradients of earlier backward passes."""
+    """``module.manual_backward(loss)`` for one of a step's several backward passes.
+
+    DeepSpeed: all of them run inside one engine forward (Lightning calls ``training_step`` through it), and ZeRO
+    resets its per-backward gradient-hook state (which parameters to expect, copy-or-accumulate) only at an engine
+    forward; so it is reset here, as that forward would, or ZeRO-2/3 overwrite or miss gradients of earlier backward
+    passes. DDP: its reducer expects one backward per forward reaching every parameter, which a step of micro-batches
+    and flow pieces is not; so gradients are not synchronized in the backward here, but averaged over the ranks once
+    before the optimizer step (:func:`average_gradients`)."""
     strategy = module.trainer.strategy
-    engine = strategy.model if isinstance(strategy, DeepSpeedStrategy) else None
-    reset = getattr(getattr(engine, "optimizer", None), "clear_backward_seen_flag", None)
-    if reset is not None:
-        reset()
+    if isinstance(strategy, DeepSpeedStrategy):
+        reset = getattr(getattr(strategy.model, "optimizer", None), "clear_backward_seen_flag", None)
+        if reset is not None:
+            reset()
+    elif isinstance(strategy, DDPStrategy) and strategy.model is not None:
+        strategy.model.require_backward_grad_sync = False  # what DDP.no_sync() sets, for the whole step
     module.manual_backward(loss)
+
+
+def average_gradients(module: L.LightningModule) -> None:
+    """Under DDP (where :func:`manual_backward` leaves gradients unsynchronized), replace every gradient by its mean
+    over the ranks, before clipping and the optimizer step; elsewhere nothing (DeepSpeed reduces in its backward).
+    Ranks agree on which parameters have a gradient (a missing one counts as zeros where another rank has one)."""
+    strategy = module.trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, DDPStrategy) or strategy.world_size < 2:
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=module.device)
+    torch.distributed.all_reduce(present, op=torch.distributed.ReduceOp.MAX)
+    synced = [p for p, has in zip(params, present.tolist(), strict=True) if has]
+    for p in synced:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in synced]) if synced else torch.zeros(0, device=module.device)
+    torch.distributed.all_reduce(flat)
+    flat /= strategy.world_size
+    offset = 0
+    for p in synced:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -1,14 +1,25 @@
-"""Paired study on the bundled toy task (seed 000 §5): flow reward vs the paper's baselines that fit here.
+"""Paired study of the explanation reward (seed 000 §5) on the bundled toy tasks: the flow vs its proxies.
 
-    OMP_NUM_THREADS=1 python scripts/explain_study.py [--seeds 0 1 2] [--arms flow proxy sparse sft]
+    OMP_NUM_THREADS=1 python scripts/explain_study.py [--toys tiny noisy] [--seeds 0 1 2 3 4]
+        [--arms flow proxy proxy0 proxy1 proxy2 sparse sft] [--out runs/explain_study.jsonl]
 
-Every arm starts from the same SFT on the records' ``preferred`` explanations (``--sft-epochs``, paper: 3)
-and then runs ``configs/explain_tiny.yaml`` (two rounds) with ``reward`` flow / proxy / sparse; ``sft`` stops
-after the SFT. Each arm is then judged by ``flowkit validate``'s evaluation on the test split (``val/*``),
-whose explanation accuracy comes from the held-out evaluator (``bundled:explain_tiny/proxy2``, not a
-training proxy). Seeds pair the arms (same seed → same SFT data order, same initial LoRA). Prints mean ±
-standard error over seeds per arm and the paired difference flow − sft; writes one JSON line per run to
-``--out``.
+Every arm starts from the same SFT on the records' ``preferred`` explanations (``--sft-epochs``, paper: 3) and then
+runs ``configs/explain_tiny.yaml`` (two rounds of flow fitting and PPO) with:
+
+- ``flow``: the flow's sentence rewards + its sparse reward (the paper's method), fitted on the union of the
+  proxies' accepted explanations;
+- ``proxy``: sentence rewards from the mean of the proxies' probabilities (the paper's proxy baseline);
+- ``proxyK``: the same from proxy K alone (the flow's premise: it denoises several imperfect proxies);
+- ``sparse``: the sparse reward only;
+- ``sft``: the SFT alone (no RL).
+
+``--toys``: ``tiny`` uses the config's proxies (bundled ``explain_tiny/proxy0..1``, each trained on the implied
+decision with 10 % label noise); ``noisy`` the three noisy, disagreeing proxies ``explain_noisy/proxy0..2`` (each
+misreads one decision, 30 % label noise; their model card). Accuracy is judged on the 96 test contexts by the
+held-out evaluator ``explain_tiny/proxy2`` (not a training proxy). Seeds pair the arms (same seed → same SFT data
+order, same initial LoRA, same sampling stream). One JSON line per run is appended to ``--out``; a run already there
+is skipped (the study resumes). Prints mean ± standard error over seeds per (toy, arm) and the paired differences of
+``flow`` to every other arm.
 """
 
 from __future__ import annotations
@@ -21,20 +32,32 @@ from pathlib import Path
 from flowkit.cli import FlowkitCLI
 
 ROOT = Path(__file__).resolve().parent.parent
+PROXIES = {"tiny": [f"bundled:explain_tiny/proxy{i}" for i in (0, 1)],
+           "noisy": [f"bundled:explain_noisy/proxy{i}" for i in (0, 1, 2)]}
+ACCURACY = "val/heldout/explanation_accuracy"
 
 
-def run(arm: str, seed: int, sft_epochs: int, tmp: Path) -> dict:
-    reward = "flow" if arm == "sft" else arm
+def arm_options(toy: str, arm: str) -> list[str]:
+    proxies = PROXIES[toy]
+    reward = {"flow": "flow", "sparse": "sparse", "sft": "flow"}.get(arm, "proxy")
+    if arm.startswith("proxy") and arm != "proxy":
+        proxies = [proxies[int(arm.removeprefix("proxy"))]]
+    return ["--model.init_args.reward_model.init_args.reward", reward,
+            "--model.init_args.reward_model.init_args.proxies", json.dumps(proxies)]
+
+
+def run(toy: str, arm: str, seed: int, sft_epochs: int, tmp: Path) -> dict:
     args = ["--config", str(ROOT / "configs" / "explain_tiny.yaml"), "--seed_everything", str(seed),
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-            "--trainer.default_root_dir", str(tmp / f"{arm}_{seed}"), "--trainer.limit_val_batches", "1.0",
-            "--model.init_args.reward", reward, "--model.init_args.sft_epochs", str(sft_epochs)]
-    if arm == "sft":  # SFT happens in on_fit_start; no training batches means no round and no PPO
-        args += ["--trainer.limit_train_batches", "0"]
+            "--trainer.default_root_dir", str(tmp / f"{toy}_{arm}_{seed}"), "--trainer.limit_val_batches", "1.0",
+            "--data.init_args.val_batch_size", "96", "--model.init_args.sft_epochs", str(sft_epochs),
+            *arm_options(toy, arm)]
+    if arm == "sft":  # the SFT start runs in on_fit_start; no RL step follows
+        args += ["--trainer.max_steps", "0"]
     cli = FlowkitCLI(run=False, args=args)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     (metrics,) = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
-    return {"arm": arm, "seed": seed, "sft_steps": len(cli.model.sft_losses),
+    return {"toy": toy, "arm": arm, "seed": seed, "sft_steps": len(cli.model.sft_losses),
             **{k: float(v) for k, v in metrics.items()}}
 
 
@@ -43,32 +66,45 @@ def mean_se(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {se:.3f}"
 
 
+def report(results: list[dict], toys: list[str], arms: list[str]) -> None:
+    for toy in toys:
+        by_arm = {arm: {r["seed"]: r for r in results if r["toy"] == toy and r["arm"] == arm} for arm in arms}
+        print(f"toy {toy}:")
+        for arm, rows in by_arm.items():
+            if rows:
+                print(f"  {arm:>7}: explanation accuracy {mean_se([r[ACCURACY] for r in rows.values()])} "
+                      f"({len(rows)} seeds)")
+        flow = by_arm.get("flow", {})
+        for arm, rows in by_arm.items():
+            seeds = sorted(set(flow) & set(rows))
+            if arm != "flow" and seeds:
+                diffs = [flow[s][ACCURACY] - rows[s][ACCURACY] for s in seeds]
+                print(f"  flow − {arm}: {mean_se(diffs)} over {len(seeds)} paired seeds")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=["flow", "proxy", "sparse", "sft"])
+    parser.add_argument("--toys", nargs="+", default=["tiny", "noisy"], choices=sorted(PROXIES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--arms", nargs="+", default=["flow", "proxy", "proxy0", "proxy1", "proxy2", "sparse", "sft"])
     parser.add_argument("--sft-epochs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("runs/explain_study.jsonl"))
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    results = []
+    done = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
     for seed in args.seeds:
-        for arm in args.arms:
-            row = run(arm, seed, args.sft_epochs, args.out.parent / "explain_study")
-            results.append(row)
-            with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
-    by_arm = {arm: {r["seed"]: r for r in results if r["arm"] == arm} for arm in args.arms}
-    for arm, rows in by_arm.items():
-        line = f"{arm:>6}: explanation accuracy {mean_se([r['val/explanation_accuracy'] for r in rows.values()])}"
-        if "val/reward_mean" in next(iter(rows.values())):
-            line += f", flow reward mean {mean_se([r['val/reward_mean'] for r in rows.values()])}"
-        print(line)
-    if "flow" in by_arm and "sft" in by_arm:
-        diffs = [by_arm["flow"][s]["val/explanation_accuracy"] - by_arm["sft"][s]["val/explanation_accuracy"]
-                 for s in args.seeds]
-        print(f"paired flow − sft explanation accuracy: {mean_se(diffs)} over {len(diffs)} seeds")
+        for toy in args.toys:
+            for arm in args.arms:
+                if arm.startswith("proxy") and arm != "proxy" and int(arm.removeprefix("proxy")) >= len(PROXIES[toy]):
+                    continue  # the tiny toy has two training proxies
+                if any((r["toy"], r["arm"], r["seed"]) == (toy, arm, seed) for r in done):
+                    continue
+                row = run(toy, arm, seed, args.sft_epochs, args.out.parent / "explain_study")
+                done.append(row)
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+    report(done, args.toys, args.arms)
 
 
 if __name__ == "__main__":

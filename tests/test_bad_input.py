@@ -24,7 +24,8 @@ from flowkit.data.records import load_records
 from flowkit.errors import ConfigError, check_range
 from flowkit.llm.backbone import ASSETS
 from flowkit.modules import PolicyModule, RolloutDataModule
-from flowkit.modules.explanation import ExplanationPolicyModule, ExplanationRewardModule
+from flowkit.modules.explanation import ExplanationRewardModule, ExplanationRounds
+from flowkit.rewards.explanation import ExplanationReward
 from flowkit.rewards import FlowReward
 from backbone_stub import backbone_stub
 
@@ -302,17 +303,20 @@ def test_bad_model_files_are_one_line(in_tmp, capsys, case):
     ("make", "expected"),
     [(lambda: ExplanationRewardModule(proxies=[]), "ExplanationRewardModule.proxies must not be empty"),
      (lambda: ExplanationRewardModule(num_decisions=1), "ExplanationRewardModule.num_decisions must be >= 2, got 1"),
-     (lambda: ExplanationPolicyModule(policy_epochs_per_round=0),
-      "ExplanationPolicyModule.policy_epochs_per_round must be >= 1, got 0"),
-     (lambda: ExplanationPolicyModule(clip=1.0), r"ExplanationPolicyModule.clip must be in \[0, 1\), got 1.0"),
-     (lambda: ExplanationPolicyModule(sigma=0.0), r"ExplanationPolicyModule.sigma must be > 0, got 0.0")],
-    ids=["reward-no-proxies", "reward-one-decision", "policy-zero-epochs-per-round", "policy-clip-1", "policy-sigma-0"],
+     (lambda: ExplanationRounds(policy_epochs_per_round=0),
+      "ExplanationRounds.policy_epochs_per_round must be >= 1, got 0"),
+     (lambda: ExplanationReward(flow_epochs_per_round=0),
+      "ExplanationReward.flow_epochs_per_round must be >= 1, got 0"),
+     (lambda: ExplanationReward(sigma=0.0), r"ExplanationReward.sigma must be > 0, got 0.0")],
+    ids=["reward-no-proxies", "reward-one-decision", "rounds-zero-epochs-per-round", "reward-zero-flow-epochs",
+         "reward-sigma-0"],
 )
 def test_explanation_modules_check_options_before_loading_models(monkeypatch, make, expected):
     def no_loading(*args, **kwargs):
         raise AssertionError("a model loaded before the options were checked")
 
     monkeypatch.setattr("flowkit.modules.explanation.load_backbone", no_loading)
+    monkeypatch.setattr("flowkit.rewards.explanation.load_backbone", no_loading)
     with pytest.raises(ConfigError, match=expected):
         make()
 

@@ -19,10 +19,11 @@ OFFLINE_OVERRIDES = {
                       + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout_engine", "hf"]),
     "rlfr_qwen_offline.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                                "--model.init_args.dtype", "float32"],
-    "explain_llama.yaml": CPU_OVERRIDES + ["--model.init_args.policy", "bundled:explain_tiny/policy",
-                                           "--model.init_args.proxies",
+    "explain_llama.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:explain_tiny/policy",
+                                           "--model.init_args.reward_model.init_args.proxies",
                                            "[bundled:explain_tiny/proxy0, bundled:explain_tiny/proxy1, bundled:explain_tiny/proxy2]",
-                                           "--model.init_args.dtype", "float32"],
+                                           "--model.init_args.dtype", "float32",
+                                           "--model.init_args.reward_model.init_args.dtype", "float32"],
 }
 
 

@@ -21,6 +21,7 @@ from flowkit.distributed import agreed_call_count
 from flowkit.flow import VelocityField, velocity_deviation_scores
 from flowkit.rewards import FlowReward
 from flowkit.rl.logprobs import lm_head_logprobs
+from backbone_stub import backbone_stub
 
 D, VOCAB = 8, 11
 
@@ -77,13 +78,14 @@ def worker(rank: int, store: str, out: str) -> None:
         alone, latents, mask, [0.25, 0.5], [0.8], seed=3, condition="previous", max_rows=4)))
 
     reward = FlowReward(percentiles=(0.25, 0.5), depth=1, seed=5, kappa=1, max_rows_per_piece=6)
-    reward.bind(D, [0.25, 0.5])
+    reward.bind(backbone_stub(D), [0.25, 0.5])
     counted(reward.field, counts, "update field")
     batch = RolloutBatch(input_ids=ids, attention_mask=torch.ones(3, 11), response_mask=mask,
                          group_ids=torch.arange(3))
     batch.latents, batch.correct, batch.entropy = latents, torch.ones(3, dtype=torch.bool), torch.rand(3)
-    reward.observe(batch, 0)
-    pieces = reward.update_losses(batch, 0)
+    reward.begin_step(0, batch)
+    reward.score(batch, torch.arange(3))
+    pieces = reward.end_step(batch)
     results["pieces"] = len(pieces)
     counts["update field"] = 0
     for piece in pieces:

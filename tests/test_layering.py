@@ -1,4 +1,4 @@
-"""Imports point down only: cli/commands → modules → rl, flow, rewards, llm, data, explain, rbrl → kernels."""
+"""Imports point down only: cli/commands → modules → engine → rl, flow, rewards, llm, data, explain, rbrl → kernels."""
 
 import ast
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flowkit"
-PLAIN = ["rl", "flow", "rewards", "llm", "data", "explain", "rbrl"]
+PLAIN = ["engine", "rl", "flow", "rewards", "llm", "data", "explain", "rbrl"]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -25,6 +25,8 @@ def test_plain_layers_import_neither_lightning_nor_upper_layers(subpackage):
         for name in imported_modules(path):
             assert not name.startswith(("lightning", "pytorch_lightning")), f"{path} imports {name}"
             assert not name.startswith(("flowkit.modules", "flowkit.cli", "flowkit.commands")), f"{path} imports {name}"
+            if subpackage != "engine":
+                assert not name.startswith("flowkit.engine"), f"{path} imports {name}"
 
 
 def test_kernels_import_nothing_else_of_flowkit():

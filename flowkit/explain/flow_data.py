@@ -18,7 +18,7 @@ from torch import Tensor
 
 from flowkit.distributed import all_gather_rows
 from flowkit.explain.context import ContextEncoding
-from flowkit.explain.reward_model import ExplanationInputs, FlowRewardModel
+from flowkit.explain.reward_model import ExplanationInputs, ExplanationFlowModel
 
 
 @dataclass
@@ -38,7 +38,7 @@ class FlowData:
         return order[row], proxy
 
 
-def accepted_flow_data(reward_model: FlowRewardModel, backbone, inputs: ExplanationInputs, targets: Tensor,
+def accepted_flow_data(reward_model: ExplanationFlowModel, backbone, inputs: ExplanationInputs, targets: Tensor,
                        kept: Tensor, row_ids: Tensor) -> FlowData:
     """The flow data of one rank's explanations: ``targets`` [K_p, B, |A|] and ``kept`` [K_p, B] from the
     proxies, ``row_ids`` [B] the explanations' places in the round. Only the explanations some proxy accepted
@@ -66,7 +66,7 @@ def gather_flow_data(data: FlowData) -> FlowData:
                     all_gather_rows(data.targets), all_gather_rows(data.kept), all_gather_rows(data.row_ids))
 
 
-def fit_flow(reward_model: FlowRewardModel, data: FlowData, epochs: int, batch_size: int,
+def fit_flow(reward_model: ExplanationFlowModel, data: FlowData, epochs: int, batch_size: int,
              generator: torch.Generator, step: Callable[[Tensor], None]) -> list[Tensor]:
     """Eq. 3 on the accepted (explanation, proxy) pairs of ``data``: ``epochs`` shuffled passes in batches of
     ``batch_size`` pairs; ``step(loss)`` back-propagates and steps the optimizer. The order and the (t, z0)

@@ -46,10 +46,12 @@ class Projector(nn.Module):
         self.out = nn.Linear(hidden_dim + skip, num_decisions)
 
     def forward(self, h: Tensor, z_t: Tensor, t: Tensor) -> Tensor:
-        skip = torch.cat((z_t, t[..., None]), dim=-1).to(h.dtype)
+        dtype = self.out.weight.dtype  # bf16 when DeepSpeed casts the module; the inputs may be fp32
+        skip = torch.cat((z_t, t[..., None]), dim=-1).to(dtype)
+        h = h.to(dtype)
         for linear, norm in zip(self.hidden, self.norms):
             h = torch.relu(norm(linear(torch.cat((h, skip), dim=-1))))
-        return self.out(torch.cat((h, skip), dim=-1))
+        return self.out(torch.cat((h, skip), dim=-1)).float()
 
 
 class ExplanationFlow(nn.Module):
@@ -67,8 +69,10 @@ class ExplanationFlow(nn.Module):
         self.projector = Projector(hidden_size, projector_dim, num_decisions)
 
     def flow_tokens(self, t: Tensor, z_t: Tensor) -> Tensor:
-        """H_Emb = (h_{Emb,t}, h_{Emb,z_t}): ``[B, S, 2, d]``."""
-        return torch.stack((self.embed_time(time_encoding(t, self.time_dim)), self.embed_state(z_t)), dim=-2)
+        """H_Emb = (h_{Emb,t}, h_{Emb,z_t}): ``[B, S, 2, d]``, in the MLPs' dtype."""
+        dtype = self.embed_time[0].weight.dtype
+        return torch.stack((self.embed_time(time_encoding(t, self.time_dim).to(dtype)), self.embed_state(z_t.to(dtype))),
+                           dim=-2)
 
     def forward(self, t: Tensor, z_t: Tensor, context: ContextEncoding, prefix_lengths: Tensor) -> Tensor:
         """Velocity ``[B, S, |A|]`` for ``t`` [B, S], ``z_t`` [B, S, |A|], ``prefix_lengths`` [B, S]: row b's
@@ -77,7 +81,8 @@ class ExplanationFlow(nn.Module):
         if self.use_attention:
             h = self.attend(tokens, context, prefix_lengths)
         else:
-            h = tokens[..., 0, :] + tokens[..., 1, :] + self.embed_pooled(prefix_means(context.hidden, prefix_lengths))
+            pooled = prefix_means(context.hidden, prefix_lengths).to(tokens.dtype)
+            h = tokens[..., 0, :] + tokens[..., 1, :] + self.embed_pooled(pooled)
         return self.projector(h, z_t, t)
 
     def attend(self, tokens: Tensor, context: ContextEncoding, prefix_lengths: Tensor) -> Tensor:

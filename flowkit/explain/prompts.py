@@ -17,9 +17,13 @@ from flowkit.llm.chat import format_prompt
 PROXY_ANSWER = "Thus, the decision is"
 
 
+# x^e_j with the context at {prompt} (a data module's prompt template)
+EXPLANATION_TEMPLATE = "Given {prompt}. Please analyze reasoning for the agent decision based on the context.\n"
+
+
 def explanation_prompt(context: str) -> str:
     """x^e_j: "Given [c]. Please analyze reasoning for the agent decision based on the context." """
-    return f"Given {context}. Please analyze reasoning for the agent decision based on the context.\n"
+    return EXPLANATION_TEMPLATE.replace("{prompt}", context)
 
 
 def proxy_prompt(context: str, reasoning: str) -> str:

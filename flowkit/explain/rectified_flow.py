@@ -19,7 +19,7 @@ def noise(draw: Callable[..., Tensor], shape: tuple[int, ...], generator: torch.
     return draw(shape, generator=generator, device=source, dtype=dtype).to(device)
 
 
-def flow_matching_loss(velocity: VelocityField, z1: Tensor, sigma: float = 1.0,
+def rectified_flow_loss(velocity: VelocityField, z1: Tensor, sigma: float = 1.0,
                        generator: torch.Generator | None = None) -> Tensor:
     """E‖(z1 − z0) − φ(t, z_t)‖² with z0 ~ N(0, σ²I), t ~ U[0, 1], z_t = t·z1 + (1 − t)·z0 (Eq. 3).
 

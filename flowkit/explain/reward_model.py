@@ -1,4 +1,4 @@
-"""`FlowRewardModel`: the trainable part of the explanation reward (φ) with its training loss, logit
+"""`ExplanationFlowModel`: the trainable part of the explanation reward (φ) with its training loss, logit
 sampler and sentence rewards, over inputs laid out by :func:`explanation_inputs`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from flowkit.batch import RolloutBatch
 from flowkit.explain.context import ContextEncoding, encode_context
 from flowkit.explain.flow_net import ExplanationFlow
-from flowkit.explain.rectified_flow import euler_sample, flow_matching_loss, noise
+from flowkit.explain.rectified_flow import euler_sample, noise, rectified_flow_loss
 from flowkit.explain.sentence_rewards import SentenceRewards, flow_sentence_rewards, prefix_table, sentence_token_ends
 
 
@@ -57,7 +57,7 @@ def explanation_inputs(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) 
     return ExplanationInputs(input_ids, mask, torch.tensor(prompt_lengths, device=input_ids.device), ends, positions)
 
 
-class FlowRewardModel(nn.Module):
+class ExplanationFlowModel(nn.Module):
     """φ plus the hyper-parameters of its use: σ of Z0, Euler steps, number of z0 draws per reward, and
     the rows per backbone pass when encoding contexts (``encode_batch_size``)."""
 
@@ -81,7 +81,7 @@ class FlowRewardModel(nn.Module):
         def velocity(t: Tensor, z: Tensor) -> Tensor:
             return self.flow(t[:, None], z[:, None], context, prefixes)[:, 0]
 
-        return flow_matching_loss(velocity, targets.float(), self.sigma, generator)
+        return rectified_flow_loss(velocity, targets.float(), self.sigma, generator)
 
     @torch.no_grad()
     def predict_draws(self, context: ContextEncoding, generator: torch.Generator | None = None) -> Tensor:

@@ -179,17 +179,26 @@ class RolloutDataModule(L.LightningDataModule):
         self.next_index = 0
 
     def _load(self, path: str, prompt_key: str, answer_key: str, solution_key: str | None) -> list[dict[str, str]]:
-        text = [answer_key] + ([solution_key] if solution_key else [])
+        required, text = self._record_fields(prompt_key, answer_key, solution_key)
         budget = self._token_budget()
 
-        def convert(record: dict[str, Any]) -> dict[str, str]:
+        def convert(record: dict[str, Any]) -> dict[str, Any]:
             if budget is not None:
                 _check_lengths(record, [prompt_key, *text], budget)
             prompt = self._checked_prompt(record, prompt_key, solution_key, budget)
-            return _normalize(record, prompt, answer_key, solution_key)
+            return self._row(record, prompt, answer_key, solution_key)
 
-        return list(load_records(resolve_data_path(path), [prompt_key, answer_key], self.on_error, text, convert,
+        return list(load_records(resolve_data_path(path), required, self.on_error, text, convert,
                                  _max_line_bytes(budget)))
+
+    def _record_fields(self, prompt_key: str, answer_key: str, solution_key: str | None) -> tuple[list[str], list[str]]:
+        """(the fields a record must have, its text fields besides the prompt: a number there becomes text)."""
+        return [prompt_key, answer_key], [answer_key] + ([solution_key] if solution_key else [])
+
+    def _row(self, record: dict[str, Any], prompt: str, answer_key: str, solution_key: str | None) -> dict[str, Any]:
+        """What the module reads of a checked record: its rendered ``prompt``, ``answer`` and ``solution``; every key
+        but ``prompt``, ``answer`` and ``index`` reaches the reward model as a column (``RolloutBatch.columns``)."""
+        return _normalize(record, prompt, answer_key, solution_key)
 
     def _checked_prompt(self, record: dict[str, Any], prompt_key: str, solution_key: str | None,
                         budget: tuple[int | None, int, int] | None) -> str:

@@ -10,49 +10,45 @@ from flowkit.batch import RolloutBatch
 
 
 class TokenRewardModel(nn.Module):
-    """A trainable model that turns a scored rollout batch into dense per-token rewards.
+    """A trainable model that turns rollouts into dense per-token rewards, and may learn online from them.
 
-    The policy module works through an RL step's rollouts in micro-batches (rows ``[first_row, first_row + b)``
-    of the step's batch) and calls:
+    The RL step (:class:`flowkit.engine.RLStep`) works through a step's rollouts in micro-batches and calls:
 
-    1. :meth:`bind` once, when the backbone is known (build networks that depend on its width);
-    2. per micro-batch, right after its forward (outcome rewards, correctness, entropy and — if
-       :attr:`percentiles` is set — tapped latents are filled in): :meth:`token_rewards` → b×S rewards on
-       response tokens, then :meth:`observe` (keep what the online update will need; the micro-batch's
-       latents are freed afterwards);
-    3. once per step, when every micro-batch was seen: :meth:`update_losses` → the online loss as a list of
-       pieces (functions returning a loss) whose sum is the loss; the module calls and backpropagates one piece at a
-       time, so only one piece of graph is alive (its parameters form their own optimizer parameter group).
+    1. :meth:`bind` once, with the backbone (build networks that depend on it: its width, its layers);
+    2. :meth:`begin_step` when a step's rollouts are generated and graded (outcome rewards and correctness known;
+       no forward yet): drop what an earlier (possibly skipped) step left, note what the step needs;
+    3. :meth:`score` per micro-batch, right after its forward (entropies and — if :attr:`percentiles` is set — the
+       tapped latents filled in): the b×S token rewards of rows ``rows`` of the step's batch; keep what the online
+       update needs (the micro-batch's latents are freed afterwards);
+    4. :meth:`end_step` once every row was scored: the online loss as pieces (functions returning a loss) whose sum
+       is the loss; the step backpropagates one piece at a time, so only one piece of graph is alive (the reward
+       model's parameters are their own optimizer parameter group). Every rank must return as many pieces (each
+       backward is a collective under DDP / ZeRO): pad with zero-valued pieces that run a real forward.
 
-    Rewards must not depend on how the batch is split: a reward model that draws noise keys it by the global
-    token index, which is ``token_offset`` plus the index inside the micro-batch (counted as
-    :meth:`scored_token_counts` counts).
+    Rewards must not depend on how the batch is split into micro-batches: a reward model that draws noise keys it
+    by each token's position in the step's batch (``begin_step`` sees the whole batch's masks).
 
-    Subclass it to plug in a new reward: set :attr:`percentiles` to the layer percentiles whose latents you
-    need (``None`` for none) and implement :meth:`token_rewards` (the rest has do-nothing defaults).
+    Subclass it to plug in a new reward: set :attr:`percentiles` to the layer percentiles whose latents you need
+    (``None`` for none) and implement :meth:`score` (the rest has do-nothing defaults).
     """
 
     percentiles: Sequence[float] | None = None
 
-    def bind(self, hidden_size: int, layer_positions: Sequence[float], rms_norm_eps: float | None = None) -> None:
-        """Called once with the backbone's hidden size, the tapped layers' positions and (if the backbone has one)
-        its ``rms_norm_eps``."""
+    def bind(self, backbone: nn.Module, layer_positions: Sequence[float], tokenizer=None) -> None:
+        """Called once with the policy (its ``config`` gives ``hidden_size``, ``rms_norm_eps``, ...), the tapped
+        layers' positions (block / L) and the policy's tokenizer. Keep no reference to ``backbone`` as a submodule:
+        it belongs to the trainer."""
 
-    def scored_token_counts(self, response_mask: Tensor) -> Tensor:
-        """B: how many tokens of each row the reward scores (its noise slots); the module sums them over earlier
-        rows to give each micro-batch its ``token_offset``."""
-        return response_mask.bool().sum(-1)
+    def begin_step(self, step: int, batch: RolloutBatch) -> None:
+        """A new RL step (``step`` counts from 0) over ``batch``: rollouts graded, nothing scored yet."""
 
-    def token_rewards(self, batch: RolloutBatch, step: int, token_offset: int = 0) -> Tensor:
+    def score(self, micro: RolloutBatch, rows: Tensor) -> Tensor:
+        """Token rewards (b×S, on response tokens) of ``micro``, rows ``rows`` of the step's batch."""
         raise NotImplementedError
 
-    def observe(self, batch: RolloutBatch, first_row: int) -> None:
-        """See a scored micro-batch (rows from ``first_row`` on) before its latents are dropped."""
-
-    def update_losses(self, batch: RolloutBatch, step: int) -> list[Callable[[], Tensor]]:
-        """The online loss in pieces, each a bounded amount of work, that sum to it; ``[]`` when there is nothing to
-        learn this step. ``batch`` is the whole step's batch without latents. Every rank must return as many pieces
-        (each backward is a collective under DDP / ZeRO): pad with zero-valued pieces that run a real forward."""
+    def end_step(self, batch: RolloutBatch) -> list[Callable[[], Tensor]]:
+        """The online loss in pieces that sum to it; ``[]`` when there is nothing to learn this step. ``batch`` is the
+        whole step's batch (entropies and correctness of every row, no latents)."""
         return []
 
     def step_metrics(self) -> dict[str, float]:

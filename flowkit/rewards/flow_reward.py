@@ -143,27 +143,29 @@ class FlowReward(TokenRewardModel):
         self.layer_positions: tuple[float, ...] = ()
         self.buffer = RolloutLatentBuffer()
         self._candidates: list[tuple[int, Tensor, Tensor]] = []  # (step row, latents P×S×d on CPU, mask S)
+        self._step, self._token_offsets = 0, [0]
         self._sums: dict[str, float] = {}
         self._metrics: dict[str, float] = {}
 
-    def bind(self, hidden_size: int, layer_positions: Sequence[float], rms_norm_eps: float | None = None) -> None:
+    def bind(self, backbone: torch.nn.Module, layer_positions: Sequence[float], tokenizer=None) -> None:
         """Build the velocity field for the backbone: width d, RMSNorm ε = the backbone's ``rms_norm_eps`` (official).
 
         The initialisation draws from a generator seeded with ``seed`` inside a forked RNG, so binding a flow
         reward leaves the global RNG (the policy's sampling stream) exactly where it was.
         """
         self.layer_positions = tuple(layer_positions)
-        eps = 1e-6 if rms_norm_eps is None else rms_norm_eps
+        config = backbone.config
+        eps = getattr(config, "rms_norm_eps", None) or 1e-6
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            self.field = VelocityField(hidden_size, self.width, self.depth, conditioned=self.condition != "none",
+            self.field = VelocityField(config.hidden_size, self.width, self.depth, conditioned=self.condition != "none",
                                        norm_eps=eps)
         if self.weights:
             self.load_field(self.weights)
 
     def _require_field(self) -> VelocityField:
         if self.field is None:
-            raise RuntimeError("FlowReward.bind(hidden_size, layer_positions) must be called before use")
+            raise RuntimeError("FlowReward.bind(backbone, layer_positions) must be called before use")
         return self.field
 
     def deviation_scores(self, latents: Tensor, response_mask: Tensor, seed: int, token_offset: int = 0) -> Tensor:
@@ -175,12 +177,33 @@ class FlowReward(TokenRewardModel):
         )
 
     def scored_token_counts(self, response_mask: Tensor) -> Tensor:
+        """B: how many tokens of each row are scored (each a noise slot)."""
         return scored_token_mask(response_mask, self.condition).sum(-1)
+
+    def begin_step(self, step: int, batch: RolloutBatch) -> None:
+        """Row r's first noise slot is the number of scored tokens in rows < r, so rewards do not depend on the
+        micro-batches; the candidates an earlier (skipped) step left are dropped."""
+        self._step = step
+        counts = self.scored_token_counts(batch.response_mask).long().cpu()
+        self._token_offsets = [0, *torch.cumsum(counts, 0).tolist()]
+        self._candidates = []
+
+    @torch.no_grad()
+    def score(self, micro: RolloutBatch, rows: Tensor) -> Tensor:
+        """Eq. 10 rewards of a micro-batch of contiguous rows (the same rows get the same rewards however the step
+        is split: min-max and top-k are per row, the noise is keyed by the global scored-token index); then the
+        latents of the rows the online update may use are kept (:meth:`_keep_candidates`)."""
+        first = int(rows[0])
+        if rows.numel() != int(rows[-1]) - first + 1:
+            raise ValueError("FlowReward.score needs contiguous rows of the step's batch")
+        rewards = self.token_rewards(micro, self._step, self._token_offsets[first])
+        self._keep_candidates(micro, first)
+        return rewards
 
     @torch.no_grad()
     def token_rewards(self, batch: RolloutBatch, step: int, token_offset: int = 0) -> Tensor:
-        """Eq. 10 rewards of a (micro-)batch; the same rows get the same rewards however the step is split
-        (min-max and top-k are per row, the noise is keyed by the global scored-token index)."""
+        """Eq. 10 rewards of ``batch``'s rows at step ``step``, whose first scored token is noise slot
+        ``token_offset``."""
         scores = self.deviation_scores(batch.latents, batch.response_mask, self.seed + 1000 * step, token_offset)
         scored = scored_token_mask(batch.response_mask, self.condition)
         rewards = flow_token_rewards(scores, scored, self.eta, self.beta, self.top_k, self.normalization)
@@ -189,13 +212,10 @@ class FlowReward(TokenRewardModel):
             self._sums[key] = self._sums.get(key, 0.0) + float(value)
         return rewards
 
-    def observe(self, batch: RolloutBatch, first_row: int) -> None:
+    def _keep_candidates(self, batch: RolloutBatch, first_row: int) -> None:
         """Keep, on CPU, the latents of the rows the rejection metric may accept: the correct ones for
         ``correct`` / ``both``; every row for ``entropy`` (its batch median is known only after the last
-        micro-batch). Everything else is dropped with the micro-batch. ``first_row == 0`` starts a new step
-        (what a skipped step left behind is dropped)."""
-        if first_row == 0:
-            self._candidates = []
+        micro-batch). Everything else is dropped with the micro-batch."""
         if not self.online_update:
             return
         candidates = torch.ones_like(batch.correct, dtype=torch.bool) if self.rejection_metric == "entropy" else batch.correct.bool()
@@ -205,7 +225,7 @@ class FlowReward(TokenRewardModel):
             if length:
                 self._candidates.append((first_row + row, batch.latents[:, row, :length].cpu(), mask[:length].cpu()))
 
-    def update_losses(self, batch: RolloutBatch, step: int) -> list[LossPiece]:
+    def end_step(self, batch: RolloutBatch) -> list[LossPiece]:
         """Alg. 1: buffer the accepted rollouts; once ≥ κ are buffered (or, with ``update_every_step``, ≥ 1),
         the flow loss (eq. 4) on all of them, in pieces of at most ``max_rows_per_piece`` field rows that sum to it."""
         candidates, self._candidates = self._candidates, []
@@ -226,7 +246,7 @@ class FlowReward(TokenRewardModel):
         self._metrics["flow/buffer_size"] = float(len(self.buffer))
         self._metrics["flow/loss"] = 0.0
         pieces = flow_matching_loss_pieces(self._require_field(), latents, mask, self.layer_positions,
-                                           torch.tensor(self.timesteps), self.seed + 1000 * step + 1, self.condition,
+                                           torch.tensor(self.timesteps), self.seed + 1000 * self._step + 1, self.condition,
                                            self.max_rows_per_piece)
         return self._agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
 

@@ -1,7 +1,19 @@
-"""Advantages: group-normalised outcome advantage plus the reward-to-go of dense token rewards (RLFR eq. 9)."""
+"""Advantage estimators, as pure tensor functions registered by name (verl's ``core_algos`` style).
+
+- ``grpo``: the group-normalised outcome advantage Â_o plus the reward-to-go of the dense token rewards (RLFR eq. 9).
+- ``gae``: generalised advantage estimation over the token rewards with a value head, whitened (PPO as TRL's PPO
+  trainer runs it for the explanation method, seed 000 App. F; also the numeric PPO baseline of RBRL).
+- ``reinforce``: the whitened reward-to-go, no value head.
+
+Every estimator reads one :class:`AdvantageInputs` (rows are independent, so a micro-batch can be estimated alone)
+and returns (advantages, value targets or None); :data:`ESTIMATORS` says whether it needs a value head and whether
+its advantages are whitened over the whole batch (which needs every row before the first update).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -68,23 +80,6 @@ def token_advantages(outcome_advantages: Tensor, response_mask: Tensor, token_re
     return advantages
 
 
-def outcome_at_last_token_advantages(outcome_advantages: Tensor, response_mask: Tensor,
-                                     token_rewards: Tensor | None = None, gamma: float = 1.0) -> Tensor:
-    """The official code's form of eq. 9: Â_o is a reward on the row's last response token (EOS when one was
-    generated) and is discounted with the token rewards, A_k = Σ_{s≥k} γ^{s−k} (r_s + 𝕀[s = last]·Â_o).
-
-    With γ = 1 this equals :func:`token_advantages` (Â_o on every token); with γ < 1 early tokens see a
-    discounted outcome, γ^{K−k}·Â_o. Rows are independent, as in :func:`token_advantages`.
-    """
-    mask = response_mask.float()
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    last = torch.where(mask > 0, positions, -1).amax(-1)  # −1: a row without response tokens
-    rewards = torch.zeros_like(mask) if token_rewards is None else token_rewards.float() * mask
-    rows = (last >= 0).nonzero().flatten()
-    rewards[rows, last[rows]] += outcome_advantages.float()[rows]
-    return reward_to_go(rewards, mask, gamma)
-
-
 def entropy_shaped_advantages(advantages: Tensor, entropy: Tensor, response_mask: Tensor, alpha: float = 0.4,
                               kappa: float = 2.0) -> Tensor:
     """"Entropy Adv." (Cheng et al. 2025, *Reasoning with Exploration: An Entropy Perspective*, §3; the logit-space
@@ -101,3 +96,112 @@ def entropy_shaped_advantages(advantages: Tensor, entropy: Tensor, response_mask
     advantages = advantages.float()
     bonus = torch.minimum(alpha * entropy.detach().float(), advantages.abs() / kappa)
     return (advantages + bonus) * response_mask.float()
+
+
+def gae(rewards: Tensor, values: Tensor, dones: Tensor, last_value: Tensor, gamma: float,
+        lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over a time-major T×N rollout (Schulman et al. 2016, eq. 16):
+    δ_t = r_t + γ (1 − d_t) V(s_{t+1}) − V(s_t),  A_t = δ_t + γ λ (1 − d_t) A_{t+1}; ``dones[t]`` says the episode
+    ended at step t (so s_{t+1} is the next episode's first state); ``last_value`` (N) is V of the state after the
+    last step. Returns (advantages, returns = A + V)."""
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    next_advantage = torch.zeros_like(last_value, dtype=torch.float32)
+    next_value = last_value.float()
+    for t in reversed(range(rewards.shape[0])):
+        keep = 1.0 - dones[t].float()
+        delta = rewards[t] + gamma * keep * next_value - values[t]
+        next_advantage = delta + gamma * lam * keep * next_advantage
+        advantages[t] = next_advantage
+        next_value = values[t]
+    return advantages, advantages + values
+
+
+def sequence_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """:func:`gae` along each row's response tokens (B×S, contiguous under ``mask``): the episode ends at the last
+    response token, V = 0 after it. Returns (advantages, returns), both 0 off the mask."""
+    mask = mask.float()
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, positions, -1).amax(-1, keepdim=True)
+    done = (positions >= last).float()  # the last response token and the padding after it end the episode
+    advantages, returns = gae((rewards.float() * mask).T, (values.float() * mask).T, done.T,
+                              torch.zeros(mask.shape[0], device=mask.device), gamma, lam)
+    return advantages.T * mask, returns.T * mask
+
+
+def whitened(values: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """(x − mean)/std over the masked entries (0 elsewhere): TRL's PPO advantage normalisation."""
+    mask = mask.float()
+    count = mask.sum().clamp(min=1)
+    mean = (values * mask).sum() / count
+    var = ((values - mean).square() * mask).sum() / count
+    return (values - mean) / (var.sqrt() + eps) * mask
+
+
+OutcomePlacement = Literal["every_token", "last_token"]
+
+
+@dataclass
+class AdvantageInputs:
+    """What an estimator reads, for B rows (any subset of a step's rows).
+
+    ``outcome``: per row, GRPO's group-normalised Â_o (``grpo``) or the raw outcome reward r_o (``gae``,
+    ``reinforce``: a reward on the last response token). ``token_rewards``: B×S dense rewards on response tokens (a
+    reward model's, KL-shaped when the KL is in the reward) or None. ``values``: B×S value-head estimates V(state
+    before token s) at response tokens, for ``gae``.
+    """
+
+    outcome: Tensor
+    response_mask: Tensor
+    token_rewards: Tensor | None = None
+    values: Tensor | None = None
+
+
+def _outcome_at_last_token(inputs: AdvantageInputs) -> Tensor:
+    mask = inputs.response_mask.float()
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, positions, -1).amax(-1)
+    rewards = torch.zeros_like(mask) if inputs.token_rewards is None else inputs.token_rewards.float() * mask
+    rows = (last >= 0).nonzero().flatten()
+    rewards[rows, last[rows]] += inputs.outcome.float()[rows]
+    return rewards
+
+
+def grpo_advantages(inputs: AdvantageInputs, gamma: float, lam: float,
+                    placement: OutcomePlacement = "every_token") -> tuple[Tensor, None]:
+    """RLFR eq. 9: A_k = Σ_{s≥k} γ^{s−k} r_s + Â_o (``every_token``, the paper) or the official code's form with Â_o
+    a reward on the last token, discounted with the token rewards (``last_token``; equal at γ = 1)."""
+    if placement == "last_token":
+        return reward_to_go(_outcome_at_last_token(inputs), inputs.response_mask, gamma), None
+    return token_advantages(inputs.outcome, inputs.response_mask, inputs.token_rewards, gamma), None
+
+
+def gae_advantages(inputs: AdvantageInputs, gamma: float, lam: float,
+                   placement: OutcomePlacement = "every_token") -> tuple[Tensor, Tensor]:
+    """GAE(γ, λ) over the token rewards with r_o on the last token, against the value head (TRL's PPO)."""
+    if inputs.values is None:
+        raise ValueError("the gae estimator needs value-head estimates")
+    return sequence_gae(_outcome_at_last_token(inputs), inputs.values, inputs.response_mask, gamma, lam)
+
+
+def reinforce_advantages(inputs: AdvantageInputs, gamma: float, lam: float,
+                         placement: OutcomePlacement = "every_token") -> tuple[Tensor, None]:
+    """The reward-to-go of the token rewards with r_o on the last token (whitened over the batch afterwards)."""
+    return reward_to_go(_outcome_at_last_token(inputs), inputs.response_mask, gamma), None
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: ``fn(inputs, gamma, lam, placement) -> (advantages, returns | None)``."""
+
+    fn: Callable[..., tuple[Tensor, Tensor | None]]
+    normalized_outcome: bool  # reads GRPO's group-normalised Â_o (else the raw outcome reward)
+    value_head: bool  # needs V estimates, returns value targets
+    whiten: bool  # advantages whitened over the whole batch, after every row is estimated
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(grpo_advantages, normalized_outcome=True, value_head=False, whiten=False),
+    "gae": Estimator(gae_advantages, normalized_outcome=False, value_head=True, whiten=True),
+    "reinforce": Estimator(reinforce_advantages, normalized_outcome=False, value_head=False, whiten=True),
+}
+AdvantageName = Literal["grpo", "gae", "reinforce"]

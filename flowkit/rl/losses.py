@@ -1,4 +1,4 @@
-"""Policy-gradient losses: PPO/GRPO clipped surrogate and the k3 KL estimator."""
+"""Policy-gradient losses: the PPO/GRPO clipped surrogate, the KL estimators and the clipped value loss."""
 
 from __future__ import annotations
 
@@ -99,14 +99,52 @@ def clipped_policy_loss(
     return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean",
-               denominator: Tensor | float | None = None, max_new_tokens: int | None = None) -> Tensor:
-    """k3 estimator of KL(π‖π_ref): exp(ref − logπ) − (ref − logπ) − 1 (Schulman 2020), non-negative; as verl's
-    ``low_var_kl``, ref − logπ is clamped to ±:data:`LOG_RATIO_BOUND` and each token's value to :data:`KL_BOUND`.
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
 
-    ``denominator`` / ``max_new_tokens`` as in :func:`clipped_policy_loss`.
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probs (Schulman 2020; verl ``kl_penalty``):
+
+    - ``k1``: log π − log π_ref (unbiased, high variance; what TRL's PPO subtracts from the reward);
+    - ``k2``: ½ (log π − log π_ref)² (verl ``mse``);
+    - ``k3`` / ``low_var_kl``: exp(r) − r − 1 with r = log π_ref − log π, non-negative; as verl, r is clamped to
+      ±:data:`LOG_RATIO_BOUND` and the value to :data:`KL_BOUND` (verl computes its ``k3`` and ``low_var_kl`` alike).
     """
-    delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if estimator in ("k3", "low_var_kl"):
+        delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return (torch.exp(delta) - delta - 1).clamp(max=KL_BOUND)
+    raise ValueError(f"KL estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean",
+               denominator: Tensor | float | None = None, max_new_tokens: int | None = None,
+               estimator: KLEstimator = "k3") -> Tensor:
+    """The KL term of the loss: :func:`kl_estimate` aggregated over ``mask`` (k3 by default, as verl's
+    ``low_var_kl``). ``denominator`` / ``max_new_tokens`` as in :func:`clipped_policy_loss`."""
     if denominator is None:
         denominator = aggregation_denominator(mask, aggregation, max_new_tokens)
-    return masked_sum((torch.exp(delta) - delta - 1).clamp(max=KL_BOUND), mask, aggregation) / denominator
+    return masked_sum(kl_estimate(logprobs, ref_logprobs, estimator), mask, aggregation) / denominator
+
+
+def kl_shaped_rewards(token_rewards: Tensor | None, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
+                      kl_coef: float, estimator: KLEstimator = "k1") -> Tensor:
+    """r_t − β·KL_t on response tokens: the KL in the reward, as TRL's PPO trainer (k1 there)."""
+    rewards = torch.zeros_like(logprobs) if token_rewards is None else token_rewards
+    return (rewards - kl_coef * kl_estimate(logprobs, ref_logprobs, estimator)) * mask
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float,
+                       denominator: Tensor | float | None = None) -> Tensor:
+    """½·Σ over the mask of max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²) / ``denominator`` (default: the
+    mask's token count; TRL's ``cliprange_value``, CleanRL's clipped value loss)."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    per_token = torch.maximum((values - returns).square(), (clipped - returns).square())
+    mask = mask.float()
+    if denominator is None:
+        denominator = mask.sum().clamp(min=1)
+    return 0.5 * (per_token * mask).sum() / denominator

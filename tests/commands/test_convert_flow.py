@@ -19,6 +19,7 @@ from flowkit.cli import main
 from flowkit.commands.convert_flow import convert_official_flow, convert_official_state_dict
 from flowkit.flow import VelocityField
 from flowkit.rewards import FlowReward
+from backbone_stub import backbone_stub
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +83,7 @@ def test_converted_field_gives_the_official_outputs(tmp_path, layout):
     architecture = convert_official_flow(source, tmp_path / "flow.safetensors")
     assert architecture == {"hidden_size": hidden, "width": width, "depth": depth}
     reward = FlowReward(depth=depth, width=width, condition="previous", weights=str(tmp_path / "flow.safetensors"))
-    reward.bind(hidden, [0.25, 0.5, 0.75], rms_norm_eps=eps)
+    reward.bind(backbone_stub(hidden, eps), [0.25, 0.5, 0.75])
 
     g = torch.Generator().manual_seed(1)
     x, c = torch.randn(7, hidden, generator=g), torch.randn(7, hidden, generator=g)

@@ -14,7 +14,7 @@ import torch
 
 from flowkit.explain.flow_data import accepted_flow_data, fit_flow, gather_flow_data
 from flowkit.explain.prompts import explanation_prompt
-from flowkit.explain.reward_model import FlowRewardModel, explanation_inputs
+from flowkit.explain.reward_model import ExplanationFlowModel, explanation_inputs
 from flowkit.llm.rollout import encode_pairs
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 
@@ -41,7 +41,7 @@ def round_data(rank: int, world: int):
     backbone = tiny_qwen2(len(tokenizer), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                           intermediate_size=128).eval().requires_grad_(False)
     torch.manual_seed(1)
-    reward_model = FlowRewardModel(DECISIONS, 64, num_steps=2, num_draws=2, time_dim=8, projector_dim=16,
+    reward_model = ExplanationFlowModel(DECISIONS, 64, num_steps=2, num_draws=2, time_dim=8, projector_dim=16,
                                    encode_batch_size=3)
     contexts = torch.arange(rank, CONTEXTS // world * world, world)
     row_ids = (contexts[:, None] * PER_CONTEXT + torch.arange(PER_CONTEXT)).flatten()
@@ -53,7 +53,7 @@ def round_data(rank: int, world: int):
     return reward_model, data
 
 
-def train(reward_model: FlowRewardModel, data) -> list[float]:
+def train(reward_model: ExplanationFlowModel, data) -> list[float]:
     """Two flow epochs on ``data`` with plain Adam: no gradient averaging, so equal weights across ranks
     come from equal data and noise alone."""
     optimizer = torch.optim.Adam(reward_model.parameters(), lr=1e-2)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flowkit.explain.rectified_flow import euler_sample, flow_matching_loss, noise
+from flowkit.explain.rectified_flow import euler_sample, noise, rectified_flow_loss
 
 
 def test_euler_integrates_the_straight_field_to_a_point_exactly():
@@ -25,17 +25,17 @@ def test_euler_integrates_a_constant_field_and_checks_the_time_grid():
     assert seen == [0.0, 0.25, 0.5, 0.75]
 
 
-def test_flow_matching_loss_is_zero_for_the_true_straight_velocity_and_positive_otherwise():
+def test_rectified_flow_loss_is_zero_for_the_true_straight_velocity_and_positive_otherwise():
     z1 = torch.softmax(torch.randn(64, 4), -1)
     g = torch.Generator().manual_seed(0)
     z0 = torch.randn(z1.shape, generator=torch.Generator().manual_seed(0))
     # With the same generator the loss draws z0 first, then t; the straight velocity z1 − z0 is exact.
-    perfect = flow_matching_loss(lambda t, z_t: z1 - z0, z1, generator=g)
+    perfect = rectified_flow_loss(lambda t, z_t: z1 - z0, z1, generator=g)
     assert perfect.item() < 1e-10
-    assert flow_matching_loss(lambda t, z_t: torch.zeros_like(z_t), z1).item() > 1.0
+    assert rectified_flow_loss(lambda t, z_t: torch.zeros_like(z_t), z1).item() > 1.0
 
 
-def test_flow_matching_loss_decreases_when_training_a_small_field():
+def test_rectified_flow_loss_decreases_when_training_a_small_field():
     torch.manual_seed(0)
     z1 = torch.softmax(3 * torch.randn(1, 4), -1).expand(128, 4)
     net = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
@@ -43,7 +43,7 @@ def test_flow_matching_loss_decreases_when_training_a_small_field():
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
     losses = []
     for _ in range(200):
-        loss = flow_matching_loss(lambda t, z: net(torch.cat((z, t[..., None]), -1)), z1)
+        loss = rectified_flow_loss(lambda t, z: net(torch.cat((z, t[..., None]), -1)), z1)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -65,7 +65,7 @@ def test_a_cpu_generator_draws_the_same_noise_for_cuda_tensors():
         return velocity
 
     for device in ("cpu", "cuda"):
-        flow_matching_loss(recording(device), z1.to(device), generator=torch.Generator().manual_seed(3))
+        rectified_flow_loss(recording(device), z1.to(device), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(seen["cuda"], seen["cpu"])
     cuda = noise(torch.randn, (2, 3), torch.Generator().manual_seed(4), torch.device("cuda"))
     assert cuda.device.type == "cuda"

@@ -2,7 +2,7 @@ import torch
 
 from flowkit.explain.context import encode_context
 from flowkit.explain.prompts import explanation_prompt
-from flowkit.explain.reward_model import FlowRewardModel, explanation_inputs, place_token_rewards
+from flowkit.explain.reward_model import ExplanationFlowModel, explanation_inputs, place_token_rewards
 from flowkit.llm.rollout import encode_pairs
 
 
@@ -42,7 +42,7 @@ def test_flow_loss_decreases_on_fixed_targets_and_predictions_follow_them(backbo
     batch = _batch(tokenizer)
     inputs = explanation_inputs(batch, tokenizer)
     context = encode_context(backbone, inputs.input_ids, inputs.attention_mask)
-    model = FlowRewardModel(4, backbone.config.hidden_size, num_steps=8, num_draws=32, time_dim=16, projector_dim=64)
+    model = ExplanationFlowModel(4, backbone.config.hidden_size, num_steps=8, num_draws=32, time_dim=16, projector_dim=64)
     targets = torch.tensor([[0.1, 0.7, 0.1, 0.1], [0.05, 0.05, 0.1, 0.8]])
     rows = torch.arange(2).repeat(64)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -8,7 +8,7 @@ from flowkit.explain.context import encode_context
 from flowkit.explain.gridworld import DECISIONS
 from flowkit.explain.prompts import explanation_prompt
 from flowkit.explain.proxy import proxy_probabilities
-from flowkit.explain.reward_model import FlowRewardModel, explanation_inputs
+from flowkit.explain.reward_model import ExplanationFlowModel, explanation_inputs
 from flowkit.llm.backbone import ASSETS, load_backbone
 from flowkit.llm.rollout import encode_pairs
 
@@ -36,7 +36,7 @@ def test_trained_flow_beats_chance_on_heldout_positives():
     train_context, train_probs, train_decisions = _encode(backbone, tokenizer, proxy, _records("train", 384))
     test_context, test_probs, test_decisions = _encode(backbone, tokenizer, proxy, _records("test", 160))
     positives = (train_probs.argmax(-1) == train_decisions).nonzero().flatten()  # rejection sampling
-    model = FlowRewardModel(len(DECISIONS), backbone.config.hidden_size, num_steps=6, num_draws=16, time_dim=32,
+    model = ExplanationFlowModel(len(DECISIONS), backbone.config.hidden_size, num_steps=6, num_draws=16, time_dim=32,
                             projector_dim=128)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)

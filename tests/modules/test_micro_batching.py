@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import flowkit.modules.policy as policy_module
+from flowkit.engine import Actor, RLStep
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.optim import step_groups
 from flowkit.rewards import FlowReward
@@ -95,17 +96,17 @@ def test_on_policy_fast_path_equals_a_separate_scoring_pass(tmp_path, monkeypatc
     """ppo_epochs × num_minibatches = 1 skips the no-grad scoring forward; losses, gradients and weights are
     those of the general path (a scoring pass, then the update) on the same rollouts."""
     forwards = []
-    real_forward = PolicyModule._forward
+    real_forward = Actor.forward
 
-    def counting_forward(self, batch, tap):
+    def counting_forward(self, batch, tap=False):
         forwards.append(torch.is_grad_enabled())
         return real_forward(self, batch, tap)
 
-    monkeypatch.setattr(PolicyModule, "_forward", counting_forward)
+    monkeypatch.setattr(Actor, "forward", counting_forward)
     fast, fast_updates, _ = fit_recording_gradients(tmp_path / "fast", monkeypatch)
     assert forwards == [True] * 3  # one forward per step, the training one
     forwards.clear()
-    monkeypatch.setattr(PolicyModule, "_on_policy_update", PolicyModule._score_then_update)
+    monkeypatch.setattr(RLStep, "_fused", lambda self: False)
     scored, scored_updates, _ = fit_recording_gradients(tmp_path / "scored", monkeypatch)
     assert forwards == [False, True] * 3  # a scoring forward, then the training forward
     assert_same_gradients([fast], scored)
@@ -142,14 +143,14 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, m
     to the loss, so skipping their forward/backward leaves every gradient and the 3-step weights as they were;
     also when this rank pads with zero-loss micro-batches (as when another rank keeps more rows)."""
     forwarded: list[int] = []
-    real_forward, real_micro_batches = PolicyModule._forward, PolicyModule._micro_batches
+    real_forward, real_micro_batches = Actor.forward, RLStep._micro_batches
 
-    def counting_forward(self, batch, tap):
+    def counting_forward(self, batch, tap=False):
         if torch.is_grad_enabled():
             forwarded.append(batch.batch_size)
         return real_forward(self, batch, tap)
 
-    monkeypatch.setattr(PolicyModule, "_forward", counting_forward)
+    monkeypatch.setattr(Actor, "forward", counting_forward)
     options = dict(reward_model=None, micro_batch_size=2, max_new_tokens=28, **updates)  # room to finish: rewards vary
     every, every_updates, _ = fit_recording_gradients(tmp_path / "every", monkeypatch, skip_zero_advantage_rows=False,
                                                       **options)
@@ -157,7 +158,7 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, m
     skipped, skipped_updates, _ = fit_recording_gradients(tmp_path / "skipped", monkeypatch, **options)
     rows_skipped, forwarded[:] = sum(forwarded), []
     assert rows_skipped < rows_every  # this seed's 6 groups include some with equal rewards
-    monkeypatch.setattr(PolicyModule, "_micro_batches",
+    monkeypatch.setattr(RLStep, "_micro_batches",
                         lambda self, rows, keep=None: real_micro_batches(self, rows, keep) + ([None] * 2 if keep is not None else []))
     padded, padded_updates, _ = fit_recording_gradients(tmp_path / "padded", monkeypatch, **options)
     assert sum(forwarded) == rows_skipped + 2 * len(padded)  # one row per padding micro-batch

@@ -10,6 +10,7 @@ from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.rollout import expert_latents
 from flowkit.modules.datamodule import RolloutDataModule, resolve_data_path
 from flowkit.rewards import FlowReward
+from backbone_stub import backbone_stub
 
 
 def test_pretrained_flow_scores_expert_latents_below_shuffled():
@@ -20,7 +21,7 @@ def test_pretrained_flow_scores_expert_latents_below_shuffled():
     data.setup("fit")
     reward = FlowReward(depth=2, seed=0, pretrain_timesteps=2)
     tap = LatentTap(model, reward.percentiles)
-    reward.bind(model.config.hidden_size, tap.layer_positions)
+    reward.bind(model, tap.layer_positions)
     optimizer = torch.optim.AdamW(reward.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
     batches = data.expert_batches(32, seed=0)
@@ -54,11 +55,11 @@ def test_bind_leaves_the_global_rng_alone_and_uses_the_backbone_eps():
     expected = torch.rand(3)
     torch.manual_seed(123)
     reward = FlowReward(depth=1, seed=7)
-    reward.bind(16, [0.25, 0.5, 0.75], rms_norm_eps=1e-5)
+    reward.bind(backbone_stub(16, 1e-5), [0.25, 0.5, 0.75])
     torch.testing.assert_close(torch.rand(3), expected)
     assert {m.eps for m in reward.field.modules() if isinstance(m, torch.nn.RMSNorm)} == {1e-5}
     again = FlowReward(depth=1, seed=7)
-    again.bind(16, [0.25, 0.5, 0.75], rms_norm_eps=1e-5)
+    again.bind(backbone_stub(16, 1e-5), [0.25, 0.5, 0.75])
     for a, b in zip(reward.field.parameters(), again.field.parameters()):
         assert torch.equal(a, b)  # the field's seed alone decides its initialisation
 

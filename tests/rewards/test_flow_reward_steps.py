@@ -7,6 +7,7 @@ import torch
 
 from flowkit.batch import RolloutBatch
 from flowkit.rewards import FlowReward
+from backbone_stub import backbone_stub
 
 P, D = 2, 8
 
@@ -27,18 +28,17 @@ def scored_batch(rows: int, generator: torch.Generator) -> RolloutBatch:
 
 def bound_reward(**options) -> FlowReward:
     reward = FlowReward(percentiles=(0.25, 0.5), depth=1, seed=5, **options)
-    reward.bind(D, [0.25, 0.5])
+    reward.bind(backbone_stub(D), [0.25, 0.5])
     return reward
 
 
 def in_micro_batches(reward: FlowReward, batch: RolloutBatch, size: int, step: int = 3) -> torch.Tensor:
-    """What the policy module does: token rewards and observe per micro-batch, offsets by scored-token counts."""
-    counts = reward.scored_token_counts(batch.response_mask)
+    """What the RL step does: begin the step, then score micro-batch after micro-batch."""
+    reward.begin_step(step, batch)
     parts = []
     for start in range(0, batch.batch_size, size):
-        micro = batch.select(torch.arange(start, min(start + size, batch.batch_size)))
-        parts.append(reward.token_rewards(micro, step, token_offset=int(counts[:start].sum())))
-        reward.observe(micro, start)
+        rows = torch.arange(start, min(start + size, batch.batch_size))
+        parts.append(reward.score(batch.select(rows), rows))
     return torch.cat(parts)
 
 
@@ -50,7 +50,7 @@ def test_rewards_and_flow_loss_do_not_depend_on_micro_batches_or_pieces(metric):
     for size, rows_per_piece in ((1, 2), (4, 7), (6, None)):
         reward = bound_reward(kappa=1, rejection_metric=metric, noise_draws=2, max_rows_per_piece=rows_per_piece)
         rewards = in_micro_batches(reward, batch, size)
-        pieces = reward.update_losses(batch, 3)
+        pieces = reward.end_step(batch)
         loss = sum(piece() for piece in pieces)
         grads = torch.autograd.grad(loss, list(reward.parameters()), allow_unused=True)
         metrics = reward.step_metrics()
@@ -83,7 +83,7 @@ def test_only_the_accepted_rollouts_latents_are_kept_on_cpu():
     in_micro_batches(reward, batch, 2)
     assert [row for row, _, _ in reward._candidates] == [0, 2, 4]
     assert all(latents.device.type == "cpu" for _, latents, _ in reward._candidates)
-    assert reward.update_losses(batch, 0) == []
+    assert reward.end_step(batch) == []
     assert len(reward.buffer) == 3 and not reward._candidates
 
 
@@ -95,7 +95,7 @@ def test_kappa_cadence_waits_and_every_step_cadence_does_not():
         batch = scored_batch(4, generator)  # 2 correct rollouts per step
         for name, reward in (("buffered", buffered), ("every_step", every_step)):
             in_micro_batches(reward, batch, 4, step)
-            taken[name].append(len(reward.update_losses(batch, step)) > 0)
+            taken[name].append(len(reward.end_step(batch)) > 0)
     assert taken["buffered"] == [False, False, True]  # 2, 4, 6 ≥ κ = 5: one flow step on all 6
     assert taken["every_step"] == [True, True, True]
     assert len(buffered.buffer) == 0 and len(every_step.buffer) == 0

@@ -126,3 +126,21 @@ def test_an_outlier_token_keeps_the_loss_and_gradient_finite():
     assert float(loss) == pytest.approx((-1.0 + math.exp(20.0) - 1.0) / 3, rel=1e-5)
     kl = kl_penalty(torch.tensor([[0.0, -60.0]]), torch.tensor([[0.0, 0.0]]), torch.ones(1, 2))
     assert float(kl) == pytest.approx((0.0 + 10.0) / 2)
+
+
+def test_kl_estimators_by_hand_and_as_verl_defines_them():
+    """log π = [−1, −2], log π_ref = [−1.5, −1]: r = ref − logπ = [−0.5, 1]. k1 = logπ − ref = [0.5, −1];
+    k2 = ½(logπ − ref)² = [0.125, 0.5]; k3 = e^r − r − 1 = [e^−0.5 − 0.5, e − 2] (verl's k3 and low_var_kl alike)."""
+    from flowkit.rl.losses import kl_estimate, kl_shaped_rewards
+
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    torch.testing.assert_close(kl_estimate(logp, ref, "k1"), torch.tensor([[0.5, -1.0]]))
+    torch.testing.assert_close(kl_estimate(logp, ref, "k2"), torch.tensor([[0.125, 0.5]]))
+    k3 = torch.tensor([[math.exp(-0.5) - 0.5, math.e - 2.0]])
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3"), k3)
+    torch.testing.assert_close(kl_estimate(logp, ref, "low_var_kl"), k3)
+    shaped = kl_shaped_rewards(torch.tensor([[0.0, 1.0]]), logp, ref, torch.tensor([[1.0, 1.0]]), 0.1, "k2")
+    torch.testing.assert_close(shaped, torch.tensor([[-0.0125, 0.95]]))
+    assert float(kl_penalty(logp, ref, torch.ones(1, 2), estimator="k1")) == pytest.approx(-0.25)
+    with pytest.raises(ValueError, match="KL estimator"):
+        kl_estimate(logp, ref, "k4")

@@ -2,7 +2,11 @@
 
 import torch
 
-from flowkit.rl.advantages import outcome_at_last_token_advantages, token_advantages
+from flowkit.rl.advantages import AdvantageInputs, grpo_advantages, token_advantages
+
+
+def outcome_at_last_token_advantages(outcome, mask, token_rewards, gamma):
+    return grpo_advantages(AdvantageInputs(outcome, mask, token_rewards), gamma, 1.0, placement="last_token")[0]
 
 
 def test_outcome_at_last_token_by_hand():

@@ -1,6 +1,10 @@
+"""GAE over token sequences, KL shaping, the clipped value loss and whitening (PPO as TRL runs it)."""
+
 import torch
 
-from flowkit.explain.ppo import clipped_value_loss, gae, kl_shaped_rewards, whitened
+from flowkit.rl.advantages import sequence_gae as gae
+from flowkit.rl.advantages import whitened
+from flowkit.rl.losses import clipped_value_loss, kl_shaped_rewards
 
 
 def test_gae_matches_the_recursion_by_hand_and_ignores_padding():

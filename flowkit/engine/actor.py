@@ -1,0 +1,180 @@
+"""The actor: the policy's forward over rollout rows (log-probs, entropies, latents, values) and its loss.
+
+Plain PyTorch (no Lightning), as verl keeps its actor apart from the trainer. The models belong to the caller (a
+LightningModule registers and optimizes them); the actor only reads them.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flowkit.batch import RolloutBatch
+from flowkit.distributed import zero3_sharded
+from flowkit.engine.options import LossOptions, UpdateOptions
+from flowkit.engine.stats import StepStats
+from flowkit.llm.latent_tap import LatentTap
+from flowkit.llm.rollout import forward_hidden
+from flowkit.rl.logprobs import lm_head_logprobs
+from flowkit.rl.losses import clipped_policy_loss, clipped_value_loss, kl_penalty
+
+REFERENCE_ADAPTER = "reference"  # the frozen LoRA adapter holding a snapshot of the policy (e.g. after SFT)
+
+
+@dataclass
+class ActorOutput:
+    """B×S log-probs (with gradient when enabled) and entropies (detached) of the rows' tokens, the tapped latents
+    (P×B×S×d, detached) when asked for, and the value head's V(state before token s) (B×S) when there is one."""
+
+    logprobs: Tensor
+    entropy: Tensor
+    latents: Tensor | None = None
+    values: Tensor | None = None
+
+
+class KLReference:
+    """The frozen reference policy π_ref of the KL term.
+
+    Either a frozen full copy (``frozen``), or — for a LoRA policy — the policy itself read through a frozen adapter:
+    the ``reference`` adapter when :meth:`snapshot` filled one (PPO's initial policy after SFT: LoRA-sized, not a model
+    copy), else with its adapters disabled (the base model, which is where LoRA training starts). ``snapshot_adapter``
+    adds the frozen adapter up front (before the optimizer and the strategy see the model).
+    """
+
+    def __init__(self, policy: torch.nn.Module, frozen: torch.nn.Module | None = None, snapshot_adapter: bool = False):
+        self.policy, self.frozen = policy, frozen
+        if frozen is None and not hasattr(policy, "peft_config"):
+            raise ValueError("a KL reference without a frozen copy needs a LoRA (peft) policy")
+        if frozen is not None:
+            frozen.requires_grad_(False).eval()
+        elif snapshot_adapter and REFERENCE_ADAPTER not in policy.peft_config:
+            # the adapter's initial weights are overwritten by the snapshot: drawing them must not move the run's RNG
+            with torch.random.fork_rng(devices=[]):
+                policy.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(policy.peft_config["default"]))
+
+    @contextmanager
+    def reading(self):
+        """The model that computes π_ref while inside: the frozen copy, or the LoRA policy with the ``reference``
+        adapter active (adapters disabled without one); on leaving, the trainable adapter is active again."""
+        if self.frozen is not None:
+            yield self.frozen
+            return
+        if REFERENCE_ADAPTER not in self.policy.peft_config:
+            with self.policy.disable_adapter():
+                yield self.policy
+            return
+        self.policy.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+        try:
+            yield self.policy
+        finally:
+            self.policy.set_adapter("default")  # peft's set_adapter also makes only "default" require grad
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        """Copy the policy's current trainable weights into the reference (LoRA: the ``default`` adapter into the
+        ``reference`` one; a frozen copy: every weight). Under ZeRO-3 each pair is gathered for the copy and the
+        target re-partitioned from rank 0, so every rank must call it."""
+        if self.frozen is not None:
+            pairs = list(zip(self.policy.parameters(), self.frozen.parameters(), strict=True))
+        else:
+            params = dict(self.policy.named_parameters())
+            pairs = [(param, params[name.replace(".default.", f".{REFERENCE_ADAPTER}.")])
+                     for name, param in params.items() if "lora_" in name and ".default." in name]
+        sharded = zero3_sharded(p for pair in pairs for p in pair)
+        if sharded:
+            import deepspeed  # sharded parameters mean DeepSpeed is installed
+        for source, target in pairs:  # one parameter gathered at a time
+            read = deepspeed.zero.GatheredParameters([source], modifier_rank=None) if sharded else nullcontext()
+            write = deepspeed.zero.GatheredParameters([target], modifier_rank=0) if sharded else nullcontext()
+            with read, write:
+                target.copy_(source)
+
+
+class Actor:
+    """Forward passes of the policy over rollout rows, and the per-micro-batch loss (verl's ``compute_log_prob`` /
+    ``update_policy`` split, here per micro-batch so the caller owns the loop, the backward and the step).
+
+    Args:
+        policy: the causal LM being trained (HF or peft).
+        tap: the latent tap on ``policy`` (a reward model that reads latents), or None.
+        value_head: Linear(d → 1) on the last hidden state for the ``gae`` estimator, or None.
+        reference: the KL reference, or None (no KL).
+        update, loss: the option groups.
+    """
+
+    def __init__(self, policy: torch.nn.Module, tap: LatentTap | None, value_head: torch.nn.Module | None,
+                 reference: KLReference | None, update: UpdateOptions, loss: LossOptions):
+        self.policy, self.tap, self.value_head, self.reference = policy, tap, value_head, reference
+        self.update, self.options = update, loss
+
+    def forward(self, batch: RolloutBatch, tap: bool = False, temperature: float | None = None) -> ActorOutput:
+        """Log-probs through the LM head in chunks (never B×S×V logits) at ``temperature`` (default: the sampling
+        temperature), entropies, the latents (with ``tap``) and the values (with a value head) of ``batch``'s rows."""
+        if tap and self.tap is not None:
+            with self.tap:
+                hidden = forward_hidden(self.policy, batch)
+            latents = self.tap.latents
+        else:
+            hidden, latents = forward_hidden(self.policy, batch), None
+        temperature = (self.update.temperature or 1.0) if temperature is None else temperature
+        logprobs, entropy = lm_head_logprobs(hidden, self.policy.get_output_embeddings(), batch.input_ids,
+                                             batch.response_mask, temperature, self.update.lm_head_chunk_size)
+        values = None
+        if self.value_head is not None:
+            # V(state before token s) sits at position s − 1; the head runs in its own dtype (bf16 under DeepSpeed)
+            head = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+            values = torch.nn.functional.pad(head[:, :-1], (1, 0)) * batch.response_mask
+        return ActorOutput(logprobs, entropy, latents, values)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
+        with self.reference.reading() as model:
+            hidden = forward_hidden(model, batch)
+            return lm_head_logprobs(hidden, model.get_output_embeddings(), batch.input_ids, batch.response_mask,
+                                    self.update.temperature or 1.0, self.update.lm_head_chunk_size)[0]
+
+    def loss(self, micro: RolloutBatch, out: ActorOutput, denominator: Tensor, tokens: Tensor,
+             stats: StepStats) -> Tensor:
+        """This micro-batch's share of its minibatch's loss: the clipped surrogate summed over the micro-batch and
+        divided by the minibatch's aggregation ``denominator``; + kl_coef × the KL term (KL in the loss); + vf_coef
+        × the clipped value loss over the minibatch's ``tokens`` (``gae``). The shares add up to the minibatch loss
+        whatever the micro-batch size."""
+        options = self.options
+        weights = None
+        if options.rollout_is_cap is not None and micro.rollout_logprobs is not None:
+            weights = torch.exp(micro.old_logprobs - micro.rollout_logprobs).clamp(max=options.rollout_is_cap)
+        loss, info = clipped_policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, micro.response_mask,
+                                         options.clip_low, options.clip_high, options.aggregation, options.clip_ratio_c,
+                                         weights, denominator, options.max_new_tokens)
+        count = float(micro.response_mask.sum())
+        stats.add("train/policy_loss", loss.detach())
+        stats.add_weighted("train/clip_fraction", info["clip_fraction"], count)
+        stats.add_weighted("train/approx_kl", info["approx_kl"], count)
+        if self.reference is not None and options.kl_in == "loss":
+            kl = kl_penalty(out.logprobs, micro.ref_logprobs, micro.response_mask, options.aggregation, denominator,
+                            options.max_new_tokens, options.kl_estimator)
+            stats.add("train/kl", kl.detach())
+            loss = loss + options.kl_coef * kl
+        if out.values is not None:
+            value_loss = clipped_value_loss(out.values, micro.old_values, micro.returns, micro.response_mask,
+                                            options.value_clip, tokens)
+            stats.add("train/value_loss", value_loss.detach())
+            loss = loss + options.vf_coef * value_loss
+        return loss
+
+    def sft_loss(self, micro: RolloutBatch, tokens: Tensor) -> Tensor:
+        """Supervised fine-tuning: the negative log-likelihood of the micro-batch's response tokens, summed and divided
+        by ``tokens`` (the whole step's response tokens: the micro-batches' shares add up to the token mean), through
+        the same chunked LM head as RL."""
+        return -(self.forward(micro, temperature=1.0).logprobs * micro.response_mask).sum() / tokens
+
+    def padding_loss(self, batch: RolloutBatch) -> Tensor:
+        """A zero loss through one row, reaching every trained module the real micro-batches reach: this rank's
+        share of a forward/backward that other ranks still run (each is a collective under DDP and ZeRO)."""
+        out = self.forward(batch.select([0]))
+        loss = out.logprobs.sum() * 0.0
+        return loss if out.values is None else loss + out.values.sum() * 0.0

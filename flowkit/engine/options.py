@@ -1,0 +1,121 @@
+"""The RL step's options, in groups, each checked where it is built (a one-line ConfigError naming the option).
+
+A LightningModule takes them as flat constructor arguments (what a YAML config and ``--model.init_args.X`` set)
+and builds these groups; the engine reads only the groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from flowkit.errors import ConfigError, check_range
+from flowkit.rl.advantages import ESTIMATORS, AdvantageName, OutcomePlacement, ScaleRewards
+from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
+from flowkit.rl.losses import KL_ESTIMATORS, Aggregation, KLEstimator
+
+
+KLPlacement = Literal["loss", "reward"]
+
+
+def _one_of(owner: str, name: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{owner}.{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """``num_samples`` responses per prompt (the GRPO group), at most ``max_new_tokens`` each, sampled at
+    ``temperature`` with nucleus ``top_p``; temperature 0 (greedy) needs one sample."""
+
+    num_samples: int = 8
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def check(self, owner: str) -> None:
+        check_range(owner, "num_samples", self.num_samples, 1)
+        check_range(owner, "max_new_tokens", self.max_new_tokens, 1)
+        check_range(owner, "temperature", self.temperature, 0)
+        check_range(owner, "top_p", self.top_p, 0, 1, open_low=True)
+        if self.temperature == 0 and self.num_samples > 1:
+            raise ConfigError(f"{owner}.temperature 0 (greedy) makes the {self.num_samples} samples of a prompt "
+                              "identical, so every GRPO advantage is 0: use temperature > 0, or num_samples 1")
+
+
+@dataclass(frozen=True)
+class AdvantageOptions:
+    """``estimator``: ``grpo`` (RLFR eq. 9), ``gae`` (value head, whitened; PPO as TRL) or ``reinforce`` (whitened
+    reward-to-go); ``gamma``, ``lam``: discount and GAE λ; ``scale_rewards``: GRPO's std (``group`` | ``batch`` |
+    ``none``); ``outcome_placement``: GRPO's Â_o on ``every_token`` (the paper) or the ``last_token`` (official)."""
+
+    estimator: AdvantageName = "grpo"
+    gamma: float = 1.0
+    lam: float = 0.95
+    scale_rewards: ScaleRewards = "group"
+    outcome_placement: OutcomePlacement = "every_token"
+
+    def check(self, owner: str) -> None:
+        _one_of(owner, "advantage", self.estimator, tuple(ESTIMATORS))
+        check_range(owner, "gamma", self.gamma, 0, 1)
+        check_range(owner, "lam", self.lam, 0, 1)
+        _one_of(owner, "scale_rewards", self.scale_rewards, ("group", "batch", "none"))
+        _one_of(owner, "outcome_placement", self.outcome_placement, ("every_token", "last_token"))
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The clipped surrogate (ε_low, ε_high, dual clip c, ``aggregation``), the truncated IS correction
+    ``rollout_is_cap``, the KL to the reference (``kl_coef``, its ``kl_estimator``, and whether it is a ``loss``
+    term, as GRPO / verl, or subtracted from the ``reward``, as TRL's PPO), and the value loss (``vf_coef``,
+    ``value_clip``) of the ``gae`` estimator. ``max_new_tokens``: the generation budget, for ``dr-grpo``."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    aggregation: Aggregation = "token-mean"
+    rollout_is_cap: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    kl_in: KLPlacement = "loss"
+    vf_coef: float = 0.1
+    value_clip: float = 0.2
+    max_new_tokens: int = 1024
+
+    def check(self, owner: str) -> None:
+        check_range(owner, "clip_low", self.clip_low, 0, 1, open_high=True)  # the ratio's lower bound 1 − ε must be > 0
+        check_range(owner, "clip_high", self.clip_high, 0)
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ConfigError(f"{owner}.clip_ratio_c must be > 1 (or null), got {self.clip_ratio_c}")
+        _one_of(owner, "aggregation", self.aggregation, ("token-mean", "seq-mean", "dr-grpo"))
+        check_range(owner, "rollout_is_cap", self.rollout_is_cap, 0, open_low=True)
+        check_range(owner, "kl_coef", self.kl_coef, 0)
+        _one_of(owner, "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _one_of(owner, "kl_in", self.kl_in, ("loss", "reward"))
+        check_range(owner, "vf_coef", self.vf_coef, 0)
+        check_range(owner, "value_clip", self.value_clip, 0, open_low=True)
+        check_range(owner, "max_new_tokens", self.max_new_tokens, 1)
+
+
+@dataclass(frozen=True)
+class UpdateOptions:
+    """How one generation becomes optimizer steps: ``ppo_epochs`` × ``num_minibatches`` updates (1 × 1 is on-policy:
+    no separate scoring pass), ``micro_batch_size`` sequences per forward/backward (None: a whole minibatch),
+    ``lm_head_chunk_size`` response tokens per LM-head call, ``temperature`` the log-probs refer to (the sampling
+    temperature), and ``skip_zero_advantage_rows`` (a row whose advantages are all 0 adds nothing: skip it)."""
+
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    micro_batch_size: int | None = None
+    lm_head_chunk_size: int | None = DEFAULT_LM_HEAD_CHUNK
+    temperature: float = 1.0
+    skip_zero_advantage_rows: bool = True
+
+    @property
+    def updates(self) -> int:
+        return self.ppo_epochs * self.num_minibatches
+
+    def check(self, owner: str) -> None:
+        for name in ("ppo_epochs", "num_minibatches", "micro_batch_size", "lm_head_chunk_size"):
+            check_range(owner, name, getattr(self, name), 1)
+        check_range(owner, "temperature", self.temperature, 0)
