@@ -7,6 +7,7 @@ Plain torch (no Lightning), so every layer can use it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -29,6 +30,16 @@ def zero3_sharded(params: Iterable[Tensor | None]) -> bool:
     """Whether any of ``params`` is a DeepSpeed ZeRO-3 partition (DeepSpeed marks those with ``ds_id``): its
     ``.data`` is empty until gathered, and every forward through it gathers it, a collective."""
     return any(hasattr(p, "ds_id") for p in params)
+
+
+def gathered(params: list[Tensor]) -> contextlib.AbstractContextManager:
+    """A context in which ``params`` are whole (read-only) when they are ZeRO-3 shards: DeepSpeed's
+    ``GatheredParameters``, a collective (every rank must enter it as often); elsewhere nothing."""
+    if zero3_sharded(params):
+        import deepspeed  # sharded parameters mean DeepSpeed is installed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
 
 
 def agreed_call_count(count: int, module: torch.nn.Module) -> int:

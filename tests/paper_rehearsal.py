@@ -12,8 +12,8 @@ A script (not an in-process call) because Lightning relaunches the command once 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,32 @@ OVERRIDES: dict[str, list[str]] = {
         "--data.init_args.batch_size", "4",                 # 2 prompts × 8 samples per rank
         "--data.init_args.val_batch_size", "4",
     ],
+    "rlfr_qwen_offline.yaml": [
+        "--model.init_args.backbone", "bundled:tiny_adder",
+        "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several pieces per batch and rank
+        "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
+        "--data.init_args.prompt_key", "prompt",
+        "--data.init_args.prompt_template", "{prompt}",
+        "--data.init_args.batch_size", "8",                 # 4 solutions per rank, of different lengths
+    ],
+    "explain_llama.yaml": [
+        "--model.init_args.backbone", "bundled:explain_tiny/policy",
+        "--model.init_args.reward_model.init_args.proxies",
+        "[bundled:explain_tiny/proxy0, bundled:explain_tiny/proxy1, bundled:explain_tiny/proxy2]",
+        "--model.init_args.max_new_tokens", "16",
+        "--model.init_args.lm_head_chunk_size", "4",        # several LM-head chunks per micro-batch of 1
+        "--model.init_args.reward_model.init_args.flow_epochs_per_round", "2",
+        "--model.init_args.reward_model.init_args.round_contexts", "8",
+        "--model.init_args.reward_model.init_args.heldout_contexts", "8",
+        "--trainer.callbacks.rounds", "1",
+        "--trainer.callbacks.policy_epochs_per_round", "1",
+        "--data.init_args.train_path", "bundled:gridworld/train.jsonl",
+        "--data.init_args.test_path", "bundled:gridworld/test.jsonl",
+        "--data.init_args.num_test", "8",
+        "--data.init_args.batch_size", str(4),              # 2 contexts per rank and step, one micro-batch each
+    ],
 }
+EXPLANATION_BATCH = 4
 
 
 def env() -> dict[str, str]:
@@ -55,10 +80,16 @@ def env() -> dict[str, str]:
 
 
 def command(config: str, root: Path, steps: int, *extra: str) -> list[str]:
-    """``flowkit fit`` of ``configs/<config>`` for ``steps`` steps, validating once at the end, into ``root``."""
-    flowkit = shutil.which("flowkit") or "flowkit"
-    return [flowkit, "fit", "--config", str(CONFIGS / config), *_SHRUNK_RUN, *OVERRIDES[config],
-            "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+    """``flowkit fit`` of ``configs/<config>`` for ``steps`` RL (or pretraining) steps, into ``root``; rlfr_qwen.yaml
+    validates once at the end, explain_llama.yaml evaluates at its round's start and at the end."""
+    flowkit = str(Path(sys.executable).parent / "flowkit")  # this interpreter's (the vLLM venv's under its tests)
+    if config == "explain_llama.yaml":  # one round of one pass: as many RL steps as batches of contexts
+        length = ["--data.init_args.num_train", str(steps * EXPLANATION_BATCH)]
+    else:
+        length = ["--trainer.max_steps", str(steps)]
+        if config == "rlfr_qwen.yaml":
+            length += ["--trainer.val_check_interval", str(steps)]
+    return [flowkit, "fit", "--config", str(CONFIGS / config), *_SHRUNK_RUN, *OVERRIDES[config], *length,
             "--trainer.default_root_dir", str(root / "run"), *extra]
 
 

@@ -47,16 +47,22 @@ class SamplingOptions:
 class AdvantageOptions:
     """``estimator``: ``grpo`` (RLFR eq. 9), ``gae`` (value head, whitened; PPO as TRL) or ``reinforce`` (whitened
     reward-to-go); ``gamma``, ``lam``: discount and GAE λ; ``scale_rewards``: GRPO's std (``group`` | ``batch`` |
-    ``none``); ``outcome_placement``: GRPO's Â_o on ``every_token`` (the paper) or the ``last_token`` (official)."""
+    ``none``); ``outcome_placement``: GRPO's Â_o on ``every_token`` (the paper) or the ``last_token`` (official);
+    ``entropy_alpha`` > 0 adds "Entropy Adv." (Cheng et al. 2025; RLFR Table 2's logit-space baseline), min(α·H_t,
+    |A_t|/κ) with ``entropy_kappa`` κ, to every advantage (:func:`~flowkit.rl.advantages.entropy_shaped_advantages`)."""
 
     estimator: AdvantageName = "grpo"
     gamma: float = 1.0
     lam: float = 0.95
     scale_rewards: ScaleRewards = "group"
     outcome_placement: OutcomePlacement = "every_token"
+    entropy_alpha: float = 0.0
+    entropy_kappa: float = 2.0
 
     def check(self, owner: str) -> None:
         _one_of(owner, "advantage", self.estimator, tuple(ESTIMATORS))
+        check_range(owner, "entropy_advantage_alpha", self.entropy_alpha, 0)
+        check_range(owner, "entropy_advantage_kappa", self.entropy_kappa, 1, open_low=True)
         check_range(owner, "gamma", self.gamma, 0, 1)
         check_range(owner, "lam", self.lam, 0, 1)
         _one_of(owner, "scale_rewards", self.scale_rewards, ("group", "batch", "none"))

@@ -27,7 +27,9 @@ from flowkit.engine.actor import Actor, ActorOutput
 from flowkit.engine.options import AdvantageOptions, UpdateOptions
 from flowkit.engine.stats import StepStats
 from flowkit.rewards.base import TokenRewardModel
-from flowkit.rl.advantages import ESTIMATORS, AdvantageInputs, group_normalized_advantage, whitened
+from flowkit.rl.advantages import (
+    ESTIMATORS, AdvantageInputs, entropy_shaped_advantages, group_normalized_advantage, whitened,
+)
 from flowkit.rl.losses import aggregation_denominator, kl_shaped_rewards
 
 
@@ -119,6 +121,9 @@ class RLStep:
         inputs = AdvantageInputs(outcome[rows], mask, rewards, micro.old_values)
         micro.advantages, micro.returns = self.estimator.fn(inputs, self.advantage.gamma, self.advantage.lam,
                                                             self.advantage.outcome_placement)
+        if self.advantage.entropy_alpha > 0:
+            micro.advantages = entropy_shaped_advantages(micro.advantages, out.entropy, mask,
+                                                         self.advantage.entropy_alpha, self.advantage.entropy_kappa)
 
     @torch.no_grad()
     def _score(self, batch: RolloutBatch, outcome: Tensor) -> None:

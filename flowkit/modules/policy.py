@@ -129,6 +129,10 @@ class PolicyModule(L.LightningModule):
         vllm_max_model_len: longest prompt + response vLLM sizes its KV cache for; None = the model's maximum.
         vllm_enable_sleep_mode: on GPU, vLLM releases its memory while the trainer trains (weights offloaded to
             CPU, KV cache freed) and takes it back to generate; vLLM's CPU backend has no sleep mode.
+        entropy_advantage_alpha, entropy_advantage_kappa: "Entropy Adv." (Cheng et al. 2025, the logit-space baseline
+            of RLFR Table 2): α > 0 adds min(α·H_t, |A_t|/κ) to every token's advantage, H_t the policy's token
+            entropy (detached); it never flips A_t's sign (κ > 1) and adds nothing where A_t = 0. 0 is off; Cheng et
+            al. run α 0.4, κ 2.
         sft_epochs, sft_lr: an SFT start before the first RL step (:func:`~flowkit.modules.sft.supervised_start`): the
             training records' ``solution`` completions, lr decaying linearly from ``sft_lr`` to 0 (the TPL paper: 3
             epochs on the preferred explanations, 2e-5, App. F); with a KL, PPO's reference is then the SFT'd policy.
@@ -192,11 +196,14 @@ class PolicyModule(L.LightningModule):
         skip_zero_advantage_rows: bool = True,
         sft_epochs: int = 0,
         sft_lr: float = 2e-5,
+        entropy_advantage_alpha: float = 0.0,
+        entropy_advantage_kappa: float = 2.0,
     ):
         super().__init__()
         owner = "PolicyModule"
         self.sampling = SamplingOptions(num_samples, max_new_tokens, temperature, top_p)
-        self.advantage = AdvantageOptions(advantage, gamma, lam, scale_rewards, outcome_placement)
+        self.advantage = AdvantageOptions(advantage, gamma, lam, scale_rewards, outcome_placement,
+                                          entropy_advantage_alpha, entropy_advantage_kappa)
         self.loss_options = LossOptions(clip_low, clip_high, clip_ratio_c, aggregation, rollout_is_cap, kl_coef,
                                         kl_estimator, kl_in, vf_coef, value_clip, max_new_tokens)
         self.update = UpdateOptions(ppo_epochs, num_minibatches, micro_batch_size, lm_head_chunk_size, temperature,

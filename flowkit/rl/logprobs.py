@@ -12,7 +12,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from flowkit.distributed import agreed_call_count
+from flowkit.distributed import agreed_call_count, gathered, zero3_sharded
 
 # Response tokens per LM-head chunk: 1024 tokens × 152k vocab × 4 bytes ≈ 0.6 GB of float32 logits at a time.
 DEFAULT_LM_HEAD_CHUNK = 1024
@@ -30,6 +30,46 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))
+
+
+def _frozen_sharded(lm_head: Callable[[Tensor], Tensor]) -> bool:
+    """A ZeRO-3-sharded head that does not train (a LoRA policy's): DeepSpeed gathers a module's shards for the
+    backward only when they are trained, so a checkpointed chunk recomputed in the backward would find it empty."""
+    if not isinstance(lm_head, torch.nn.Linear):
+        return False
+    params = list(lm_head.parameters())
+    return not any(p.requires_grad for p in params) and zero3_sharded(params)
+
+
+class _FrozenHeadChunk(torch.autograd.Function):
+    """log p(target) and the entropy of N tokens through a frozen Linear head, saving only the N×d hidden states (as
+    checkpointing would): forward and backward each gather the head's weights explicitly (a collective that every rank
+    runs as often, chunk counts being agreed) and recompute the chunk's logits; the gradient w.r.t. the hidden states is
+    ((onehot(target) − softmax) · g / T) · W."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, lm_head: torch.nn.Linear, targets: Tensor, temperature: float):
+        ctx.save_for_backward(hidden, targets)
+        ctx.lm_head, ctx.temperature = lm_head, temperature
+        with torch.no_grad(), gathered(list(lm_head.parameters())):
+            logits = torch.nn.functional.linear(hidden, lm_head.weight, lm_head.bias).float() / temperature
+        log_normalizer = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normalizer
+        entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, grad_picked: Tensor, grad_entropy: Tensor):
+        hidden, targets = ctx.saved_tensors
+        head = ctx.lm_head
+        with torch.no_grad(), gathered(list(head.parameters())):
+            logits = torch.nn.functional.linear(hidden, head.weight, head.bias).float() / ctx.temperature
+            grad_logits = -torch.softmax(logits, dim=-1)
+            grad_logits[torch.arange(len(targets), device=targets.device), targets] += 1.0
+            grad_logits *= grad_picked[:, None] / ctx.temperature
+            grad_hidden = (grad_logits @ head.weight.float()).to(hidden.dtype)
+        return grad_hidden, None, None, None
 
 
 def _chunk_logprobs(lm_head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor,
@@ -79,7 +119,11 @@ def lm_head_logprobs(
     size = max(1, len(targets)) if chunk_size is None else chunk_size
     checkpointed = torch.is_grad_enabled() and states.requires_grad
 
+    frozen_sharded = _frozen_sharded(lm_head)
+
     def head(chunk_states: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor]:
+        if frozen_sharded:
+            return _FrozenHeadChunk.apply(chunk_states, lm_head, chunk_targets, temperature)
         if checkpointed:
             return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, chunk_states, chunk_targets, temperature,
                                                      use_reentrant=False)

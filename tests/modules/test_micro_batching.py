@@ -171,3 +171,16 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, m
             assert error < (1e-5 if step == 0 else 1e-4), (step, error)
         want = group_gradient(every_updates, "policy.")
         assert float((group_gradient(run_updates, "policy.") - want).norm() / want.norm()) < 1e-4
+
+
+def test_entropy_advantage_shapes_the_policy_gradient(tmp_path, monkeypatch):
+    """entropy_advantage_alpha > 0 (Entropy Adv.) adds min(α·H_t, |A_t|/κ) to the advantages: same rollouts (seeded),
+    another gradient; α = 0 is plain GRPO, to the bit."""
+    options = dict(reward_model=None, steps=1, max_new_tokens=28)  # room to finish: rewards vary within groups
+    plain, _, _ = fit_recording_gradients(tmp_path / "plain", monkeypatch, **options)
+    off, _, _ = fit_recording_gradients(tmp_path / "off", monkeypatch, entropy_advantage_alpha=0.0, **options)
+    shaped, _, _ = fit_recording_gradients(tmp_path / "shaped", monkeypatch, entropy_advantage_alpha=0.4, **options)
+    base = group_gradient(plain[0], "policy.")
+    assert base.norm() > 0 and torch.equal(group_gradient(off[0], "policy."), base)
+    difference = group_gradient(shaped[0], "policy.") - base
+    assert float(difference.norm()) > 1e-3 * float(base.norm())

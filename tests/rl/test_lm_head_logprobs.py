@@ -80,3 +80,26 @@ def test_tied_embeddings_and_lora_through_the_decoder(lora):
     expected_grads = torch.autograd.grad(expected.sum(), trainable)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_sharded_head_gives_the_same_logprobs_and_hidden_gradients(monkeypatch):
+    """The frozen ZeRO-3 head's path (weights gathered explicitly, analytic backward) equals the checkpointed module
+    call on log-probs and on the gradient w.r.t. the hidden states."""
+    import flowkit.rl.logprobs as logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 11).requires_grad_(False)
+    hidden = torch.randn(2, 5, 6, requires_grad=True)
+    ids, mask = torch.randint(0, 11, (2, 5)), torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]).float()
+    expected, _ = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2)
+    weights = torch.randn_like(expected)
+    (reference,) = torch.autograd.grad((expected * weights).sum(), hidden)
+    monkeypatch.setattr(logprobs, "zero3_sharded", lambda params: True)  # as if DeepSpeed had sharded the head
+    calls, apply = [], logprobs._FrozenHeadChunk.apply
+    monkeypatch.setattr(logprobs._FrozenHeadChunk, "apply", lambda *args: calls.append(1) or apply(*args))
+    got, entropy = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2)
+    assert len(calls) == 3  # 6 response tokens (position 0 excluded) in chunks of 2
+    torch.testing.assert_close(got, expected)
+    assert not entropy.requires_grad
+    (grad,) = torch.autograd.grad((got * weights).sum(), hidden)
+    torch.testing.assert_close(grad, reference)

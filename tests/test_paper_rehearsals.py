@@ -1,0 +1,124 @@
+"""Dress rehearsals of the paper configs as shipped (tests/paper_rehearsal.py): 2 CPU ranks under their DeepSpeed
+ZeRO config, ranks that disagree (response lengths, accepted rollouts, chunk and piece counts), a few steps each.
+
+What must hold at scale holds here: no collective mismatch or hang (a timeout fails), the ranks end with the same
+weights, the policy and the flow trained, the run validated and exported; and the probe shows the ranks really did
+pad (one rank had fewer LM-head chunks, flow-scoring chunks, flow-loss pieces than the other) — a rehearsal in which
+every rank had the same counts would prove nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import paper_rehearsal
+from rlfr_run import metrics
+
+pytestmark = pytest.mark.slow
+
+
+def probed(root: Path) -> list[str]:
+    return ["--trainer.callbacks+=rehearsal_probe.RehearsalProbe", "--trainer.callbacks.out", str(root / "probe"),
+            "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(root / "weights")]
+
+
+def rank_files(root: Path, pattern: str, load) -> list:
+    return [load(root / pattern.format(rank=rank)) for rank in range(2)]
+
+
+def assert_ranks_equal_and_trained(root: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    rank0, rank1 = rank_files(root, "weights/rank{rank}.safetensors", lambda p: load_file(str(p)))
+    assert rank0.keys() == rank1.keys()
+    for name in rank0:
+        torch.testing.assert_close(rank0[name], rank1[name], rtol=0, atol=0, msg=name)
+    for prefix in prefixes:
+        names = [k.removeprefix("start/") for k in rank0 if k.startswith(f"start/{prefix}")]
+        assert names and any(not torch.equal(rank0[f"start/{n}"], rank0[f"end/{n}"]) for n in names), prefix
+    return rank0
+
+
+def padded(root: Path, site: str) -> bool:
+    """Some rank ran fewer real calls than were agreed at some point of ``site`` (it padded)."""
+    records = rank_files(root, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
+    assert all(records[rank][site] for rank in range(2)), f"{site} was never reached"
+    return any(count < agreed for record in records for count, agreed in record[site])
+
+
+def test_rlfr_qwen_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
+    """rlfr_qwen.yaml as shipped on 2 ZeRO-3 ranks in bf16 (HF rollouts: vLLM is rehearsed in its own venv), the online
+    flow step in step 1: 3 steps, validation, export."""
+    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 3, "--model.init_args.rollout_engine", "hf", *probed(tmp_path))
+    assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
+    for site in ("lm_head", "flow_scoring", "flow_pieces"):
+        assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
+    version = next((tmp_path / "run").glob("version_*"))
+    steps = metrics(version)
+    assert sorted(steps) == [0, 1, 2] and float(steps[0]["flow/loss"]) > 0  # κ 2: a flow step in step 1
+    assert "val/heldout/pass@1" in steps[2]
+    assert (version / "export" / "flow.safetensors").is_file() and (version / "export" / "hf_policy").is_dir()
+
+
+def test_rlfr_qwen_switches_users_flip(tmp_path):
+    """The same rehearsal with LoRA, PPO epochs × minibatches, a KL to the initial policy and a κ no step reaches."""
+    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 2, "--model.init_args.rollout_engine", "hf",
+                        "--model.init_args.lora", "{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}",
+                        "--model.init_args.ppo_epochs", "2", "--model.init_args.num_minibatches", "2",
+                        "--model.init_args.kl_coef", "0.01",
+                        "--model.init_args.reward_model.init_args.kappa", "10000", *probed(tmp_path))
+    weights = assert_ranks_equal_and_trained(tmp_path, ("policy.",))
+    assert all(torch.equal(weights[k], weights[k.replace("start/", "end/")])
+               for k in weights if k.startswith("start/reward_model."))  # κ not reached: the flow never stepped
+    assert padded(tmp_path, "lm_head") and padded(tmp_path, "flow_scoring")
+    steps = metrics(next((tmp_path / "run").glob("version_*")))
+    assert sorted(steps) == [1, 3] and "train/kl" in steps[3]  # Lightning counts the 4 optimizer steps per RL step
+
+
+def test_rlfr_qwen_offline_as_shipped_pads_pretraining_pieces(tmp_path):
+    """rlfr_qwen_offline.yaml (FlowRewardModule, ZeRO-2, bf16) on 2 ranks whose solutions differ in length: several
+    row-bounded pieces per batch, agreed over the ranks."""
+    paper_rehearsal.run("rlfr_qwen_offline.yaml", tmp_path, 3, *probed(tmp_path))
+    assert_ranks_equal_and_trained(tmp_path, ("reward_model.",))
+    records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
+    assert all(len(r["flow_pieces"]) == 3 and all(agreed > 1 for _, agreed in r["flow_pieces"]) for r in records)
+    assert any(count < agreed for r in records for count, agreed in r["flow_pieces"])
+    assert (next((tmp_path / "run").glob("version_*")) / "export" / "flow.safetensors").is_file()
+
+
+def test_explain_llama_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
+    """explain_llama.yaml as shipped on 2 ZeRO-3 ranks in bf16 — LoRA, the SFT start, the flow's round (flow fitted
+    on the union of both ranks' accepted explanations), PPO with a value head and the KL in the reward: 2 RL steps and
+    the round's and the final evaluation."""
+    paper_rehearsal.run("explain_llama.yaml", tmp_path, 2, *probed(tmp_path))
+    weights = assert_ranks_equal_and_trained(tmp_path, ("value_head.", "reward_model.flow."))
+    lora = [k.removeprefix("start/") for k in weights if k.startswith("start/") and "lora_" in k and ".default." in k]
+    assert lora and any(not torch.equal(weights[f"start/{n}"], weights[f"end/{n}"]) for n in lora)
+    assert padded(tmp_path, "lm_head")
+    steps = metrics(next((tmp_path / "run").glob("version_*")))
+    logged = {key for values in steps.values() for key in values}
+    assert {"sft/loss", "round/flow_pairs", "train/value_loss", "final/explanation_accuracy"} <= logged
+    assert all(float(values["round/flow_pairs"]) > 0 for values in steps.values() if "round/flow_pairs" in values)
+
+
+def test_zero3_equals_ddp_on_rlfr_qwen_settings(tmp_path):
+    """rlfr_qwen.yaml's settings in fp32 on 2 ranks with uneven lengths and acceptance: ZeRO-3 (sharded weights,
+    padded calls) and DDP (whole weights, gradients averaged once per step) end 2 steps with the same weights."""
+    fp32 = ["--model.init_args.rollout_engine", "hf", "--trainer.precision", "32-true", "--model.init_args.dtype",
+            "float32", "--trainer.callbacks+=rank_weights.RankWeights"]
+    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path / "zero3", 2, *fp32, "--trainer.callbacks.out",
+                        str(tmp_path / "zero3" / "weights"))
+    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path / "ddp", 2, *fp32, "--trainer.callbacks.out",
+                        str(tmp_path / "ddp" / "weights"), "--trainer.strategy", "ddp")
+    zero3 = load_file(str(tmp_path / "zero3" / "weights" / "rank0.safetensors"))
+    ddp = load_file(str(tmp_path / "ddp" / "weights" / "rank0.safetensors"))
+    assert zero3.keys() == ddp.keys()
+    moved = 0.0
+    for name in zero3:
+        torch.testing.assert_close(zero3[name], ddp[name], rtol=0, atol=1e-4, msg=name)
+        if name.startswith("end/"):
+            moved = max(moved, float((zero3[name] - zero3[name.replace("end/", "start/")]).abs().max()))
+    assert moved > 1e-3  # the weights moved far more than the tolerance
