@@ -26,8 +26,8 @@ from flowkit.modules.optim import LR_DECAYS, LrDecay, step_groups
 from flowkit.modules.pretraining import pretrain_flow_reward
 from flowkit.modules.sft import supervised_start
 from flowkit.rewards.base import TokenRewardModel
-from flowkit.rewards.functions import build_reward_functions, weighted_rewards
-from flowkit.rewards.grader import grade, outcome_reward
+from flowkit.rewards.functions import build_reward_functions, outcome_rewards
+from flowkit.rewards.grader import grade
 from flowkit.rl.advantages import AdvantageName, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
 from flowkit.rl.losses import Aggregation, KLEstimator
@@ -308,22 +308,14 @@ class PolicyModule(L.LightningModule):
         return None
 
     def grade_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
-        """Outcome reward r_o: the math grader's reward (``outcome_reward``) + Σ weight_i · f_i over the reward
-        functions. ``correct`` (the logged accuracy, the ``correct`` rejection metric) is the grader's verdict."""
-        scheme, timeout = self.hparams.outcome_reward, self.hparams.grader_timeout
-        pairs = list(zip(batch.responses, batch.answers))
-        if scheme == "none":
-            rewards = torch.zeros(len(pairs))
-            correct = torch.tensor([grade(r, a, timeout) for r, a in pairs], dtype=torch.bool)
-        else:
-            rewards = torch.tensor([outcome_reward(r, a, scheme, timeout) for r, a in pairs], dtype=torch.float32)
-            correct = rewards == 1.0  # both schemes give 1 exactly for a correct answer
-        if self.reward_functions:
-            total, values = weighted_rewards(self.reward_functions, batch.prompts, batch.responses, answer=batch.answers)
-            rewards = rewards + total
-            if self._trainer is not None:
-                for name, value in values.items():
-                    self.log(f"train/reward/{name}", value.nanmean(), batch_size=len(pairs))
+        """Outcome reward r_o (:func:`~flowkit.rewards.functions.outcome_rewards`); ``correct`` (the logged accuracy,
+        the ``correct`` rejection metric) is the grader's verdict; each reward function's mean is logged."""
+        rewards, correct, values = outcome_rewards(batch.responses, batch.answers, batch.prompts,
+                                                   self.hparams.outcome_reward, self.reward_functions,
+                                                   self.hparams.grader_timeout, batch.columns)
+        if self._trainer is not None:
+            for name, value in values.items():
+                self.log(f"train/reward/{name}", value.nanmean(), batch_size=len(rewards))
         batch.outcome_rewards, batch.correct = rewards.to(self.device), correct.to(self.device)
         return batch
 

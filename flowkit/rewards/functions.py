@@ -2,7 +2,8 @@
 
 A reward function receives one entry per rollout (a prompt is repeated for each of its ``n`` samples):
 ``prompts`` (the policy's input texts), ``completions`` (the generated texts) and, as keyword columns,
-``answer`` (the reference answers). It returns one float per rollout, or ``None`` where it does not apply
+``answer`` (the reference answers) and the data's other fields (e.g. ``solution``), as TRL passes every dataset
+column. It returns one float per rollout, or ``None`` where it does not apply
 (TRL's convention: such an entry adds nothing). A function written for TRL's ``GRPOTrainer`` with
 ``**kwargs`` in its signature works unchanged.
 
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from flowkit.errors import ConfigError
-from flowkit.rewards.grader import extract_boxed
+from flowkit.rewards.grader import extract_boxed, grade, outcome_reward
 
 RewardFunction = Callable[..., Sequence[float | None]]
 SPEC_KEYS = {"function", "class_path", "init_args", "weight", "name"}
@@ -115,3 +116,24 @@ def _import(dotted: Any, where: str) -> Any:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(f"{where}: cannot import {dotted!r} ({err})") from None
+
+
+def outcome_rewards(responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str], scheme: str,
+                    functions: Sequence[WeightedReward], timeout_s: float,
+                    columns: dict[str, list] | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The outcome reward r_o of each row: the math grader's reward (``scheme``: ``official`` 1 correct / 0.5 wrong but
+    boxed / 0, ``binary``, or ``none``: 0) plus Σ weight_i · f_i over the reward functions, which also receive the
+    data's ``columns`` (TRL passes every dataset column). Returns (r_o, the grader's verdict ``correct``, each
+    function's values)."""
+    pairs = list(zip(responses, answers))
+    if scheme == "none":
+        rewards = torch.zeros(len(pairs))
+        correct = torch.tensor([grade(r, a, timeout_s) for r, a in pairs], dtype=torch.bool)
+    else:
+        rewards = torch.tensor([outcome_reward(r, a, scheme, timeout_s) for r, a in pairs], dtype=torch.float32)
+        correct = rewards == 1.0  # both schemes give 1 exactly for a correct answer
+    values: dict[str, Tensor] = {}
+    if functions:
+        total, values = weighted_rewards(functions, prompts, responses, answer=list(answers), **(columns or {}))
+        rewards = rewards + total
+    return rewards, correct, values

@@ -82,7 +82,7 @@ def test_grade_rollouts_adds_the_functions_to_the_grader(single_thread):
     assert batch.outcome_rewards.tolist() == [1.5, 0.5, 0.0]
     assert batch.correct.tolist() == [True, False, False]  # accuracy stays the grader's verdict
 
-    with pytest.raises(ConfigError, match="outcome_reward 'none' needs at least one entry in reward_functions"):
+    with pytest.raises(ConfigError, match="outcome_reward 'none' needs a reward_model or at least one entry in reward_functions"):
         PolicyModule(outcome_reward="none")
 
 
@@ -104,3 +104,20 @@ def test_a_trl_style_reward_list_trains_the_tiny_job(tmp_path, monkeypatch, sing
         assert float(row["train/outcome_reward"]) == pytest.approx(expected, abs=1e-6)
         assert math.isfinite(float(row["train/policy_loss"]))  # the policy update ran on these rewards
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_reward_functions_receive_the_datas_other_columns_as_trl_passes_them():
+    from flowkit.rewards.functions import WeightedReward, outcome_rewards
+
+    seen = {}
+
+    def recording(prompts, completions, answer, **columns):
+        seen.update(columns, answer=answer)
+        return [float(len(c)) for c in completions]
+
+    rewards, correct, values = outcome_rewards(["\\boxed{3}", "x"], ["3", "3"], ["1+2=", "1+2="], "binary",
+                                               [WeightedReward("length", recording, 0.5)], 1.0,
+                                               {"solution": ["1+2=3", "1+2=3"]})
+    assert seen == {"solution": ["1+2=3", "1+2=3"], "answer": ["3", "3"]}
+    assert correct.tolist() == [True, False] and rewards.tolist() == [1.0 + 0.5 * 9, 0.5 * 1]
+    assert values["length"].tolist() == [9.0, 1.0]
