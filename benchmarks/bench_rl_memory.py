@@ -1,6 +1,18 @@
-"""Peak resident memory of one RL step as the rollouts per step grow, at a fixed micro-batch.
+"""Memory of the RL step: peak resident memory of one step as the rollouts per step grow (``--mode step``), and the
+activations one flow-loss piece holds for its backward as solutions grow (``--mode pieces``).
 
     python benchmarks/bench_rl_memory.py [--scales 1,4,16] [--prompts 2] [--samples 4] [--micro-batch-size 8]
+    python benchmarks/bench_rl_memory.py --mode pieces [--lengths 256,1024] [--max-rows 4096] [--width 896]
+
+``--mode pieces`` builds a :class:`~flowkit.rewards.FlowReward` (3 percentiles, ``--depth``, ``--width``) and, for
+each solution length, counts the bytes of the tensors autograd saves for the backward of one piece
+(``torch.autograd.graph.saved_tensors_hooks``, each storage once) — of the online flow update (eq. 4 over accepted
+rollouts at the rewarding timestep) and of an offline pretraining batch (2 copies per token) — with pieces of at most
+``--max-rows`` field rows, and with one piece (no row bound) for contrast. With a row budget the largest piece must
+not grow with the length (issue 24's target: flat); bytes per row scale with the field's width and depth, which
+README "Memory at paper scale" extrapolates to the 7B field.
+
+The step mode:
 
 Builds a random Qwen2 (vocab 32k, hidden 256, 4 layers; a character tokenizer padded to the vocabulary) in a
 temporary directory, then runs ``flowkit fit --trainer.max_steps 1`` (RLFR tiny config, flow reward on, no flow
@@ -24,14 +36,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from flowkit.flow import flow_matching_loss_pieces
 from flowkit.llm.tiny import SPECIAL_TOKENS, tiny_qwen2
 from flowkit.modules import PolicyModule
+from flowkit.rewards import FlowReward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_csv, timestamp  # noqa: E402
@@ -100,6 +115,55 @@ def peak_rss_mb(config: dict, workdir: Path, default_malloc: bool) -> tuple[floa
     return usage.ru_maxrss / 1024, time.perf_counter() - start  # Linux reports KiB
 
 
+def saved_bytes(fn, params: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while ``fn()`` runs: what a loss piece holds
+    until its backward. Parameters (storages in ``params``) are resident anyway and are not counted."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(storages.values())
+
+
+def piece_memory(args: argparse.Namespace) -> None:
+    """``--mode pieces``: the largest piece's saved bytes, online and offline, per solution length and row budget."""
+    torch.manual_seed(0)
+    percentiles = (0.25, 0.5, 0.75)
+    stub = SimpleNamespace(config=SimpleNamespace(hidden_size=args.width, rms_norm_eps=1e-6))
+    for max_rows in (args.max_rows, None):
+        reward = FlowReward(percentiles=percentiles, depth=args.depth, width=args.width, timesteps=(0.8,),
+                            condition="previous", max_rows_per_piece=max_rows, pretrain_timesteps=2, seed=0)
+        reward.bind(stub, percentiles)
+        params = {p.untyped_storage().data_ptr() for p in reward.parameters()}
+        budget = "one piece" if max_rows is None else f"{max_rows} rows"
+        for length in [int(v) for v in args.lengths.split(",")]:
+            latents = torch.randn(len(percentiles), args.rollouts, length, args.width)
+            mask = torch.ones(args.rollouts, length)
+            cases = {  # online: every token × layer at the rewarding timestep; offline: 2 copies per token × layer
+                "online": (flow_matching_loss_pieces(reward.field, latents, mask, percentiles, torch.tensor([0.8]),
+                                                     seed=1, condition="previous", max_rows=max_rows), 1),
+                "offline": (reward.pretrain_losses(latents, mask, torch.Generator().manual_seed(0)), 2),
+            }
+            for name, (pieces, copies) in cases.items():
+                largest = max(saved_bytes(piece, params) for piece in pieces)
+                rows = min(len(percentiles) * args.rollouts * length * copies, max_rows or 2**62)
+                print(f"{name:8s} length {length:5d}: {len(pieces):4d} pieces of {budget:>10s}, the largest saves "
+                      f"{largest / 2**20:8.1f} MiB for its backward ({largest / rows / 1024:.1f} KiB per field row)")
+                append_csv(args.csv, {
+                    "timestamp": timestamp(), "benchmark": "rl_memory_pieces", "implementation": name,
+                    "device": "cpu", "dtype": "float32", "threads": torch.get_num_threads(),
+                    "size": f"field d{args.width} depth{args.depth}, {args.rollouts} x {length} tokens, P 3",
+                    "mode": budget, "pieces": len(pieces), "piece_saved_mib": round(largest / 2**20, 2),
+                    "saved_kib_per_row": round(largest / rows / 1024, 2),
+                })
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scales", default="1,4,16", help="multiples of the 1x rollouts per step")
@@ -114,7 +178,16 @@ def main() -> None:
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's growing mmap threshold on (the RSS peak then also counts freed blocks it keeps)")
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--mode", choices=["step", "pieces"], default="step")
+    parser.add_argument("--lengths", default="256,1024", help="pieces: solution lengths in tokens")
+    parser.add_argument("--rollouts", type=int, default=4, help="pieces: accepted rollouts / solutions")
+    parser.add_argument("--max-rows", type=int, default=4096, help="pieces: max_rows_per_piece")
+    parser.add_argument("--width", type=int, default=896, help="pieces: the backbone's (and field's) width")
+    parser.add_argument("--depth", type=int, default=2, help="pieces: the field's depth")
     args = parser.parse_args()
+    if args.mode == "pieces":
+        piece_memory(args)
+        return
     micro_batched = {"micro_batch_size", "rollout_batch_size"} <= set(inspect.signature(PolicyModule.__init__).parameters)
     scales = [int(s) for s in args.scales.split(",")]
     peaks = {}

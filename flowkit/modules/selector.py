@@ -28,16 +28,12 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, Dataset
 
 from flowkit.errors import ConfigError
-from flowkit.rbrl import sac
-from flowkit.rbrl.agent import (
-    Observation, RuleAgent, StepRecord, evaluate, fixed_rule_chooser, random_chooser, run_episode, selection_diagnostics,
-)
+from flowkit.rbrl import comparison, sac
+from flowkit.rbrl.agent import Observation, RuleAgent, StepRecord
 from flowkit.rbrl.encoder import EmbeddingCache
 from flowkit.rbrl.envs import ENVIRONMENTS, make_env
 from flowkit.rbrl.backends import ChatBackend
 from flowkit.rbrl.judges import Judge
-from flowkit.rbrl.llm_source import CoTLLMAgent
-from flowkit.rbrl.numeric import NumericPPO, NumericSAC
 from flowkit.rbrl.policy import RuleAttentionNetwork, masked_log_softmax
 from flowkit.rbrl.replay import ReplayBuffer, pad_rules
 from flowkit.rbrl.sources import RuleSource
@@ -46,7 +42,6 @@ log = logging.getLogger(__name__)
 
 TRAIN_SEED_OFFSET = 1_000_000  # training episodes never reuse an evaluation episode's seed
 CURVE_SEED_OFFSET = 500_000  # the learning curve's fixed evaluation episodes
-SAME_AS_FIXED_RULE = 0.99  # action agreement from which the results flag a selector as behaving as a fixed rule
 
 
 def _require(condition: bool, message: str) -> None:
@@ -253,98 +248,6 @@ class RuleEnvDataModule(LightningDataModule):
         }
         with self.explanation_file.open("a") as f:
             f.write(json.dumps(line) + "\n")
-
-    # ---- evaluation ---------------------------------------------------------------------------------
-
-    def curve_point(self, greedy_with_probs, sample_with_probs) -> dict:
-        """One learning-curve evaluation: the ``eval_envs`` fixed-seed episodes (the same every time), played
-        with rules chosen by ``greedy_with_probs`` and again by ``sample_with_probs``, each
-        ``choose(obs) -> (index, probabilities)``. Returns the greedy and sampled mean episode returns
-        (``episode_return``, ``sampled_return``), the greedy run's mean rule reward and mean entropy of the rule
-        choice per step, and its :func:`~flowkit.rbrl.agent.selection_diagnostics` (``chosen``, ``agreement``)."""
-        agent = self.make_agent()
-        entropies: list[float] = []
-
-        def greedy(obs: Observation) -> int:
-            chosen, probs = greedy_with_probs(obs)
-            p = np.asarray(probs)
-            entropies.append(float(-(p[p > 0] * np.log(p[p > 0])).sum()))
-            return chosen
-
-        returns, sampled_returns, records = [], [], []
-        for k in range(self.eval_envs):
-            total, steps = run_episode(agent, greedy, CURVE_SEED_OFFSET + k)
-            returns.append(total)
-            records += steps
-            sampled_returns.append(run_episode(agent, lambda obs: sample_with_probs(obs)[0], CURVE_SEED_OFFSET + k)[0])
-        rule_rewards = [r.rule_reward for r in records if r.chosen is not None and r.rule_reward is not None]
-        return {
-            "episode_return": float(np.mean(returns)),
-            "sampled_return": float(np.mean(sampled_returns)),
-            "rule_reward": float(np.mean(rule_rewards)) if rule_rewards else 0.0,
-            "rule_entropy": float(np.mean(entropies)) if entropies else 0.0,
-        } | selection_diagnostics(records)
-
-    def compare(self, trained_chooser, sampled_chooser_for_seed) -> tuple[dict[str, np.ndarray], dict]:
-        """Mean return per evaluation seed for the trained selector (greedy ``trained_chooser``; sampled,
-        ``sampled_chooser_for_seed(seed)``), random choice and each fixed rule (and the configured baselines),
-        with the greedy selector's :func:`~flowkit.rbrl.agent.selection_diagnostics` over those episodes."""
-        agent = self.make_agent()
-        records: list[StepRecord] = []
-        results = {
-            "trained selector": evaluate(agent, lambda seed: trained_chooser, self.eval_seeds, self.eval_episodes, records),
-            "trained selector (sampled)": evaluate(agent, sampled_chooser_for_seed, self.eval_seeds, self.eval_episodes),
-            "random rule": evaluate(agent, random_chooser, self.eval_seeds, self.eval_episodes),
-        }
-        diagnostics = selection_diagnostics(records)
-        for name in getattr(self.source, "rule_names", []):
-            results[f"fixed: {name}"] = evaluate(agent, lambda seed, n=name: fixed_rule_chooser(n), self.eval_seeds, self.eval_episodes)
-        if self.numeric_sac_steps:
-            baseline = NumericSAC(lambda: make_env(self.env_name, **self.env_kwargs), num_envs=self.num_envs,
-                                  batch_size=self.batch_size, seed=int(torch.initial_seed()) % 2**31)
-            baseline.train(self.numeric_sac_steps)
-            results["numeric SAC (raw state, no rules)"] = baseline.evaluate(self.eval_seeds, self.eval_episodes)
-        if self.numeric_ppo_transitions:
-            ppo = NumericPPO(lambda: make_env(self.env_name, **self.env_kwargs), num_envs=self.num_envs,
-                             seed=int(torch.initial_seed()) % 2**31)
-            ppo.train(self.numeric_ppo_transitions)
-            results["numeric PPO (raw state, no rules)"] = ppo.evaluate(self.eval_seeds, self.eval_episodes)
-        if self.cot_backend is not None:
-            cot = CoTLLMAgent(self.cot_backend)
-            results["CoT LLM agent (no rules)"] = np.asarray(cot.evaluate(make_env(self.env_name, **self.env_kwargs), self.eval_seeds, self.eval_episodes))
-        return results, diagnostics
-
-
-def same_as_fixed_rule(results: dict[str, np.ndarray], diagnostics: dict) -> list[str]:
-    """The fixed rules the trained selector behaved as: its action agreed with the rule's in at least
-    ``SAME_AS_FIXED_RULE`` of the evaluation steps, or its returns equal the rule's on every evaluation seed."""
-    trained = results["trained selector"]
-    same = {name for name, share in diagnostics.get("agreement", {}).items() if share >= SAME_AS_FIXED_RULE}
-    same |= {k[len("fixed: "):] for k, v in results.items() if k.startswith("fixed: ") and np.allclose(v, trained, rtol=0, atol=1e-9)}
-    return sorted(same)
-
-
-def format_results(title: str, results: dict[str, np.ndarray], seeds: list[int], episodes: int, diagnostics: dict | None = None) -> str:
-    lines = [
-        f"{title}: mean episode return ± std over {len(seeds)} evaluation seeds {seeds} ({episodes} episodes each)",
-        f"{'policy':32s} {'mean':>9s} {'± std':>8s}   per-seed means",
-    ]
-    for name, per_seed in sorted(results.items(), key=lambda kv: -kv[1].mean()):
-        per = " ".join(f"{v:8.3f}" for v in per_seed)
-        lines.append(f"{name:32s} {per_seed.mean():9.3f} {per_seed.std(ddof=1) if len(per_seed) > 1 else 0.0:8.3f}   {per}")
-    if diagnostics:
-        percent = lambda shares: ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
-        if diagnostics.get("chosen"):
-            lines.append(f"trained selector (greedy) chose: {percent(diagnostics['chosen'])}")
-        if diagnostics.get("agreement"):
-            lines.append(f"its action agreed with each fixed rule's: {percent(diagnostics['agreement'])}")
-        same = same_as_fixed_rule(results, diagnostics)
-        if same:
-            shares = diagnostics.get("agreement", {})
-            which = ", ".join(f"{name} ({100 * shares[name]:.1f}% of its actions)" if name in shares else f"{name} (same returns)"
-                              for name in same)
-            lines.append(f"WARNING: the trained selector behaves as the fixed rule(s) {which}, not as a learned choice among rules")
-    return "\n".join(lines)
 
 
 class SelectorModule(LightningModule):
@@ -613,7 +516,9 @@ class SelectorModule(LightningModule):
             self._log_curve_point(dm)
 
     def _log_curve_point(self, dm: RuleEnvDataModule) -> None:
-        point = dm.curve_point(self._greedy_with_probs, self.seeded_sampler(CURVE_SEED_OFFSET + self.steps_done))
+        point = comparison.curve_point(dm.make_agent(), self._greedy_with_probs,
+                                       self.seeded_sampler(CURVE_SEED_OFFSET + self.steps_done), dm.eval_envs,
+                                       CURVE_SEED_OFFSET)
         scalars = {k: v for k, v in point.items() if isinstance(v, float)}
         if point["agreement"]:
             scalars["max_agreement"] = max(point["agreement"].values())
@@ -627,12 +532,17 @@ class SelectorModule(LightningModule):
     def on_fit_end(self) -> None:
         dm = self.trainer.datamodule
         self.eval()
-        results, diagnostics = dm.compare(self.greedy_rule, self.sampled_chooser)
-        table = format_results(f"RBRL {dm.env_name}", results, dm.eval_seeds, dm.eval_episodes, diagnostics)
+        results, diagnostics = comparison.compare(dm.make_agent(), self.greedy_rule, self.sampled_chooser,
+                                                  dm.eval_seeds, dm.eval_episodes,
+                                                  list(getattr(dm.source, "rule_names", [])))
+        results |= comparison.rule_free_baselines(lambda: make_env(dm.env_name, **dm.env_kwargs), dm.eval_seeds,
+                                                  dm.eval_episodes, dm.num_envs, dm.batch_size, dm.numeric_sac_steps,
+                                                  dm.numeric_ppo_transitions, dm.cot_backend)
+        table = comparison.format_results(f"RBRL {dm.env_name}", results, dm.eval_seeds, dm.eval_episodes, diagnostics)
         llm_report = [part.report() for part in (dm.source, dm.judge) if hasattr(part, "report")]
         print("\n" + "\n".join([table, *llm_report]), flush=True)
         out = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "results.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         summary = {"eval_seeds": dm.eval_seeds, "llm_report": llm_report,
-                   "selector_diagnostics": diagnostics | {"same_as_fixed_rule": same_as_fixed_rule(results, diagnostics)}}
+                   "selector_diagnostics": diagnostics | {"same_as_fixed_rule": comparison.same_as_fixed_rule(results, diagnostics)}}
         out.write_text(json.dumps({k: v.tolist() for k, v in results.items()} | summary, indent=1))

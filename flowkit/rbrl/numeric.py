@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from flowkit.rbrl import sac
 from flowkit.rbrl.language import LanguageEnv, mean_episode_returns
+from flowkit.rl.advantages import gae
+from flowkit.rl.losses import clipped_policy_loss, clipped_value_loss
 
 
 def _mlp(inputs: int, outputs: int, hidden: int) -> nn.Module:
@@ -150,22 +152,6 @@ class NumericSAC:
     def evaluate(self, seeds: list[int], episodes: int) -> np.ndarray:
         return evaluate_greedy(self.make_env, self.greedy_action, seeds, episodes)
 
-def gae(rewards: Tensor, values: Tensor, dones: Tensor, last_value: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over a T×N rollout (Schulman et al. 2016, eq. 16):
-    δ_t = r_t + γ (1 − d_t) V(s_{t+1}) − V(s_t),  A_t = δ_t + γ λ (1 − d_t) A_{t+1}; ``dones[t]`` says the
-    episode ended at step t (so s_{t+1} is the next episode's first state). Returns (advantages, returns)."""
-    advantages = torch.zeros_like(rewards)
-    next_advantage = torch.zeros_like(last_value)
-    next_value = last_value
-    for t in reversed(range(rewards.shape[0])):
-        keep = 1.0 - dones[t]
-        delta = rewards[t] + gamma * keep * next_value - values[t]
-        next_advantage = delta + gamma * lam * keep * next_advantage
-        advantages[t] = next_advantage
-        next_value = values[t]
-    return advantages, advantages + values
-
-
 class NumericPPO:
     """PPO on the raw numeric state over environment actions (the official ``ppo_numeric.py``'s defaults:
     4 envs × 512-step rollouts, γ = λ = 0.95, 64 epochs × 4 minibatches, clip 0.2 also on the value,
@@ -226,14 +212,13 @@ class NumericPPO:
             for start in range(0, size - minibatch + 1, minibatch):
                 idx = order[start : start + minibatch]
                 dist = torch.distributions.Categorical(logits=self.actor(batch["state"][idx]))
-                ratio = (dist.log_prob(batch["action"][idx]) - batch["log_prob"][idx]).exp()
                 adv = batch["advantage"][idx]
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-                policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - self.clip, 1 + self.clip)).mean()
+                every = torch.ones_like(adv)
+                policy_loss, _ = clipped_policy_loss(dist.log_prob(batch["action"][idx]), batch["log_prob"][idx], adv,
+                                                     every, self.clip, self.clip)
                 value = self.critic(batch["state"][idx]).squeeze(-1)
-                old_value, target = batch["value"][idx], batch["return"][idx]
-                clipped = old_value + (value - old_value).clamp(-self.clip, self.clip)
-                value_loss = 0.5 * torch.max((value - target) ** 2, (clipped - target) ** 2).mean()
+                value_loss = clipped_value_loss(value, batch["value"][idx], batch["return"][idx], every, self.clip)
                 loss = policy_loss + self.vf_coef * value_loss - self.ent_coef * dist.entropy().mean()
                 self.optimizer.zero_grad()
                 loss.backward()

@@ -11,8 +11,11 @@ import yaml
 
 from flowkit.cli import main
 from flowkit.errors import ConfigError
-from flowkit.modules.selector import RuleEnvDataModule, SelectorModule, format_results, same_as_fixed_rule
+from flowkit.modules.selector import RuleEnvDataModule, SelectorModule
+from flowkit.rbrl import comparison
+from flowkit.rbrl.comparison import format_results, same_as_fixed_rule
 from flowkit.rbrl.agent import Observation, fixed_rule_chooser
+from flowkit.rbrl.envs import make_env
 from flowkit.rbrl.judges import ConsistencyJudge
 from flowkit.rbrl.templates import TemplateRuleSource
 
@@ -180,7 +183,7 @@ def test_training_step_order_and_schedule_match_the_official_loop(tmp_path, monk
         return wrapped
 
     monkeypatch.setattr(dm, "collect", record("collect", dm.collect))
-    monkeypatch.setattr(dm, "curve_point", record("curve", dm.curve_point))
+    monkeypatch.setattr(comparison, "curve_point", record("curve", comparison.curve_point))
     monkeypatch.setattr(model, "critic_loss", record("critic", model.critic_loss))
     monkeypatch.setattr(model, "actor_loss", record("actor", model.actor_loss))
     monkeypatch.setattr(sac_module, "temperature_loss", record("alpha", sac_module.temperature_loss))
@@ -223,10 +226,13 @@ def test_comparison_includes_numeric_sac_and_cot_baselines(tmp_path):
 
     cache = tmp_path / "emb.pt"
     _template_embeddings(cache, "binpacking")
-    dm = _datamodule(eval_seeds=[1, 2], eval_episodes=2, numeric_sac_steps=3, numeric_ppo_transitions=8, cot_backend=AlwaysNewBag())
+    dm = _datamodule(eval_seeds=[1, 2], eval_episodes=2)
     dm.embeddings = EmbeddingCache(cache)
     always_new = fixed_rule_chooser("always_new")
-    results, diagnostics = dm.compare(always_new, lambda seed: always_new)
+    results, diagnostics = comparison.compare(dm.make_agent(), always_new, lambda seed: always_new, dm.eval_seeds,
+                                              dm.eval_episodes, dm.source.rule_names)
+    results |= comparison.rule_free_baselines(lambda: make_env("binpacking"), dm.eval_seeds, dm.eval_episodes,
+                                              dm.num_envs, dm.batch_size, 3, 8, AlwaysNewBag())
     np.testing.assert_allclose(results["CoT LLM agent (no rules)"], results["fixed: always_new"])
     np.testing.assert_allclose(results["trained selector"], results["fixed: always_new"])
     np.testing.assert_allclose(results["trained selector (sampled)"], results["fixed: always_new"])

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from flowkit.rbrl.envs import make_env
-from flowkit.rbrl.numeric import NumericPPO, NumericSAC, gae
+from flowkit.rbrl.numeric import NumericPPO, NumericSAC
 
 
 def test_training_schedule_warmup_then_updates_and_hard_target_copies(monkeypatch):
@@ -45,19 +45,6 @@ def test_evaluation_uses_the_rule_agents_episode_seeds():
     baseline.greedy_action = spy
     baseline.evaluate([2], 2)
     assert seen[1] == first_item and np.isfinite(baseline.evaluate([2], 1)).all()
-
-
-def test_gae_hand_computed_with_an_episode_end():
-    # one env, 3 steps, the episode ends at t = 1; γ = 0.5, λ = 0.5
-    rewards = torch.tensor([[1.0], [2.0], [3.0]])
-    values = torch.tensor([[0.5], [1.0], [2.0]])
-    dones = torch.tensor([[0.0], [1.0], [0.0]])
-    advantages, returns = gae(rewards, values, dones, torch.tensor([4.0]), gamma=0.5, lam=0.5)
-    a2 = 3.0 + 0.5 * 4.0 - 2.0  # 3
-    a1 = 2.0 - 1.0  # terminal: no bootstrap, no carry-over
-    a0 = (1.0 + 0.5 * 1.0 - 0.5) + 0.25 * a1  # 1.25
-    torch.testing.assert_close(advantages, torch.tensor([[a0], [a1], [a2]]))
-    torch.testing.assert_close(returns, advantages + values)
 
 
 def test_ppo_trains_on_rollouts_and_evaluates():
