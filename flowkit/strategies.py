@@ -125,6 +125,37 @@ def full_parameters(trainer: L.Trainer, module: torch.nn.Module) -> contextlib.A
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def whole_weights_for_generation(trainer: L.Trainer | None, module: torch.nn.Module):
+    """A context in which ``module`` generates with whole weights and without collectives, as TRL's
+    ``unwrap_model_for_generation`` under ZeRO-3: every parameter gathered once, and ZeRO-3's per-module fetch and
+    release hooks off meanwhile. Otherwise ZeRO-3 all-gathers each layer's weights in every decoding step's forward,
+    and ranks must keep stepping in lockstep until the slowest is done (``synced_gpus``) — on 2 CPU ranks one
+    generation of 28 tokens took minutes that way. Costs the whole model on each rank while generating (TRL's default
+    ``ds3_gather_for_generation``). Elsewhere (no ZeRO-3, no trainer) nothing; a collective under ZeRO-3 (every rank
+    enters)."""
+    strategy = trainer.strategy if trainer is not None else None
+    if not (isinstance(strategy, DeepSpeedStrategy) and strategy.config and strategy.zero_stage_3):
+        yield
+        return
+    import deepspeed
+
+    engine = strategy.model
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)  # training: the ZeRO-3 optimizer's
+    engine.empty_partition_cache()  # no fetch left in flight (see full_parameters)
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        for param in module.parameters():
+            param.ds_active_sub_modules.clear()
+        hooks = offload.forward_hooks + offload.backward_hooks
+        for hook in hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)  # the hooks back (the trace re-records)
+
+
 def accumulate_until_step(trainer: L.Trainer, max_grad_norm: float | None) -> None:
     """Set up DeepSpeed for a module that runs several backward passes (micro-batches, loss pieces) and then one
     optimizer step, with manual optimization; call from the module's ``setup("fit")`` (before the engine is built).

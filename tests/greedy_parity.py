@@ -2,7 +2,8 @@
 
 At the start and at the end of fit every rank completes the same few prompts greedily: at the start with HF
 ``generate`` over the initial policy, at the end with the module's vLLM engine and with HF ``generate`` over the
-trained policy (sharded under ZeRO-3: HF generates with ``synced_gpus``, so every rank must run it, as here).
+trained policy (under ZeRO-3 with the weights gathered for generation, as the HF rollout engine generates: a
+collective, so every rank runs it, as here).
 Each rank writes the three lists of completions to ``<default_root_dir>/greedy_parity/rank<r>.json`` for the test
 to compare. Loaded by class path (``--trainer.callbacks+=greedy_parity.GreedyParity``): ``tests/`` is on the
 rehearsal's ``PYTHONPATH``.
@@ -16,6 +17,7 @@ from pathlib import Path
 import lightning as L
 
 from flowkit.llm.rollout import RolloutEngine
+from flowkit.strategies import whole_weights_for_generation
 
 # Three prompts per rank, different on each rank, from the tiny adder's task.
 PROMPTS = [["47+38=", "12+13=", "7+5="], ["55+21=", "9+9=", "63+27="]]
@@ -26,7 +28,8 @@ class GreedyParity(L.Callback):
         self.initial: list[str] = []
 
     def _hf_greedy(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
-        engine = RolloutEngine(pl_module.policy, pl_module.tokenizer, pl_module.hparams.max_new_tokens)
+        engine = RolloutEngine(pl_module.policy, pl_module.tokenizer, pl_module.hparams.max_new_tokens,
+                               whole_weights=lambda: whole_weights_for_generation(trainer, pl_module.policy))
         return engine.generate(PROMPTS[trainer.global_rank], 1, temperature=0).responses
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

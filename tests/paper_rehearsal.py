@@ -35,6 +35,7 @@ OVERRIDES: dict[str, list[str]] = {
         "--model.init_args.lm_head_chunk_size", "8",        # ~10 LM-head chunks per micro-batch of 4
         "--model.init_args.vllm_max_model_len", "128",
         "--model.init_args.reward_model.init_args.max_rows_per_call", "48",  # 16 tokens × 3 layers per field call
+        "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several flow-loss pieces per update
         "--model.init_args.reward_model.init_args.kappa", "2",  # the online flow step comes in step 1
         "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
         "--data.init_args.eval_paths", "{heldout: bundled:arithmetic/val.jsonl}",

@@ -377,7 +377,7 @@ def fit_one_batch(tmp_path: Path, nonfinite: str, bad_value: float) -> PolicyMod
     module = PolicyModule(reward_model=reward, num_samples=2, max_new_tokens=28, outcome_reward="binary",
                           nonfinite=nonfinite)
     real_token_rewards = reward.token_rewards
-    reward.token_rewards = lambda batch, step, **kwargs: real_token_rewards(batch, step, **kwargs).fill_(bad_value)
+    reward.token_rewards = lambda *args: real_token_rewards(*args).fill_(bad_value)
     data = RolloutDataModule(batch_size=2, val_path=None)
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_epochs=1, limit_train_batches=1,
                         logger=L.pytorch.loggers.CSVLogger(tmp_path), log_every_n_steps=1, enable_checkpointing=False,

@@ -295,3 +295,36 @@ def test_micro_batches_accumulate_gradients_under_zero(tmp_path, stage):
     (micro,) = run_rlfr(tmp_path / "micro", stage, 1, "--model.init_args.micro_batch_size", "3")
     for prefix in ("policy.", "reward_model."):
         assert relative_update_error(micro, whole, prefix) < 1e-3, prefix
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_explanation_ppo_and_sft_micro_batches_accumulate_under_zero(tmp_path, stage):
+    """The explanation job (explain_tiny.yaml: LoRA, GAE with a value head, the KL in the reward, 2 PPO epochs)
+    with an SFT start, under DeepSpeed: micro-batches of 3 sequences, in the SFT steps and in the PPO updates, move
+    LoRA and the value head as whole batches do (the accumulation handling is RLFR's, through the same engine)."""
+    shrunk = ["--config", str(ROOT / "configs" / "explain_tiny.yaml"), *deepspeed_args(tmp_path, stage),
+              "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+              "--trainer.callbacks.rounds", "1", "--trainer.callbacks.policy_epochs_per_round", "1",
+              "--model.init_args.sft_epochs", "1",
+              "--model.init_args.reward_model.init_args.flow_epochs_per_round", "2",
+              "--model.init_args.reward_model.init_args.round_contexts", "8",
+              "--model.init_args.reward_model.init_args.heldout_contexts", "4",
+              "--data.init_args.num_train", "8", "--data.init_args.num_test", "4",
+              "--trainer.callbacks+=rank_weights.RankWeights"]
+    runs = {}
+    for name, extra in {"whole": [], "micro": ["--model.init_args.micro_batch_size", "3"]}.items():
+        root = tmp_path / name
+        root.mkdir()
+        result = subprocess.run(
+            [shutil.which("flowkit") or "flowkit", "fit", *shrunk, "--trainer.callbacks.out", str(root / "weights"),
+             "--trainer.default_root_dir", str(root / "run"), *extra],
+            env=rlfr_run.env(), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = load_file(str(root / "weights" / "rank0.safetensors"))
+        sft = rlfr_run.metrics(next((root / "run").glob("version_*")))
+        assert any("sft/loss" in values for values in sft.values())
+    lora = [k.removeprefix("start/") for k in runs["whole"] if k.startswith("start/policy.") and "lora_" in k]
+    assert lora and any(not torch.equal(runs["whole"][f"start/{n}"], runs["whole"][f"end/{n}"]) for n in lora)
+    for prefix in ("policy.", "value_head."):
+        assert relative_update_error(runs["micro"], runs["whole"], prefix) < 1e-3, prefix

@@ -8,7 +8,8 @@ batch gives the same logits as the generation did.
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -119,6 +120,10 @@ class RolloutEngine:
     Args:
         rollout_batch_size: sequences (prompts × n) per ``generate`` call, which bounds the KV cache; a multiple
             of ``n`` (whole groups per call). None: all prompts in one call.
+        whole_weights: a context in which the model's weights are whole and its forwards run no collective
+            (:func:`flowkit.strategies.whole_weights_for_generation` under ZeRO-3); generation then runs inside it,
+            each rank at its own pace. None: under ZeRO-3 each decoding step gathers the weights, and ranks step in
+            lockstep (``synced_gpus``).
 
     After each :meth:`generate`, :attr:`saw_nonfinite_logits` says whether any next-token score was NaN or
     inf (the sequences are then garbage; the policy module skips or fails the step).
@@ -132,8 +137,10 @@ class RolloutEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         rollout_batch_size: int | None = None,
+        whole_weights: Callable[[], AbstractContextManager] | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
+        self.whole_weights = whole_weights
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.rollout_batch_size = rollout_batch_size
         self.saw_nonfinite_logits = False
@@ -166,11 +173,11 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         guard = _NonFiniteGuard()
-        synced = _zero3_partitioned(self.model)
+        synced = _zero3_partitioned(self.model) and self.whole_weights is None
         shared = n > 1 and encoded["input_ids"].shape[1] > 1
         if synced:  # the prefill is a forward, a collective under ZeRO-3: every rank runs it or none
             shared = bool(all_reduce_int(int(shared), ReduceOp.MIN))
-        with _sampling_as_requested(self.model):
+        with (self.whole_weights or nullcontext)(), _sampling_as_requested(self.model):
             output = self.model.generate(
                 **(_shared_prompt_prefill(self.model, encoded, n) if shared else encoded),
                 max_new_tokens=self.max_new_tokens,

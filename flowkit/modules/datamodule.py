@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
+from lightning.pytorch.callbacks import Timer
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
@@ -275,6 +276,11 @@ class RolloutDataModule(L.LightningDataModule):
         return list(self.val_sets)
 
     def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        if trainer is not None and trainer.max_steps < 0 and not isinstance(trainer.limit_train_batches, int) and not any(
+                isinstance(callback, Timer) or getattr(callback, "ends_fit", False) for callback in trainer.callbacks):
+            raise ConfigError(f"{type(self).__name__} draws prompt batches without end (each epoch reshuffled): set "
+                              "trainer.max_steps (or max_time) for the run to end")
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         stream = PromptStream(self.train_records, self.per_rank_batch_size(world_size), self.seed, rank, world_size)
         stream.start_index = self.next_index

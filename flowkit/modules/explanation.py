@@ -123,6 +123,8 @@ class ExplanationRounds(L.Callback):
     (the paper's schedule); ``constant`` leaves it.
     """
 
+    ends_fit = True  # it stops the run: the endless prompt stream needs no max_steps (RolloutDataModule)
+
     def __init__(self, rounds: int = 2, policy_epochs_per_round: int = 10, lr_decay: str = "linear"):
         check_range("ExplanationRounds", "rounds", rounds, 1)
         check_range("ExplanationRounds", "policy_epochs_per_round", policy_epochs_per_round, 1)

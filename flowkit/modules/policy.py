@@ -32,7 +32,7 @@ from flowkit.rl.advantages import AdvantageName, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
 from flowkit.rl.losses import Aggregation, KLEstimator
 from flowkit.rl.metrics import pass_at_k
-from flowkit.strategies import accumulate_until_step, average_gradients, manual_backward
+from flowkit.strategies import accumulate_until_step, average_gradients, manual_backward, whole_weights_for_generation
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,9 @@ class PolicyModule(L.LightningModule):
         scale_rewards: std used to scale the outcome advantage (TRL's option): ``group`` (GRPO), ``batch`` or
             ``none`` (Dr. GRPO).
         clip_ratio_c: dual-clip bound c > 1 for negative advantages (verl's ``clip_ratio_c``, usually 3); None off.
-        ppo_epochs: μ, passes over each generation; num_minibatches: updates per pass.
+        ppo_epochs: μ, passes over each generation; num_minibatches: updates per pass. Each update is an optimizer
+            step, and Lightning's ``trainer.max_steps`` counts optimizer steps: ppo_epochs × num_minibatches per RL
+            step (the logged ``step`` counts RL steps).
         kl_coef: weight of the KL to the initial policy (0 = off, the paper's setting). The reference is the base
             model read with the LoRA adapters disabled under ``lora`` (no second copy), else a frozen copy.
         kl_estimator: ``k1``, ``k2``, ``k3`` (= verl's ``low_var_kl``, the default) or ``low_var_kl``
@@ -245,7 +247,8 @@ class PolicyModule(L.LightningModule):
                                             temperature, top_p, vllm_gpu_memory_utilization, vllm_max_model_len,
                                             vllm_enable_sleep_mode)
         else:
-            self.engine = RolloutEngine(self.policy, self.tokenizer, max_new_tokens, temperature, top_p, rollout_batch_size)
+            self.engine = RolloutEngine(self.policy, self.tokenizer, max_new_tokens, temperature, top_p, rollout_batch_size,
+                                        whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy))
         # after an SFT start, PPO's reference is the post-SFT policy: a snapshot (a frozen adapter under LoRA)
         reference = KLReference(self.policy, self.reference, snapshot_adapter=sft_epochs > 0) if kl_coef > 0 else None
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)

@@ -54,11 +54,11 @@ def test_batch_size_is_prompts_per_step_across_all_ranks():
     data.setup("fit")
     firsts = []
     for rank in (0, 1):
-        data.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        data.trainer = SimpleNamespace(global_rank=rank, world_size=2, max_steps=1)
         firsts.append(next(iter(data.train_dataloader())))
     assert [len(batch["prompt"]) for batch in firsts] == [4, 4]
     assert not set(firsts[0]["prompt"]) & set(firsts[1]["prompt"])
-    data.trainer = SimpleNamespace(global_rank=0, world_size=3)
+    data.trainer = SimpleNamespace(global_rank=0, world_size=3, max_steps=1)
     with pytest.raises(ConfigError, match=r"batch_size \(8, prompts per step across all ranks\) must be divisible by the number of ranks \(3\)"):
         data.train_dataloader()
 
@@ -73,3 +73,15 @@ def test_batches_of_records_with_and_without_a_solution_leave_the_solution_out()
 def test_a_prompt_template_without_the_prompt_is_refused(template):
     with pytest.raises(ConfigError, match=r"RolloutDataModule.prompt_template must be a string holding \{prompt\}"):
         RolloutDataModule(prompt_format="text", prompt_template=template)
+
+
+def test_a_run_without_max_steps_on_the_endless_prompt_stream_is_a_config_error():
+    import lightning as L
+
+    data = RolloutDataModule(batch_size=4, val_path=None)
+    data.trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False)
+    data.setup("fit")
+    with pytest.raises(ConfigError, match="set trainer.max_steps"):
+        data.train_dataloader()
+    data.trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False)
+    assert next(iter(data.train_dataloader()))["index"] == 0

@@ -97,7 +97,8 @@ def test_summary_of_the_explanation_reward_module_shows_its_validation(tmp_path,
     torch.manual_seed(0)
     module = ExplanationRewardModule(ode_steps=3, num_draws=4, time_dim=16, projector_dim=32, lr=1e-3)
     data = ExplanationDataModule(num_train=32, num_test=16, batch_size=16)
-    _fit_with_summary(module, data, tmp_path, max_epochs=1, limit_val_batches=1, enable_checkpointing=False)
+    _fit_with_summary(module, data, tmp_path, max_steps=2, val_check_interval=2, limit_val_batches=1,
+                      enable_checkpointing=False)
     out = capsys.readouterr().out
     lines = dict(line.strip().split(": ", 1) for line in out[out.index("fit summary:"):].splitlines()[1:])
     logged = {name: float(value) for name, value in (item.split(" ") for item in lines["val"].split(", "))}
