@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
 from flowkit.checkpointing import RunDirectoryLock, fault_tolerance_defaults, lock_run_directory, tensors_only_loading
 from flowkit.errors import ConfigError, RunError
+from flowkit.modules.completions import CompletionLogs
 from flowkit.modules.summary import ParameterSummary, RunSummary
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 
@@ -136,7 +137,8 @@ def place_run(config, fresh_fit: bool) -> None:
 
     Unless the config names its own progress bar, :class:`~flowkit.modules.progress.RLProgressBar` shows the run;
     unless it names its own, :class:`~flowkit.modules.summary.ParameterSummary` is the model summary and
-    :class:`~flowkit.modules.summary.RunSummary` prints the run's result at the end of ``fit``.
+    :class:`~flowkit.modules.summary.RunSummary` prints the run's result at the end of ``fit``; unless it names its
+    own, :class:`~flowkit.modules.completions.CompletionLogs` writes a few completions every 10 RL steps.
     Unless the config names its own logger, the run logs to ``<run dir>/version_N`` (a CSVLogger: ``metrics.csv``,
     the resolved ``config.yaml``, ``export/``); every ModelCheckpoint without a ``dirpath`` writes to
     ``<run dir>/checkpoints``, shared by the run's versions so ``--ckpt_path last`` resumes this run and no other.
@@ -156,6 +158,7 @@ def place_run(config, fresh_fit: bool) -> None:
     if trainer.get("enable_model_summary") is not False:
         _add_callback_unless_present(trainer, ModelSummary, ParameterSummary)
     _add_callback_unless_present(trainer, RunSummary, RunSummary)
+    _add_callback_unless_present(trainer, CompletionLogs, CompletionLogs)
     checkpoint_dirs = []
     for callback in trainer.get("callbacks") or []:
         if not isinstance(callback, Namespace) or not _is_subclass(callback.get("class_path"), ModelCheckpoint):

@@ -4,7 +4,8 @@
         [--arms flow proxy proxy0 proxy1 proxy2 sparse sft] [--out runs/explain_study.jsonl]
 
 Every arm starts from the same SFT on the records' ``preferred`` explanations (``--sft-epochs``, paper: 3) and then
-runs ``configs/explain_tiny.yaml`` (two rounds of flow fitting and PPO) with:
+runs the toy's config, ``configs/explain_tiny.yaml`` or ``configs/explain_noisy.yaml`` (two rounds of flow fitting
+and PPO; the two differ only in their proxies), with:
 
 - ``flow``: the flow's sentence rewards + its sparse reward (the paper's method), fitted on the union of the
   proxies' accepted explanations;
@@ -13,13 +14,15 @@ runs ``configs/explain_tiny.yaml`` (two rounds of flow fitting and PPO) with:
 - ``sparse``: the sparse reward only;
 - ``sft``: the SFT alone (no RL).
 
-``--toys``: ``tiny`` uses the config's proxies (bundled ``explain_tiny/proxy0..1``, each trained on the implied
+``--toys``: ``tiny`` uses its config's proxies (bundled ``explain_tiny/proxy0..1``, each trained on the implied
 decision with 10 % label noise); ``noisy`` the three noisy, disagreeing proxies ``explain_noisy/proxy0..2`` (each
 misreads one decision, 30 % label noise; their model card). Accuracy is judged on the 96 test contexts by the
 held-out evaluator ``explain_tiny/proxy2`` (not a training proxy). Seeds pair the arms (same seed → same SFT data
 order, same initial LoRA, same sampling stream). One JSON line per run is appended to ``--out``; a run already there
-is skipped (the study resumes). Prints mean ± standard error over seeds per (toy, arm) and the paired differences of
-``flow`` to every other arm.
+is skipped (the study resumes); a row holds the ``val/heldout/*`` metrics of a ``validate`` after the fit, the
+``final/*`` metrics the rounds' callback logged after the last RL step (another sample of explanations from the same
+policy; absent for ``sft``) and ``wall_s``, the run's wall time. Prints mean ± standard error over seeds per (toy, arm)
+and the paired differences of ``flow`` to every other arm, then the same as Markdown tables.
 """
 
 from __future__ import annotations
@@ -27,14 +30,26 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
+
+import yaml
 
 from flowkit.cli import FlowkitCLI
 
 ROOT = Path(__file__).resolve().parent.parent
 PROXIES = {"tiny": [f"bundled:explain_tiny/proxy{i}" for i in (0, 1)],
            "noisy": [f"bundled:explain_noisy/proxy{i}" for i in (0, 1, 2)]}
+CONFIGS = {toy: ROOT / "configs" / f"explain_{toy}.yaml" for toy in PROXIES}
 ACCURACY = "val/heldout/explanation_accuracy"
+
+
+def check_configs() -> None:
+    """Each toy's config trains with the proxies the study assumes (the ``flow`` and ``proxy`` arms use them all)."""
+    for toy, path in CONFIGS.items():
+        proxies = yaml.safe_load(path.read_text())["model"]["init_args"]["reward_model"]["init_args"]["proxies"]
+        if proxies != PROXIES[toy]:
+            raise SystemExit(f"{path} trains with {proxies}, the study expects {PROXIES[toy]}")
 
 
 def arm_options(toy: str, arm: str) -> list[str]:
@@ -47,7 +62,8 @@ def arm_options(toy: str, arm: str) -> list[str]:
 
 
 def run(toy: str, arm: str, seed: int, sft_epochs: int, tmp: Path) -> dict:
-    args = ["--config", str(ROOT / "configs" / "explain_tiny.yaml"), "--seed_everything", str(seed),
+    start = time.perf_counter()
+    args = ["--config", str(CONFIGS[toy]), "--seed_everything", str(seed),
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
             "--trainer.default_root_dir", str(tmp / f"{toy}_{arm}_{seed}"), "--trainer.limit_val_batches", "1.0",
             "--data.init_args.val_batch_size", "96", "--model.init_args.sft_epochs", str(sft_epochs),
@@ -56,9 +72,11 @@ def run(toy: str, arm: str, seed: int, sft_epochs: int, tmp: Path) -> dict:
         args += ["--trainer.max_steps", "0"]
     cli = FlowkitCLI(run=False, args=args)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    final = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("final/")}
     (metrics,) = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
     return {"toy": toy, "arm": arm, "seed": seed, "sft_steps": len(cli.model.sft_losses),
-            **{k: float(v) for k, v in metrics.items()}}
+            "global_step": cli.trainer.global_step, **{k: float(v) for k, v in metrics.items()}, **final,
+            "wall_s": round(time.perf_counter() - start, 1)}
 
 
 def mean_se(values: list[float]) -> str:
@@ -80,6 +98,18 @@ def report(results: list[dict], toys: list[str], arms: list[str]) -> None:
             if arm != "flow" and seeds:
                 diffs = [flow[s][ACCURACY] - rows[s][ACCURACY] for s in seeds]
                 print(f"  flow − {arm}: {mean_se(diffs)} over {len(seeds)} paired seeds")
+    for toy in toys:  # the README's tables
+        by_arm = {arm: {r["seed"]: r for r in results if r["toy"] == toy and r["arm"] == arm} for arm in arms}
+        flow = by_arm.get("flow", {})
+        print(f"\ntoy {toy}:\n\n| arm | seeds | explanation accuracy | flow − arm (paired) |\n|---|---|---|---|")
+        for arm, rows in by_arm.items():
+            if not rows:
+                continue
+            seeds = sorted(set(flow) & set(rows))
+            paired = ("" if arm == "flow" or not seeds else
+                      mean_se([flow[s][ACCURACY] - rows[s][ACCURACY] for s in seeds])
+                      + ("" if len(seeds) == len(rows) else f" ({len(seeds)} seeds)"))
+            print(f"| {arm} | {len(rows)} | {mean_se([r[ACCURACY] for r in rows.values()])} | {paired} |")
 
 
 def main() -> None:
@@ -90,6 +120,7 @@ def main() -> None:
     parser.add_argument("--sft-epochs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("runs/explain_study.jsonl"))
     args = parser.parse_args()
+    check_configs()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
     for seed in args.seeds:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import json
 from pathlib import Path
 
@@ -14,23 +13,7 @@ from flowkit.registry import subcommand
 from flowkit.data.records import load_records
 from flowkit.errors import ConfigError
 from flowkit.llm.rollout import encode_pairs
-
-
-def render_html(rows: list[dict], title: str = "flowkit flow rewards") -> str:
-    """Response tokens shaded by their flow reward (darker red = larger penalty), prompt in grey."""
-    lowest = min((min(r["rewards"], default=0.0) for r in rows), default=0.0) or -1.0
-    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             "<style>body{font-family:monospace;max-width:60em;margin:2em auto}"
-             ".row{margin:1.5em 0;white-space:pre-wrap}.prompt{color:#888}</style>",
-             f"<h1>{html.escape(title)}</h1><p>Tokens shaded by flow reward r_k (eq. 10); hover for the value.</p>"]
-    for row in rows:
-        cells = []
-        for token, reward, deviation in zip(row["tokens"], row["rewards"], row["deviations"]):
-            alpha = min(1.0, reward / lowest) if reward < 0 else 0.0
-            cells.append(f"<span style='background:rgba(220,40,40,{alpha:.2f})' "
-                         f"title='reward {reward:.4g}, deviation {deviation:.4g}'>{html.escape(token)}</span>")
-        parts.append(f"<div class='row'><span class='prompt'>{html.escape(row['prompt'])}</span>{''.join(cells)}</div>")
-    return "\n".join(parts)
+from flowkit.modules.completions import render_html
 
 
 @subcommand("score")

@@ -20,15 +20,16 @@ from flowkit.engine.stats import StepStats
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.rollout import forward_hidden
 from flowkit.rl.logprobs import lm_head_logprobs
-from flowkit.rl.losses import clipped_policy_loss, clipped_value_loss, kl_penalty
+from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_sum
 
 REFERENCE_ADAPTER = "reference"  # the frozen LoRA adapter holding a snapshot of the policy (e.g. after SFT)
 
 
 @dataclass
 class ActorOutput:
-    """B×S log-probs (with gradient when enabled) and entropies (detached) of the rows' tokens, the tapped latents
-    (P×B×S×d, detached) when asked for, and the value head's V(state before token s) (B×S) when there is one."""
+    """B×S log-probs (with gradient when enabled) and entropies (detached, unless the loss has an entropy bonus) of
+    the rows' tokens, the tapped latents (P×B×S×d, detached) when asked for, and the value head's V(state before
+    token s) (B×S) when there is one."""
 
     logprobs: Tensor
     entropy: Tensor
@@ -122,7 +123,8 @@ class Actor:
             hidden, latents = forward_hidden(self.policy, batch), None
         temperature = (self.update.temperature or 1.0) if temperature is None else temperature
         logprobs, entropy = lm_head_logprobs(hidden, self.policy.get_output_embeddings(), batch.input_ids,
-                                             batch.response_mask, temperature, self.update.lm_head_chunk_size)
+                                             batch.response_mask, temperature, self.update.lm_head_chunk_size,
+                                             entropy_gradient=self.options.entropy_coef > 0)
         values = None
         if self.value_head is not None:
             # V(state before token s) sits at position s − 1; the head runs in its own dtype (bf16 under DeepSpeed)
@@ -139,21 +141,27 @@ class Actor:
 
     def loss(self, micro: RolloutBatch, out: ActorOutput, denominator: Tensor, tokens: Tensor,
              stats: StepStats) -> Tensor:
-        """This micro-batch's share of its minibatch's loss: the clipped surrogate summed over the micro-batch and
-        divided by the minibatch's aggregation ``denominator``; + kl_coef × the KL term (KL in the loss); + vf_coef
-        × the clipped value loss over the minibatch's ``tokens`` (``gae``). The shares add up to the minibatch loss
-        whatever the micro-batch size."""
+        """This micro-batch's share of its minibatch's loss: the policy loss (``policy_loss``: ``ppo``, ``gspo`` or
+        ``cispo``, :data:`~flowkit.rl.losses.POLICY_LOSSES`) summed over the micro-batch and divided by the
+        minibatch's aggregation ``denominator``; − entropy_coef × the token entropy, aggregated alike (verl's
+        ``entropy_coeff``); + kl_coef × the KL term (KL in the loss); + vf_coef × the clipped value loss over the
+        minibatch's ``tokens`` (``gae``). The shares add up to the minibatch loss whatever the micro-batch size."""
         options = self.options
         weights = None
         if options.rollout_is_cap is not None and micro.rollout_logprobs is not None:
             weights = torch.exp(micro.old_logprobs - micro.rollout_logprobs).clamp(max=options.rollout_is_cap)
-        loss, info = clipped_policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, micro.response_mask,
-                                         options.clip_low, options.clip_high, options.aggregation, options.clip_ratio_c,
-                                         weights, denominator, options.max_new_tokens)
+        policy_loss = POLICY_LOSSES[options.policy_loss]
+        loss, info = policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, micro.response_mask,
+                                 options.clip_low, options.clip_high, options.aggregation, options.clip_ratio_c,
+                                 weights, denominator, options.max_new_tokens)
         count = float(micro.response_mask.sum())
         stats.add("train/policy_loss", loss.detach())
         stats.add_weighted("train/clip_fraction", info["clip_fraction"], count)
         stats.add_weighted("train/approx_kl", info["approx_kl"], count)
+        if options.entropy_coef > 0:
+            entropy = masked_sum(out.entropy, micro.response_mask, options.aggregation) / denominator
+            stats.add("train/entropy_loss", -entropy.detach())
+            loss = loss - options.entropy_coef * entropy
         if self.reference is not None and options.kl_in == "loss":
             kl = kl_penalty(out.logprobs, micro.ref_logprobs, micro.response_mask, options.aggregation, denominator,
                             options.max_new_tokens, options.kl_estimator)

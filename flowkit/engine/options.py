@@ -12,7 +12,7 @@ from typing import Literal
 from flowkit.errors import ConfigError, check_range
 from flowkit.rl.advantages import ESTIMATORS, AdvantageName, OutcomePlacement, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
-from flowkit.rl.losses import KL_ESTIMATORS, Aggregation, KLEstimator
+from flowkit.rl.losses import KL_ESTIMATORS, POLICY_LOSSES, Aggregation, KLEstimator, PolicyLossName
 
 
 KLPlacement = Literal["loss", "reward"]
@@ -74,7 +74,10 @@ class LossOptions:
     """The clipped surrogate (ε_low, ε_high, dual clip c, ``aggregation``), the truncated IS correction
     ``rollout_is_cap``, the KL to the reference (``kl_coef``, its ``kl_estimator``, and whether it is a ``loss``
     term, as GRPO / verl, or subtracted from the ``reward``, as TRL's PPO), and the value loss (``vf_coef``,
-    ``value_clip``) of the ``gae`` estimator. ``max_new_tokens``: the generation budget, for ``dr-grpo``."""
+    ``value_clip``) of the ``gae`` estimator. ``max_new_tokens``: the generation budget, for ``dr-grpo``.
+    ``policy_loss``: the registered policy loss (``ppo`` the clipped surrogate, ``gspo`` its sequence-level ratio,
+    ``cispo`` the clipped IS weight; :data:`~flowkit.rl.losses.POLICY_LOSSES`); ``entropy_coef``: weight of the
+    entropy bonus (verl's ``entropy_coeff``; 0 is off)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -87,8 +90,15 @@ class LossOptions:
     vf_coef: float = 0.1
     value_clip: float = 0.2
     max_new_tokens: int = 1024
+    policy_loss: PolicyLossName = "ppo"
+    entropy_coef: float = 0.0
 
     def check(self, owner: str) -> None:
+        _one_of(owner, "policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
+        if self.clip_ratio_c is not None and self.policy_loss == "cispo":
+            raise ConfigError(f"{owner}.clip_ratio_c applies to policy_loss ppo and gspo (cispo has no min to cap): "
+                              "set it to null")
+        check_range(owner, "entropy_coef", self.entropy_coef, 0)
         check_range(owner, "clip_low", self.clip_low, 0, 1, open_high=True)  # the ratio's lower bound 1 − ε must be > 0
         check_range(owner, "clip_high", self.clip_high, 0)
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
@@ -108,7 +118,9 @@ class UpdateOptions:
     """How one generation becomes optimizer steps: ``ppo_epochs`` × ``num_minibatches`` updates (1 × 1 is on-policy:
     no separate scoring pass), ``micro_batch_size`` sequences per forward/backward (None: a whole minibatch),
     ``lm_head_chunk_size`` response tokens per LM-head call, ``temperature`` the log-probs refer to (the sampling
-    temperature), and ``skip_zero_advantage_rows`` (a row whose advantages are all 0 adds nothing: skip it)."""
+    temperature), ``skip_zero_advantage_rows`` (a row whose advantages are all 0 adds nothing: skip it) and
+    ``micro_batch_tokens``: pack rows, longest first, into micro-batches of at most that many tokens, padding
+    included (rows × longest row; at most ``micro_batch_size`` rows when that is set too); None: fixed counts."""
 
     ppo_epochs: int = 1
     num_minibatches: int = 1
@@ -116,12 +128,13 @@ class UpdateOptions:
     lm_head_chunk_size: int | None = DEFAULT_LM_HEAD_CHUNK
     temperature: float = 1.0
     skip_zero_advantage_rows: bool = True
+    micro_batch_tokens: int | None = None
 
     @property
     def updates(self) -> int:
         return self.ppo_epochs * self.num_minibatches
 
     def check(self, owner: str) -> None:
-        for name in ("ppo_epochs", "num_minibatches", "micro_batch_size", "lm_head_chunk_size"):
+        for name in ("ppo_epochs", "num_minibatches", "micro_batch_size", "lm_head_chunk_size", "micro_batch_tokens"):
             check_range(owner, name, getattr(self, name), 1)
         check_range(owner, "temperature", self.temperature, 0)

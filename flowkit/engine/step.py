@@ -2,9 +2,11 @@
 
 Plain PyTorch (no Lightning). What depends on the training strategy enters as callables: ``backward(loss)`` (one of
 the step's several backward passes) and ``step_optimizer(groups)`` (clip, move the named parameter groups, zero the
-gradients). Memory is set by ``micro_batch_size``, not by the batch: every pass over the rollouts runs in
-micro-batches, the reward model scores each micro-batch right after its forward, and the loss of every micro-batch
-is its share of the whole minibatch's, so results do not depend on the micro-batch size.
+gradients). Memory is set by ``micro_batch_size`` or ``micro_batch_tokens``, not by the batch: every pass over the
+rollouts runs in micro-batches, the reward model scores each micro-batch right after its forward, and the loss of
+every micro-batch is its share of the whole minibatch's, so results do not depend on the micro-batch size. With a
+token budget the step's rows are put longest first and packed into runs of consecutive rows
+(:mod:`flowkit.engine.micro_batches`); minibatches keep the rows they would have had.
 
 Multi-rank rule (DESIGN.md): every forward/backward is a collective under DDP and ZeRO, so the number of
 micro-batches and of loss pieces agrees over ranks before the first one runs; a rank with fewer runs zero-loss
@@ -24,6 +26,7 @@ from torch.distributed import ReduceOp
 from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.distributed import all_reduce_int
 from flowkit.engine.actor import Actor, ActorOutput
+from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, sequence_lengths
 from flowkit.engine.options import AdvantageOptions, UpdateOptions
 from flowkit.engine.stats import StepStats
 from flowkit.rewards.base import TokenRewardModel
@@ -66,8 +69,9 @@ class RLStep:
     def __call__(self, prompts: list[str], answers: list[str], step: int,
                  columns: dict[str, list] | None = None) -> tuple[RolloutBatch, dict[str, Tensor]]:
         """Generate, score and train on one prompt batch (``columns``: the data's other fields, one value per prompt,
-        which the reward model reads from ``RolloutBatch.columns``); returns the batch (with rewards, entropies) and
-        the step's statistics and timings. Raises :class:`NonFiniteStep`."""
+        which the reward model reads from ``RolloutBatch.columns``); returns the batch (with rewards, token rewards,
+        entropies; longest row first under ``micro_batch_tokens``) and the step's statistics and timings. Raises
+        :class:`NonFiniteStep`."""
         start = time.perf_counter()
         batch = self.rollout.generate(prompts, self.num_samples, answers)
         batch.columns = {key: [value for value in values for _ in range(self.num_samples)]  # rows are prompt-major
@@ -75,6 +79,10 @@ class RLStep:
         timings = {"time/generate_s": time.perf_counter() - start}
         _raise_if_nonfinite(["generation logits"] if self.rollout.saw_nonfinite_logits else [])
         batch = self.grade(batch)
+        order = None  # the generated row at each position of the batch, when reordered
+        if self.update.micro_batch_tokens is not None:  # every micro-batch a run of consecutive rows (a reward model's)
+            order = longest_first(sequence_lengths(batch.attention_mask))
+            batch = batch.select(order)
         if self.estimator.normalized_outcome:
             outcome = group_normalized_advantage(batch.outcome_rewards, batch.group_ids,
                                                  scale_rewards=self.advantage.scale_rewards)
@@ -89,7 +97,7 @@ class RLStep:
             self._score(batch, outcome)
             timings["time/score_s"] = time.perf_counter() - score_start
         update_start = time.perf_counter()
-        stats = self._update(batch, outcome, fused, timings)
+        stats = self._update(batch, outcome, fused, timings, order)
         timings["time/update_s"] = time.perf_counter() - update_start - timings.get("time/flow_s", 0.0)
         return batch, {**timings, **stats}
 
@@ -105,13 +113,16 @@ class RLStep:
         advantages."""
         micro.old_logprobs = out.logprobs.detach()
         mask = micro.response_mask
-        micro.entropy = batch.entropy[rows] = (out.entropy * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        micro.entropy = batch.entropy[rows] = (out.entropy.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         if self.actor.reference is not None:
             micro.ref_logprobs = self.actor.reference_logprobs(micro)
         if self.reward_model is not None:
             micro.latents = out.latents
             micro.token_rewards = self.reward_model.score(micro, rows)
             micro.latents = None
+            if batch.token_rewards is None:  # the step's batch keeps them (completion logs read them)
+                batch.token_rewards = torch.zeros(batch.response_mask.shape, device=mask.device)
+            batch.token_rewards[rows, :mask.shape[1]] = micro.token_rewards.float()
         rewards = micro.token_rewards
         options = self.actor.options
         if self.actor.reference is not None and options.kl_in == "reward":
@@ -130,9 +141,9 @@ class RLStep:
         """A no-grad pass in micro-batches fixing old log-probs, token rewards, values and advantages for every row
         (before updates that change the policy: μ > 1, several minibatches, or a batch-wide whitening)."""
         length = batch.input_ids.shape[1]
-        names = ["old_logprobs", "ref_logprobs", "token_rewards", "old_values", "advantages", "returns"]
+        names = ["old_logprobs", "ref_logprobs", "old_values", "advantages", "returns"]
         parts: dict[str, list[Tensor]] = {name: [] for name in names}
-        for rows in self._micro_batches(batch.batch_size):
+        for rows in self._micro_batches(batch):  # runs of consecutive rows, in order
             micro = batch.select(rows).trimmed()
             self._fill(micro, rows, self.actor.forward(micro, tap=True), outcome, batch)
             _raise_if_nonfinite(_nonfinite(micro))
@@ -145,18 +156,21 @@ class RLStep:
             batch.advantages = whitened(batch.advantages, batch.response_mask)
 
     # ------------------------------------------------------------------------------------------ update
-    def _update(self, batch: RolloutBatch, outcome: Tensor, fused: bool, timings: dict[str, float]) -> dict[str, Tensor]:
+    def _update(self, batch: RolloutBatch, outcome: Tensor, fused: bool, timings: dict[str, float],
+                order: Tensor | None) -> dict[str, Tensor]:
         """``ppo_epochs`` passes × ``num_minibatches`` minibatches, each micro-batched and ended by one optimizer step;
-        ``fused``: one pass whose forward also scores (old log-probs = its own, detached: ρ = 1 with gradient ∇logπ)."""
+        ``fused``: one pass whose forward also scores (old log-probs = its own, detached: ρ = 1 with gradient ∇logπ).
+        A minibatch holds the same generated rows whatever ``order`` the batch is in."""
         stats = StepStats()
-        minibatches = [rows for _ in range(self.update.ppo_epochs)
+        position = torch.arange(batch.batch_size) if order is None else torch.argsort(order)
+        minibatches = [position[rows].sort().values for _ in range(self.update.ppo_epochs)
                        for rows in torch.arange(batch.batch_size).chunk(self.update.num_minibatches)]
         for index, minibatch_rows in enumerate(minibatches):
             mini = batch if fused else batch.select(minibatch_rows)
             options = self.actor.options
             denominator = aggregation_denominator(mini.response_mask, options.aggregation, options.max_new_tokens)
             tokens = mini.response_mask.sum().clamp(min=1)
-            for rows in self._micro_batches(mini.batch_size, self._rows_with_gradient(mini, outcome, fused)):
+            for rows in self._micro_batches(mini, self._rows_with_gradient(mini, outcome, fused)):
                 if rows is None:
                     if fused:
                         _raise_if_nonfinite([])  # the other ranks check their micro-batch here
@@ -172,24 +186,35 @@ class RLStep:
         return stats.means()
 
     def _rows_with_gradient(self, mini: RolloutBatch, outcome: Tensor, fused: bool) -> Tensor | None:
-        """``skip_zero_advantage_rows``: the rows whose advantages are not all 0 (None: every row runs). The clipped
-        loss of a token is proportional to its advantage, so such a row adds nothing — unless a KL or value loss, or
-        a reward model that must see every row, also reads it."""
+        """``skip_zero_advantage_rows``: the rows whose advantages are not all 0 (None: every row runs). The policy
+        loss of a token is proportional to its advantage, so such a row adds nothing — unless a KL, value or entropy
+        term, or a reward model that must see every row, also reads it."""
         if (not self.update.skip_zero_advantage_rows or self.actor.reference is not None
-                or self.actor.value_head is not None or (fused and self.reward_model is not None)):
+                or self.actor.value_head is not None or (fused and self.reward_model is not None)
+                or self.actor.options.entropy_coef > 0):
             return None
         advantages = outcome if fused else mini.advantages * mini.response_mask
         return advantages.reshape(len(advantages), -1).ne(0).any(-1)
 
-    def _micro_batches(self, rows: int, keep: Tensor | None = None) -> list[Tensor | None]:
-        """Row indices of each micro-batch. With ``keep`` (a bool per row), only the kept rows, in as many
-        micro-batches as the rank that keeps the most (at least one), agreed before the first: a rank with fewer adds
-        ``None`` entries (padding micro-batches)."""
-        index = torch.arange(rows) if keep is None else keep.cpu().nonzero().flatten()
-        parts: list[Tensor | None] = list(index.split(self.update.micro_batch_size or rows)) if len(index) else []
-        if keep is not None:
-            parts += [None] * (all_reduce_int(max(1, len(parts)), ReduceOp.MAX) - len(parts))
-        return parts
+    def _micro_batches(self, batch: RolloutBatch, keep: Tensor | None = None) -> list[Tensor | None]:
+        """Row indices of each micro-batch of ``batch``, in order: ``micro_batch_size`` rows each, or with
+        ``micro_batch_tokens`` (the rows come longest first) runs of rows packed under the token budget
+        (:func:`~flowkit.engine.micro_batches.pack_by_token_budget`, at most ``micro_batch_size`` rows when that is
+        set too), as many on every rank as on the rank that packs the most (every rank holds as many rows, so each
+        can split its runs that often). With ``keep`` (a bool per row), only the kept rows, in as many micro-batches
+        as the rank that keeps the most (at least one): a rank with fewer adds ``None`` entries (padding
+        micro-batches). Counts are agreed before the first micro-batch runs."""
+        index = torch.arange(batch.batch_size) if keep is None else keep.cpu().nonzero().flatten()
+        budget, max_rows = self.update.micro_batch_tokens, self.update.micro_batch_size
+        if budget is None:
+            parts: list[Tensor | None] = list(index.split(max_rows or batch.batch_size)) if len(index) else []
+            if keep is not None:
+                parts += [None] * (all_reduce_int(max(1, len(parts)), ReduceOp.MAX) - len(parts))
+            return parts
+        lengths = sequence_lengths(batch.attention_mask)[index]
+        count = all_reduce_int(max(1, len(pack_by_token_budget(lengths, budget, max_rows))), ReduceOp.MAX)
+        runs = pack_by_token_budget(lengths, budget, max_rows, min(count, len(index)))
+        return [index[run] for run in runs] + [None] * (count - len(runs))
 
     def _finish_minibatch(self, batch: RolloutBatch, stats: StepStats, timings: dict[str, float],
                           with_reward: bool) -> None:

@@ -1,6 +1,7 @@
 """LightningModules and DataModules (the only layer that imports Lightning, besides the CLI and strategies)."""
 
 from flowkit.modules.callbacks import ExportArtifacts
+from flowkit.modules.completions import CompletionLogs
 from flowkit.modules.datamodule import RolloutDataModule
 from flowkit.modules.explanation import ExplanationDataModule, ExplanationRewardModule, ExplanationRounds
 from flowkit.modules.pretraining import FlowRewardModule
@@ -9,6 +10,7 @@ from flowkit.modules.selector import RuleEnvDataModule, SelectorModule
 from flowkit.modules.summary import ParameterSummary, RunSummary
 
 __all__ = [
+    "CompletionLogs",
     "ExplanationDataModule",
     "ExplanationRewardModule",
     "ExplanationRounds",

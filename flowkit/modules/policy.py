@@ -16,6 +16,7 @@ from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.engine import (
     Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingOptions, UpdateOptions,
 )
+from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, check_range
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path
 from flowkit.llm.latent_tap import LatentTap
@@ -30,7 +31,7 @@ from flowkit.rewards.functions import build_reward_functions, outcome_rewards
 from flowkit.rewards.grader import grade
 from flowkit.rl.advantages import AdvantageName, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
-from flowkit.rl.losses import Aggregation, KLEstimator
+from flowkit.rl.losses import Aggregation, KLEstimator, PolicyLossName
 from flowkit.rl.metrics import pass_at_k
 from flowkit.strategies import accumulate_until_step, average_gradients, manual_backward, whole_weights_for_generation
 
@@ -143,6 +144,20 @@ class PolicyModule(L.LightningModule):
             adds exactly nothing to the loss or its gradient; skip its forward/backward (with a KL term, or a reward
             model that needs the row's forward, every row runs). The loss normalisation still counts its tokens,
             so the update is unchanged; ``train/entropy`` then averages the rows that ran.
+        policy_loss: ``ppo`` (the clipped surrogate), ``gspo`` (its ratio replaced by the row's length-normalised
+            sequence ratio, GSPO-token; TRL ``importance_sampling_level="sequence"``, verl ``loss_mode: gspo``) or
+            ``cispo`` (the clipped importance weight, detached, times ∇logπ: MiniMax-M1; verl ``loss_mode: cispo``)
+            (:data:`flowkit.rl.losses.POLICY_LOSSES`); each with ``clip_low`` / ``clip_high``.
+        entropy_coef: weight of an entropy bonus, −coef × the token entropy aggregated as the policy loss (verl's
+            ``entropy_coeff``); 0 is off. With it, every row runs (a zero-advantage row still has an entropy).
+        micro_batch_tokens: pack every pass's rows into micro-batches of at most this many tokens, padding
+            included (rows × longest row; verl ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``): the step's rows
+            are put longest first and cut into runs (with ``micro_batch_size`` also set, at most that many rows
+            each); ranks agree on the count. Gradients are those of the whole minibatch; a reward model's noise is
+            keyed by the rows' new positions. None: ``micro_batch_size`` rows per micro-batch.
+        peak_flops: the device's peak FLOP/s for ``perf/mfu`` (6·N·tokens / step time / peak); None: the dense bf16
+            peak of the CUDA device from :data:`flowkit.engine.throughput.DEVICE_PEAK_FLOPS` (vendor datasheets),
+            and no ``perf/mfu`` on a CPU or an unknown GPU.
     """
 
     def __init__(
@@ -200,6 +215,10 @@ class PolicyModule(L.LightningModule):
         sft_lr: float = 2e-5,
         entropy_advantage_alpha: float = 0.0,
         entropy_advantage_kappa: float = 2.0,
+        policy_loss: PolicyLossName = "ppo",
+        entropy_coef: float = 0.0,
+        micro_batch_tokens: int | None = None,
+        peak_flops: float | None = None,
     ):
         super().__init__()
         owner = "PolicyModule"
@@ -207,9 +226,11 @@ class PolicyModule(L.LightningModule):
         self.advantage = AdvantageOptions(advantage, gamma, lam, scale_rewards, outcome_placement,
                                           entropy_advantage_alpha, entropy_advantage_kappa)
         self.loss_options = LossOptions(clip_low, clip_high, clip_ratio_c, aggregation, rollout_is_cap, kl_coef,
-                                        kl_estimator, kl_in, vf_coef, value_clip, max_new_tokens)
+                                        kl_estimator, kl_in, vf_coef, value_clip, max_new_tokens, policy_loss,
+                                        entropy_coef)
         self.update = UpdateOptions(ppo_epochs, num_minibatches, micro_batch_size, lm_head_chunk_size, temperature,
-                                    skip_zero_advantage_rows)
+                                    skip_zero_advantage_rows, micro_batch_tokens)
+        check_range(owner, "peak_flops", peak_flops, 0, open_low=True)
         for group in (self.sampling, self.advantage, self.loss_options, self.update):
             group.check(owner)
         _check_module_options(owner, reward_model, outcome_reward, lr, flow_lr, max_grad_norm, flow_pretrain_steps,
@@ -294,13 +315,15 @@ class PolicyModule(L.LightningModule):
         except NonFiniteStep as bad:
             return self._skip(bad.what)
         self.consecutive_skips = 0
+        seconds = time.perf_counter() - start
         metrics = {
             "train/outcome_reward": batch.outcome_rewards.mean(),
             "train/accuracy": batch.correct.float().mean(),
             "train/entropy": batch.entropy.nanmean(),
             "train/response_length": batch.response_lengths.float().mean(),
-            "train/tokens_per_s": float(batch.response_mask.sum()) / (time.perf_counter() - start),
+            "train/tokens_per_s": float(batch.response_mask.sum()) / seconds,
             "train/skipped_steps": float(self.skipped_steps),
+            **self._throughput(float(batch.attention_mask.sum()), seconds),
             **stats,
         }
         if self.reward_model is not None:
@@ -308,7 +331,18 @@ class PolicyModule(L.LightningModule):
         self.log_dict({k: float(v) for k, v in metrics.items()}, batch_size=batch.batch_size)
         self.log("reward", batch.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
         self.log("acc", batch.correct.float().mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
-        return None
+        return {"rollouts": batch}  # on_train_batch_end's outputs, for callbacks (flowkit.modules.CompletionLogs)
+
+    def _throughput(self, tokens: float, seconds: float) -> dict[str, float]:
+        """verl's ``perf/throughput``: this rank's prompt + response tokens per second of the step; ``perf/mfu``:
+        :func:`~flowkit.engine.throughput.model_flops_utilization` of one forward and backward over them against
+        ``peak_flops`` (the whole step's time, generation included, so below verl's update-only actor MFU)."""
+        metrics = {"perf/throughput": tokens / seconds}
+        peak = self.hparams.peak_flops or device_peak_flops(self.device)
+        if peak is not None:
+            parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.policy.parameters())  # ZeRO-3: whole
+            metrics["perf/mfu"] = model_flops_utilization(parameters, tokens, seconds, peak)
+        return metrics
 
     def grade_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
         """Outcome reward r_o (:func:`~flowkit.rewards.functions.outcome_rewards`); ``correct`` (the logged accuracy,

@@ -45,18 +45,20 @@ class _FrozenHeadChunk(torch.autograd.Function):
     """log p(target) and the entropy of N tokens through a frozen Linear head, saving only the N×d hidden states (as
     checkpointing would): forward and backward each gather the head's weights explicitly (a collective that every rank
     runs as often, chunk counts being agreed) and recompute the chunk's logits; the gradient w.r.t. the hidden states is
-    ((onehot(target) − softmax) · g / T) · W."""
+    ((onehot(target) − softmax) · g / T) · W, plus −p ⊙ (log p + H) · g_H / T · W for an ``entropy_gradient``."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, lm_head: torch.nn.Linear, targets: Tensor, temperature: float):
+    def forward(ctx, hidden: Tensor, lm_head: torch.nn.Linear, targets: Tensor, temperature: float,
+                entropy_gradient: bool = False):
         ctx.save_for_backward(hidden, targets)
-        ctx.lm_head, ctx.temperature = lm_head, temperature
+        ctx.lm_head, ctx.temperature, ctx.entropy_gradient = lm_head, temperature, entropy_gradient
         with torch.no_grad(), gathered(list(lm_head.parameters())):
             logits = torch.nn.functional.linear(hidden, lm_head.weight, lm_head.bias).float() / temperature
         log_normalizer = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normalizer
         entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        ctx.mark_non_differentiable(entropy)
+        if not entropy_gradient:
+            ctx.mark_non_differentiable(entropy)
         return picked, entropy
 
     @staticmethod
@@ -65,20 +67,26 @@ class _FrozenHeadChunk(torch.autograd.Function):
         head = ctx.lm_head
         with torch.no_grad(), gathered(list(head.parameters())):
             logits = torch.nn.functional.linear(hidden, head.weight, head.bias).float() / ctx.temperature
-            grad_logits = -torch.softmax(logits, dim=-1)
+            probs = torch.softmax(logits, dim=-1)
+            grad_logits = -probs
             grad_logits[torch.arange(len(targets), device=targets.device), targets] += 1.0
-            grad_logits *= grad_picked[:, None] / ctx.temperature
-            grad_hidden = (grad_logits @ head.weight.float()).to(hidden.dtype)
-        return grad_hidden, None, None, None
+            grad_logits *= grad_picked[:, None]
+            if ctx.entropy_gradient:  # ∂H/∂z = −p ⊙ (log p + H)
+                log_probs = torch.log_softmax(logits, dim=-1)
+                entropy = -(probs * log_probs).sum(-1, keepdim=True)
+                grad_logits -= probs * (log_probs + entropy) * grad_entropy[:, None]
+            grad_hidden = (grad_logits / ctx.temperature @ head.weight.float()).to(hidden.dtype)
+        return grad_hidden, None, None, None, None
 
 
 def _chunk_logprobs(lm_head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor,
-                    temperature: float) -> tuple[Tensor, Tensor]:
-    """log p(target) (with gradient) and the entropy (no gradient) of N tokens from their N×d hidden states."""
+                    temperature: float, entropy_gradient: bool = False) -> tuple[Tensor, Tensor]:
+    """log p(target) (with gradient) and the entropy (with gradient only if ``entropy_gradient``) of N tokens from
+    their N×d hidden states."""
     logits = lm_head(hidden).float() / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normalizer
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_gradient and torch.is_grad_enabled()):
         entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return picked, entropy
 
@@ -90,6 +98,7 @@ def lm_head_logprobs(
     response_mask: Tensor,
     temperature: float = 1.0,
     chunk_size: int | None = DEFAULT_LM_HEAD_CHUNK,
+    entropy_gradient: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies of the response tokens from the last hidden state, in chunks of tokens.
 
@@ -106,9 +115,11 @@ def lm_head_logprobs(
         input_ids, response_mask: B×S; log-probs are computed where ``response_mask`` is 1 (never at s = 0).
         temperature: sampling temperature the log-probs refer to.
         chunk_size: tokens per LM-head call; None runs all response tokens at once.
+        entropy_gradient: the entropies carry a gradient too (an entropy bonus in the loss).
 
     Returns:
-        B×S log-probs (with gradient through ``hidden`` and the head) and B×S entropies (detached).
+        B×S log-probs (with gradient through ``hidden`` and the head) and B×S entropies (detached unless
+        ``entropy_gradient``).
     """
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
@@ -123,11 +134,11 @@ def lm_head_logprobs(
 
     def head(chunk_states: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor]:
         if frozen_sharded:
-            return _FrozenHeadChunk.apply(chunk_states, lm_head, chunk_targets, temperature)
+            return _FrozenHeadChunk.apply(chunk_states, lm_head, chunk_targets, temperature, entropy_gradient)
         if checkpointed:
             return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, chunk_states, chunk_targets, temperature,
-                                                     use_reentrant=False)
-        return _chunk_logprobs(lm_head, chunk_states, chunk_targets, temperature)
+                                                     entropy_gradient, use_reentrant=False)
+        return _chunk_logprobs(lm_head, chunk_states, chunk_targets, temperature, entropy_gradient)
 
     chunks = [slice(start, start + size) for start in range(0, len(targets), size)]
     # Ranks with fewer response tokens call a ZeRO-3-sharded head as often as the rank with the most (agreed before
@@ -143,7 +154,7 @@ def lm_head_logprobs(
     entropies = torch.zeros_like(logprobs)
     if picked:
         logprobs = logprobs.index_put((rows, cols), torch.cat(picked))
-        entropies[rows, cols] = torch.cat(entropy)
+        entropies = entropies.index_put((rows, cols), torch.cat(entropy))
     for _ in range(calls - len(chunks)):
         logprobs = logprobs + head(hidden[:1, 0], input_ids[:1, 0])[0].sum() * 0.0
     return logprobs, entropies

@@ -1,7 +1,10 @@
-"""Policy-gradient losses: the PPO/GRPO clipped surrogate, the KL estimators and the clipped value loss."""
+"""Policy-gradient losses, registered by name with one signature (:data:`POLICY_LOSSES`: ``ppo`` the PPO/GRPO clipped
+surrogate, ``gspo`` its sequence-level importance ratio, ``cispo`` the clipped IS weight), the KL estimators and the
+clipped value loss."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -52,6 +55,40 @@ def masked_aggregate(values: Tensor, mask: Tensor, aggregation: Aggregation = "t
     return masked_sum(values, mask, aggregation) / aggregation_denominator(mask, aggregation, max_new_tokens)
 
 
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+PolicyLossName = Literal["ppo", "gspo", "cispo"]
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Registers a policy loss under ``name`` (verl's ``register_policy_loss``). Every loss takes
+    ``(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, aggregation, clip_ratio_c, importance_weights,
+    denominator, max_new_tokens)`` as :func:`clipped_policy_loss` and returns (loss, detached ``clip_fraction`` and
+    ``approx_kl``)."""
+
+    def register(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def _aggregated(per_token: Tensor, mask: Tensor, aggregation: Aggregation, denominator: Tensor | float | None,
+                max_new_tokens: int | None) -> Tensor:
+    """``masked_sum / denominator``: the minibatch's aggregate, or this micro-batch's share of it."""
+    if denominator is None:
+        denominator = aggregation_denominator(mask, aggregation, max_new_tokens)
+    return masked_sum(per_token, mask, aggregation) / denominator
+
+
+def _dual_clipped(per_token: Tensor, advantages: Tensor, clip_ratio_c: float | None) -> Tensor:
+    """Dual clip (Ye et al. 2020, verl's ``clip_ratio_c``): for A < 0 the per-token loss is capped at −c·A."""
+    if clip_ratio_c is None:
+        return per_token
+    return torch.where(advantages < 0, torch.minimum(per_token, -clip_ratio_c * advantages), per_token)
+
+
+@register_policy_loss("ppo")
 def clipped_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -83,38 +120,125 @@ def clipped_policy_loss(
         The loss and, detached, ``clip_fraction`` and ``approx_kl`` (token means over this call's tokens).
     """
     ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    return _clipped_surrogate(ratio, logprobs, old_logprobs, advantages, mask, clip_low, clip_high, aggregation,
+                              clip_ratio_c, importance_weights, denominator, max_new_tokens)
+
+
+def _clipped_surrogate(ratio: Tensor, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                       clip_low: float, clip_high: float, aggregation: Aggregation, clip_ratio_c: float | None,
+                       importance_weights: Tensor | None, denominator: Tensor | float | None,
+                       max_new_tokens: int | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """max(−ρA, −clip(ρ, 1−ε_low, 1+ε_high)A) per token for a given ratio ρ (token-level: PPO; sequence-level:
+    GSPO), then the dual clip, the importance weights and the aggregation."""
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
-    per_token = torch.maximum(unclipped, clipped)
-    if clip_ratio_c is not None:
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, -clip_ratio_c * advantages), per_token)
+    per_token = _dual_clipped(torch.maximum(unclipped, clipped), advantages, clip_ratio_c)
     if importance_weights is not None:
         per_token = per_token * importance_weights
-    if denominator is None:
-        denominator = aggregation_denominator(mask, aggregation, max_new_tokens)
-    loss = masked_sum(per_token, mask, aggregation) / denominator
+    loss = _aggregated(per_token, mask, aggregation, denominator, max_new_tokens)
     with torch.no_grad():
         clip_fraction = masked_aggregate((clipped > unclipped).float(), mask, "token-mean")
         approx_kl = masked_aggregate(old_logprobs - logprobs, mask, "token-mean")
     return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
 
 
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """B×1: log s_i = (1/|y_i|) Σ_t (log π − log π_old) over row i's response tokens (GSPO's length-normalised
+    sequence ratio, in log space), clamped to ±:data:`LOG_RATIO_BOUND`; 0 for a row without response tokens."""
+    mask = mask.float()
+    mean = ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return mean.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: Aggregation = "token-mean",
+    clip_ratio_c: float | None = None,
+    importance_weights: Tensor | None = None,
+    denominator: Tensor | float | None = None,
+    max_new_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in its token form GSPO-token (the paper's
+    eq. 13; verl ``loss_mode: gspo``): the clipped surrogate of :func:`clipped_policy_loss` with every token's ratio
+    replaced by s_i,t = sg[s_i] · π(y_i,t) / sg[π(y_i,t)], s_i = exp(mean_t log(π/π_old)) the row's
+    length-normalised sequence ratio (:func:`sequence_log_ratio`). Its value is s_i on every token of the row, so
+    the whole row is clipped or not; its gradient is s_i · ∇log π(y_i,t) per token, so token-varying advantages
+    (dense rewards) keep their per-token weight. With an advantage constant along each row and ``seq-mean``
+    aggregation (the paper's; verl forces it, TRL's ``importance_sampling_level="sequence"`` follows ``loss_type``)
+    it equals the sequence-level GSPO objective, value and gradient. The sequence ratio needs the whole row in one
+    call, which micro-batches (they split rows, not tokens) always give."""
+    log_sequence = sequence_log_ratio(logprobs, old_logprobs, mask)
+    ratio = torch.exp(log_sequence.detach() + logprobs - logprobs.detach())
+    return _clipped_surrogate(ratio, logprobs, old_logprobs, advantages, mask, clip_low, clip_high, aggregation,
+                              clip_ratio_c, importance_weights, denominator, max_new_tokens)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: Aggregation = "token-mean",
+    clip_ratio_c: float | None = None,
+    importance_weights: Tensor | None = None,
+    denominator: Tensor | float | None = None,
+    max_new_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4–5; verl ``loss_mode: cispo``): −sg(r̂)·A·∇log π per token with
+    r̂ = clip(ρ, 1−ε_low, 1+ε_high), the importance weight clipped and detached, so a token whose ratio left the
+    range still gets its (bounded) gradient instead of none. Written as −sg(r̂)·A·exp(log π − sg(log π)): the
+    gradient of verl's −sg(r̂)·A·log π, with the value −r̂·A, comparable to the clipped surrogate's. MiniMax-M1
+    clips only above (a large ``clip_low``); ``clip_fraction`` counts tokens whose weight was clipped. No dual clip
+    (``clip_ratio_c`` must be None: there is no max to cap)."""
+    if clip_ratio_c is not None:
+        raise ValueError("cispo has no dual clip: clip_ratio_c must be None")
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    per_token = -weight * advantages * torch.exp(logprobs - logprobs.detach())
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
+    loss = _aggregated(per_token, mask, aggregation, denominator, max_new_tokens)
+    with torch.no_grad():
+        clip_fraction = masked_aggregate((weight != ratio).float(), mask, "token-mean")
+        approx_kl = masked_aggregate(old_logprobs - logprobs, mask, "token-mean")
+    return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
+
+
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+"]
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
-    """Per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probs (Schulman 2020; verl ``kl_penalty``):
+    """Per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probs (Schulman 2020; verl ``kl_penalty``,
+    option ``kl_loss_type``):
 
     - ``k1``: log π − log π_ref (unbiased, high variance; what TRL's PPO subtracts from the reward);
     - ``k2``: ½ (log π − log π_ref)² (verl ``mse``);
     - ``k3`` / ``low_var_kl``: exp(r) − r − 1 with r = log π_ref − log π, non-negative; as verl, r is clamped to
-      ±:data:`LOG_RATIO_BOUND` and the value to :data:`KL_BOUND` (verl computes its ``k3`` and ``low_var_kl`` alike).
+      ±:data:`LOG_RATIO_BOUND` and the value to :data:`KL_BOUND` (verl computes its ``k3`` and ``low_var_kl`` alike);
+    - ``abs``: |log π − log π_ref| (verl ``abs``);
+    - ``k1+``, ``k3+``, ``low_var_kl+``: verl's straight-through forms: the value of k1 / k3, the gradient of k2
+      (k1's and k3's expected gradients are not the KL's gradient; k2's is).
     """
+    if estimator.endswith("+") and estimator[:-1] in ("k1", "k3", "low_var_kl"):
+        value = kl_estimate(logprobs, ref_logprobs, estimator[:-1])
+        gradient = kl_estimate(logprobs, ref_logprobs, "k2")
+        return gradient - gradient.detach() + value.detach()
     if estimator == "k1":
         return logprobs - ref_logprobs
     if estimator == "k2":
         return 0.5 * (logprobs - ref_logprobs).square()
+    if estimator == "abs":
+        return (logprobs - ref_logprobs).abs()
     if estimator in ("k3", "low_var_kl"):
         delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         return (torch.exp(delta) - delta - 1).clamp(max=KL_BOUND)

@@ -184,3 +184,50 @@ def test_entropy_advantage_shapes_the_policy_gradient(tmp_path, monkeypatch):
     assert base.norm() > 0 and torch.equal(group_gradient(off[0], "policy."), base)
     difference = group_gradient(shaped[0], "policy.") - base
     assert float(difference.norm()) > 1e-3 * float(base.norm())
+
+
+@pytest.mark.parametrize("loss", [{"policy_loss": "gspo"}, {"policy_loss": "cispo"}, {"entropy_coef": 0.01}],
+                         ids=["gspo", "cispo", "entropy"])
+def test_loss_variants_do_not_depend_on_the_micro_batch_size(tmp_path, monkeypatch, loss):
+    """GSPO's sequence ratio (a whole row per micro-batch), CISPO's clipped weight and the entropy bonus keep "the
+    micro-batches' losses add up to the minibatch's": the same gradients for micro-batches of 1 and the whole batch,
+    over one step of two PPO epochs (the second with ratios ≠ 1)."""
+    options = dict(steps=1, ppo_epochs=2, **loss)
+    whole, _, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch, **options)
+    ones, _, _ = fit_recording_gradients(tmp_path / "ones", monkeypatch, micro_batch_size=1, **options)
+    assert_same_gradients([ones], whole)
+
+
+@pytest.mark.parametrize("updates", [{}, {"ppo_epochs": 2, "num_minibatches": 2}], ids=["on-policy", "ppo"])
+def test_token_budget_micro_batches_keep_the_gradients_and_bound_the_padded_tokens(tmp_path, monkeypatch, updates):
+    """micro_batch_tokens: every forward holds at most the budget (rows × longest row), and the policy and flow
+    gradients are those of one micro-batch holding the whole (reordered) batch; plain GRPO's those of the batch in
+    generation order."""
+    budget = 40
+    shapes: list[tuple[int, int]] = []
+    real_forward = Actor.forward
+
+    def recording_forward(self, batch, tap=False):
+        shapes.append(tuple(batch.input_ids.shape))
+        return real_forward(self, batch, tap)
+
+    monkeypatch.setattr(Actor, "forward", recording_forward)
+    options = dict(steps=2, max_new_tokens=28, **updates)
+    whole, whole_updates, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch, micro_batch_tokens=10 ** 6,
+                                                      **options)
+    passes = 1 if not updates else 1 + updates["ppo_epochs"] * updates["num_minibatches"]  # scoring, then updates
+    assert len(shapes) == 2 * passes  # one micro-batch per pass
+    shapes.clear()
+    packed, packed_updates, _ = fit_recording_gradients(tmp_path / "packed", monkeypatch, micro_batch_tokens=budget,
+                                                        **options)
+    assert len(shapes) > 2 * passes and all(rows * length <= budget or rows == 1 for rows, length in shapes), shapes
+    assert_same_gradients([packed], whole)
+    assert_same_updates(packed_updates, whole_updates)
+    plain = dict(options, reward_model=None, skip_zero_advantage_rows=False)
+    in_order, _, _ = fit_recording_gradients(tmp_path / "in_order", monkeypatch, **plain)
+    plain_packed, _, _ = fit_recording_gradients(tmp_path / "plain_packed", monkeypatch, micro_batch_tokens=budget, **plain)
+    assert any(group_gradient(expected, "policy.").norm() > 0 for expected in in_order)
+    for step, (grads, expected) in enumerate(zip(plain_packed, in_order)):
+        want = group_gradient(expected, "policy.")  # exactly 0 on a step whose groups all had equal rewards
+        error = float((group_gradient(grads, "policy.") - want).norm() / want.norm().clamp(min=1e-30))
+        assert error < (1e-5 if step == 0 else 1e-4), (step, error)

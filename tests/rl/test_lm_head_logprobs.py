@@ -103,3 +103,24 @@ def test_a_frozen_sharded_head_gives_the_same_logprobs_and_hidden_gradients(monk
     assert not entropy.requires_grad
     (grad,) = torch.autograd.grad((got * weights).sum(), hidden)
     torch.testing.assert_close(grad, reference)
+
+
+def test_entropy_gradient_matches_full_logits_also_through_a_frozen_sharded_head(monkeypatch):
+    """``entropy_gradient``: the entropies carry the gradient of token_entropy(full logits), through the checkpointed
+    chunks and through the frozen ZeRO-3 head's analytic backward (∂H/∂z = −p ⊙ (log p + H))."""
+    import flowkit.rl.logprobs as logprobs
+
+    torch.manual_seed(1)
+    head = torch.nn.Linear(6, 11).requires_grad_(False)
+    hidden = torch.randn(2, 5, 6, requires_grad=True)
+    ids, mask = torch.randint(0, 11, (2, 5)), torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]).float()
+    weights, entropy_weights = torch.randn(2, 5), torch.randn(2, 5)
+    logits = head(hidden)
+    full = (token_logprobs(logits, ids, 0.7) * weights + token_entropy(logits, 0.7) * entropy_weights) * mask
+    (reference,) = torch.autograd.grad(full.sum(), hidden)
+    for sharded in (False, True):
+        monkeypatch.setattr(logprobs, "zero3_sharded", lambda params, sharded=sharded: sharded)
+        got, entropy = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2, entropy_gradient=True)
+        assert entropy.requires_grad
+        (grad,) = torch.autograd.grad((got * weights + entropy * entropy_weights).sum(), hidden)
+        torch.testing.assert_close(grad, reference, msg=f"sharded={sharded}")

@@ -3,7 +3,10 @@ import math
 import pytest
 import torch
 
-from flowkit.rl.losses import aggregation_denominator, clipped_policy_loss, kl_penalty
+from flowkit.rl.losses import (
+    POLICY_LOSSES, aggregation_denominator, cispo_policy_loss, clipped_policy_loss, gspo_policy_loss, kl_estimate,
+    kl_penalty,
+)
 from flowkit.rl.metrics import pass_at_k
 from flowkit.rl.rejection import RolloutLatentBuffer, accept_rollouts
 
@@ -91,15 +94,17 @@ def test_importance_weights_scale_each_token():
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
 
 
+@pytest.mark.parametrize("policy_loss", sorted(POLICY_LOSSES))
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean", "dr-grpo"])
-def test_micro_batch_losses_over_the_minibatch_denominator_add_up(aggregation):
+def test_micro_batch_losses_over_the_minibatch_denominator_add_up(aggregation, policy_loss):
     generator = torch.Generator().manual_seed(0)
     new, old, adv = (torch.randn(5, 6, generator=generator) * 0.1 for _ in range(3))
     mask = (torch.rand(5, 6, generator=generator) > 0.3).float()
     mask[2] = 0.0  # an empty response counts in no aggregation but dr-grpo's B
-    whole, _ = clipped_policy_loss(new, old, adv, mask, aggregation=aggregation, max_new_tokens=6)
+    loss = POLICY_LOSSES[policy_loss]
+    whole, _ = loss(new, old, adv, mask, aggregation=aggregation, max_new_tokens=6)
     denominator = aggregation_denominator(mask, aggregation, max_new_tokens=6)
-    parts = [clipped_policy_loss(new[r], old[r], adv[r], mask[r], aggregation=aggregation, denominator=denominator)[0]
+    parts = [loss(new[r], old[r], adv[r], mask[r], aggregation=aggregation, denominator=denominator)[0]
              for r in (slice(0, 1), slice(1, 4), slice(4, 5))]
     assert sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)
     kl_whole = kl_penalty(new, old, mask, aggregation, max_new_tokens=6)
@@ -144,3 +149,108 @@ def test_kl_estimators_by_hand_and_as_verl_defines_them():
     assert float(kl_penalty(logp, ref, torch.ones(1, 2), estimator="k1")) == pytest.approx(-0.25)
     with pytest.raises(ValueError, match="KL estimator"):
         kl_estimate(logp, ref, "k4")
+
+
+def test_policy_losses_are_registered_by_name_with_one_signature():
+    assert POLICY_LOSSES == {"ppo": clipped_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
+    generator = torch.Generator().manual_seed(1)
+    new, old, adv = (torch.randn(3, 4, generator=generator) * 0.1 for _ in range(3))
+    for name, loss in POLICY_LOSSES.items():  # every argument by name, as the actor calls them
+        value, info = loss(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(3, 4), clip_low=0.2,
+                           clip_high=0.28, aggregation="token-mean", clip_ratio_c=None, importance_weights=None,
+                           denominator=None, max_new_tokens=4)
+        assert value.dim() == 0 and set(info) == {"clip_fraction", "approx_kl"}, name
+
+
+def test_gspo_by_hand():
+    """Row 0: token ratios 1.5, 0.9 → s = √1.35 ≈ 1.1619 inside [0.8, 1.2], A = 1: −s on both tokens. Row 1: ratios
+    2, 2 (and a padded token) → s = 2, A = −1: max(−sA, −clip(s)A) = max(2, 1.2) = 2. Token mean over 4 tokens.
+    Gradient w.r.t. log π_t: ∂s_i,t/∂log π_t = s_i, so −A·s_i / 4 per token (the unclipped branch is active)."""
+    old = torch.zeros(2, 3)
+    new = torch.log(torch.tensor([[1.5, 0.9, 1.0], [2.0, 2.0, 7.0]])).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    s = math.sqrt(1.35)
+    loss, info = gspo_policy_loss(new, old, adv, mask, 0.2, 0.2)
+    assert loss.item() == pytest.approx((-2 * s + 2 * 2.0) / 4)
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-s / 4, -s / 4, 0.0], [0.5, 0.5, 0.0]]))
+    assert info["clip_fraction"].item() == 0.0  # row 1's clip is inactive (the unclipped branch is larger)
+    clipped, info = gspo_policy_loss(new.detach(), old, -adv, mask, 0.2, 0.2)  # row 1 with A = +1: clipped at 1.2
+    assert clipped.item() == pytest.approx((2 * s - 2 * 1.2) / 4)
+    assert info["clip_fraction"].item() == 0.5
+
+
+def test_gspo_is_sequence_level_gspo_as_trl_defines_it_with_constant_row_advantages():
+    """TRL's importance_sampling_level="sequence" (GRPOTrainer._compute_loss): log w_i = Σ_t log ρ_t·m_t / max(|y_i|, 1)
+    with its gradient, per-token loss −min(w_i·A, clip(w_i)·A) on every token, here with TRL's ``loss_type="grpo"``
+    aggregation (mean of the rows' token means = flowkit's seq-mean). For advantages constant along each row,
+    flowkit's GSPO-token gives the same loss and the same gradient."""
+    generator = torch.Generator().manual_seed(2)
+    old = torch.randn(4, 6, generator=generator) * 0.3
+    new = (old + torch.randn(4, 6, generator=generator) * 0.2).requires_grad_()
+    adv = torch.randn(4, 1, generator=generator).expand(4, 6)
+    mask = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2, [1.0] * 2 + [0.0] * 4, [1.0] * 5 + [0.0]])
+    log_w = ((new - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    w = torch.exp(log_w)
+    per_token = -torch.minimum(w * adv, w.clamp(0.8, 1.28) * adv)
+    trl = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    trl_grad, = torch.autograd.grad(trl, new)
+    ours, _ = gspo_policy_loss(new, old, adv, mask, 0.2, 0.28, "seq-mean")
+    ours_grad, = torch.autograd.grad(ours, new)
+    torch.testing.assert_close(ours, trl)
+    torch.testing.assert_close(ours_grad, trl_grad)
+
+
+def test_gspo_token_as_verl_defines_it_with_token_advantages():
+    """verl's compute_policy_loss_gspo: log s_i,t = log π − sg(log π) + sg(mean_t(log π − log π_old)), the clipped
+    surrogate per token, ``seq-mean-token-mean`` aggregation; with advantages that vary along the row (dense rewards)."""
+    generator = torch.Generator().manual_seed(3)
+    old = torch.randn(3, 5, generator=generator) * 0.3
+    new = (old + torch.randn(3, 5, generator=generator) * 0.3).requires_grad_()
+    adv = torch.randn(3, 5, generator=generator)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [0.0] + [1.0] * 4])
+    lengths = mask.sum(-1).clamp(min=1)
+    log_s = ((new - old) * mask).sum(-1) / lengths
+    ratio = torch.exp(new - new.detach() + log_s.detach()[:, None])
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    verl = ((per_token * mask).sum(-1) / lengths).mean()
+    verl_grad, = torch.autograd.grad(verl, new)
+    ours, _ = gspo_policy_loss(new, old, adv, mask, 0.2, 0.2, "seq-mean")
+    ours_grad, = torch.autograd.grad(ours, new)
+    torch.testing.assert_close(ours, verl)
+    torch.testing.assert_close(ours_grad, verl_grad)
+
+
+def test_cispo_by_hand_and_as_verl_defines_it():
+    """Ratios 1.5, 0.5, 1.1, A = 1, 1, −2, ε = 0.2: clipped weights r̂ = 1.2, 0.8, 1.1 (two clipped); value −r̂·A per
+    token, token mean (−1.2 − 0.8 + 2.2) / 3; gradient −r̂·A / 3 per token — also for the clipped tokens, whose PPO
+    gradient would be 0. verl's compute_policy_loss_cispo, −sg(clip(ρ))·A·log π, has the same gradient."""
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -2.0]])
+    mask = torch.ones(1, 3)
+    loss, info = cispo_policy_loss(new, old, adv, mask, 0.2, 0.2)
+    assert loss.item() == pytest.approx((-1.2 - 0.8 + 2.2) / 3)
+    assert info["clip_fraction"].item() == pytest.approx(2 / 3)
+    grad, = torch.autograd.grad(loss, new)
+    torch.testing.assert_close(grad, torch.tensor([[-1.2, -0.8, 2.2]]) / 3)
+    ratio = torch.exp(new - old)
+    verl = (-ratio.clamp(0.8, 1.2).detach() * adv * new * mask).sum() / mask.sum()
+    verl_grad, = torch.autograd.grad(verl, new)
+    torch.testing.assert_close(grad, verl_grad)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        cispo_policy_loss(new, old, adv, mask, clip_ratio_c=3.0)
+
+
+def test_verl_kl_variants_abs_and_straight_through():
+    """verl's kl_penalty: ``abs`` = |log π − log π_ref|; ``k1+`` / ``k3+`` / ``low_var_kl+`` take the value of k1 / k3
+    and the gradient of k2, (log π − log π_ref) per token."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    torch.testing.assert_close(kl_estimate(logp, ref, "abs"), torch.tensor([[0.5, 1.0]]))
+    for estimator in ("k1", "k3", "low_var_kl"):
+        straight = kl_estimate(logp, ref, estimator + "+")
+        torch.testing.assert_close(straight, kl_estimate(logp, ref, estimator))
+        grad, = torch.autograd.grad(straight.sum(), logp)
+        torch.testing.assert_close(grad, torch.tensor([[0.5, -1.0]]))

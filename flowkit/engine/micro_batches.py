@@ -1,0 +1,64 @@
+"""Micro-batches by token budget (verl's ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``, OpenRLHF's
+``max_tokens_per_gpu``): rows ordered longest first, packed into runs whose padded size stays under a budget.
+
+A micro-batch is padded to its longest row, so its cost (memory and compute) is rows × longest length. With the rows
+sorted by length, consecutive rows have similar lengths and little is padded; a fixed number of rows per micro-batch
+instead pads every short row to the longest one beside it, and must be small enough for the longest rows anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def sequence_lengths(attention_mask: Tensor) -> Tensor:
+    """B: each row's length up to its last real token (what :meth:`RolloutBatch.trimmed` keeps of it)."""
+    positions = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
+    return (attention_mask.bool() * positions).amax(-1).cpu()
+
+
+def longest_first(lengths: Tensor) -> Tensor:
+    """The row order by decreasing length, ties in row order (stable, so every rank and run orders alike)."""
+    return torch.sort(lengths, descending=True, stable=True).indices
+
+
+def pack_by_token_budget(lengths: Tensor, budget: int, max_rows: int | None = None,
+                         count: int | None = None) -> list[slice]:
+    """Micro-batches of rows sorted longest first (``lengths`` non-increasing), as runs ``slice(start, end)``.
+
+    Greedy: a run takes the next row while (rows + 1) × its first (longest) row's length ≤ ``budget`` and, with
+    ``max_rows``, rows + 1 ≤ ``max_rows``; a row longer than the budget runs alone. With ``count`` (≤ the number of
+    rows), the run holding the most padded tokens is then halved until there are ``count`` runs — how ranks that
+    packed different numbers agree on the largest (each halving keeps every run under the budget).
+
+    ``[7, 5, 5, 2, 2, 2]`` under 12 → ``[0:1], [1:3], [3:6]`` (7, 2 × 5 = 10, 3 × 2 = 6 tokens); with ``count`` 4
+    the run of 10 tokens is halved: ``[0:1], [1:2], [2:3], [3:6]``.
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    values = lengths.tolist()
+    if any(a < b for a, b in zip(values, values[1:])):
+        raise ValueError("pack_by_token_budget needs lengths sorted longest first")
+    runs: list[slice] = []
+    start = 0
+    for end in range(1, len(values) + 1):
+        rows = end - start
+        if end == len(values) or (rows + 1) * values[start] > budget or (max_rows is not None and rows + 1 > max_rows):
+            runs.append(slice(start, end))
+            start = end
+    if count is not None:
+        if count > len(values):
+            raise ValueError(f"cannot split {len(values)} rows into {count} micro-batches")
+        while len(runs) < count:
+            widest = max((i for i, run in enumerate(runs) if run.stop - run.start > 1),
+                         key=lambda i: (runs[i].stop - runs[i].start) * values[runs[i].start])
+            run = runs[widest]
+            middle = (run.start + run.stop) // 2
+            runs[widest:widest + 1] = [slice(run.start, middle), slice(middle, run.stop)]
+    return runs
+
+
+def padded_tokens(lengths: Tensor, runs: list[Tensor] | list[slice]) -> int:
+    """Σ over micro-batches of rows × longest row: the positions the forward passes compute, padding included."""
+    return sum(len(lengths[run]) * int(lengths[run].max()) for run in runs if len(lengths[run]))
