@@ -28,27 +28,35 @@ BENCHMARKS = str(Path(__file__).resolve().parent)
 
 
 class StepTimer(L.Callback):
+    """Seconds and mean response length (tokens) of every RL step."""
+
     def __init__(self):
         self.times: list[float] = []
+        self.lengths: list[float] = []
 
     def on_train_batch_start(self, *args):
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, *args):
+    def on_train_batch_end(self, trainer, *args):
         self.times.append(time.perf_counter() - self._start)
+        self.lengths.append(float(trainer.callback_metrics.get("train/response_length", float("nan"))))
 
 
-def time_steps(reward_model, steps: int, warmup: int, **options) -> list[float]:
+def time_steps(reward_model, steps: int, warmup: int, prompts: int = 16, **options) -> StepTimer:
+    """Seconds and response lengths of each of ``steps`` RL steps after ``warmup`` of the tiny job (``options``
+    override its PolicyModule settings)."""
     L.seed_everything(0)
-    module = PolicyModule(reward_model=reward_model, num_samples=8, max_new_tokens=28, outcome_reward="binary", lr=5e-5,
-                          flow_lr=1e-3, **options)
-    data = RolloutDataModule(val_path=None, batch_size=16)
+    settings = {"num_samples": 8, "max_new_tokens": 28, "outcome_reward": "binary", "lr": 5e-5, "flow_lr": 1e-3,
+                **options}
+    module = PolicyModule(reward_model=reward_model, **settings)
+    data = RolloutDataModule(val_path=None, batch_size=prompts)
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
                         limit_val_batches=0)
     trainer.fit(module, datamodule=data)
-    return timer.times[warmup:]
+    timer.times, timer.lengths = timer.times[warmup:], timer.lengths[warmup:]
+    return timer
 
 
 def quantiles(times: list[float]) -> dict[str, float]:
@@ -66,9 +74,9 @@ def main() -> None:
     args = parser.parse_args()
     times: dict[str, list[float]] = {"grpo": [], "grpo+flow": []}
     for _ in range(args.rounds):
-        times["grpo"] += time_steps(None, args.steps, args.warmup, skip_zero_advantage_rows=False)
+        times["grpo"] += time_steps(None, args.steps, args.warmup, skip_zero_advantage_rows=False).times
         times["grpo+flow"] += time_steps(FlowReward(percentiles=[0.25], depth=2, timesteps=[0.9], kappa=32), args.steps,
-                                         args.warmup, skip_zero_advantage_rows=False)
+                                         args.warmup, skip_zero_advantage_rows=False).times
     results = {name: quantiles(t) for name, t in times.items()}
     # Imported only now: importing common fixes glibc's mmap threshold (for its peak-memory readings), which makes
     # every large allocation a fresh mmap and would slow the timed steps (and not TRL's, in bench_trl_race).

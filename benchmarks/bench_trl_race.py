@@ -1,18 +1,26 @@
-"""Step-time race: flowkit's PolicyModule vs TRL's GRPOTrainer as plain GRPO on the bundled tiny task.
+"""Step-time race: flowkit's PolicyModule vs TRL's GRPOTrainer as plain GRPO, on the bundled tiny task or mid-size.
 
-    python benchmarks/bench_trl_race.py [--steps 12] [--warmup 2] [--rounds 2] [--trl-venv build/trl_venv]
+    python benchmarks/bench_trl_race.py [--size tiny|mid] [--steps 12] [--warmup 2] [--rounds 2] [--trl-venv build/trl_venv]
 
-Both sides: the bundled ``tiny_adder`` policy in fp32, the same 16 prompts per step in the same order (flowkit's
-prompt stream, written to a JSONL file that TRL reads unshuffled), 8 samples per prompt, 28 new tokens,
-temperature 1, top-p 1, lr 5e-5 (constant, AdamW, no weight decay), grad-norm clip 1, clip ε 0.2, no KL, token-mean
-loss over the 128 completions (TRL ``loss_type="dapo"`` with one gradient-accumulation step), group-normalised
-advantages, one update per generation, the same binary verifier (flowkit's grader), no gradient checkpointing, no
-vLLM, no evaluation, no checkpoints, logging only past the last step. Each side runs in its own process with one
-thread; ``--rounds`` alternates them back to back so machine load hits all alike.
-Reports the median s/step after ``--warmup`` steps per side (over all rounds) and the ratio flowkit / TRL
-(issue 10's target: ≤ 0.9), and appends one row per side with the library versions. A third side,
-``flowkit-every-row``, runs flowkit with ``skip_zero_advantage_rows: false`` (TRL forwards every row too), so the
-run also shows how much of the difference that option makes.
+``--size tiny`` (default): the bundled ``tiny_adder`` policy in fp32, 16 prompts per step, 8 samples per prompt, 28
+new tokens, the binary verifier (flowkit's grader) as the reward. ``--size mid`` looks like real work: a random Qwen2
+of 19 M parameters (hidden 320, 6 layers, GQA 5/1 heads, vocabulary 32k: a character tokenizer padded with filler
+tokens) built in a temporary directory, 4 prompts × 8 samples, 256 new tokens, and long-tailed response lengths: the
+EOS row of the (tied) output embedding points along the mean final hidden state, so EOS comes at once in some samples,
+after a few dozen tokens in others and not before 256 in some (HF sampling, 4 prompts × 8: 2 to 256 tokens; in the
+race's steps both sides averaged ≈ 40 tokens with ≈ 10 % at 256, and a step's time varies with its lengths, so the
+race reports the mean s/step beside the median); a random policy never answers right, so the
+reward is a TRL-style function both sides call, ``brevity`` (−characters / 1000), which differs between samples.
+
+Both sides: the same prompts per step in the same order (flowkit's prompt stream, written to a JSONL file that TRL
+reads unshuffled), temperature 1, top-p 1, lr 5e-5 (constant, AdamW, no weight decay), grad-norm clip 1, clip ε 0.2,
+no KL, token-mean loss over the step's completions (TRL ``loss_type="dapo"`` with one gradient-accumulation step),
+group-normalised advantages, one update per generation, no gradient checkpointing, no vLLM, no evaluation, no
+checkpoints, logging only past the last step. Each side runs in its own process with one thread; ``--rounds``
+alternates them back to back so machine load hits all alike. Reports the median s/step after ``--warmup`` steps per
+side (over all rounds) and the ratio flowkit / TRL (target: ≤ 0.8 at both sizes), and appends one row per side with
+the library versions. A third side, ``flowkit-every-row``, runs flowkit with ``skip_zero_advantage_rows: false``
+(TRL forwards every row too), so the run also shows how much of the difference that option makes.
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
@@ -33,7 +41,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TINY_ADDER = REPO / "flowkit" / "assets" / "tiny_adder"
-PROMPTS, SAMPLES, NEW_TOKENS, LR = 16, 8, 28, 5e-5
+SAMPLES, LR = 8, 5e-5
+SIZES = {  # prompts per step, new tokens, reward
+    "tiny": {"prompts": 16, "new_tokens": 28, "reward": "binary"},
+    "mid": {"prompts": 4, "new_tokens": 256, "reward": "brevity"},
+}
+EOS_LOGIT = 10.0  # the mid policy's EOS logit at its mean final hidden state
 SIDES = ("flowkit", "flowkit-every-row", "trl")
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "math-verify==0.9.0")  # math-verify: the grader's fallback
 
@@ -54,14 +67,42 @@ def ensure_trl_venv(venv: Path) -> Path:
     return python
 
 
-def write_prompt_stream(path: Path, steps: int) -> None:
+def brevity(prompts, completions, **_) -> list[float]:
+    """The mid-size race's reward (TRL's reward-function signature, also flowkit's): −characters / 1000."""
+    return [-len(completion) / 1000 for completion in completions]
+
+
+def build_mid_policy(directory: Path) -> None:
+    """The mid-size random policy and its tokenizer (see the module docstring), saved to ``directory``."""
+    import torch
+    from tokenizers import processors
+
+    from bench_rl_memory import padded_char_tokenizer
+    from flowkit.llm.tiny import tiny_qwen2
+
+    torch.manual_seed(0)
+    tokenizer = padded_char_tokenizer(32000)
+    # no BOS: TRL tokenizes prompts without special tokens, flowkit with them; without any, both read the same ids
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A", special_tokens=[])
+    model = tiny_qwen2(32000, hidden_size=320, num_layers=6, num_heads=5, num_kv_heads=1, intermediate_size=1280,
+                       max_positions=512, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        hidden = model(input_ids=torch.randint(4, 32000, (16, 128)), output_hidden_states=True).hidden_states[-1]
+        mean = hidden.reshape(-1, hidden.shape[-1]).mean(0)
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] = EOS_LOGIT * mean / mean.dot(mean)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def write_prompt_stream(path: Path, steps: int, prompts: int) -> None:
     """flowkit's training prompts for ``steps`` steps, in order (PolicyModule's datamodule defaults, seed 0)."""
     from flowkit.modules import RolloutDataModule
     from flowkit.modules.datamodule import PromptStream
 
-    data = RolloutDataModule(val_path=None, batch_size=PROMPTS)
+    data = RolloutDataModule(val_path=None, batch_size=prompts)
     data.setup("fit")
-    stream = PromptStream(data.train_records, PROMPTS, data.seed)
+    stream = PromptStream(data.train_records, prompts, data.seed)
     with path.open("w") as f:
         for index in range(steps):
             batch = stream.batch(index)
@@ -70,7 +111,7 @@ def write_prompt_stream(path: Path, steps: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- workers
-def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool) -> dict:
+def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size: str, policy: Path) -> dict:
     import lightning
     import torch
     import transformers
@@ -79,12 +120,16 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool) -> d
     from bench_rl_step import time_steps
 
     torch.set_num_threads(1)
-    times = time_steps(None, steps, warmup, skip_zero_advantage_rows=skip_zero_advantage_rows)
-    return {"times": times, "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
+    setting = SIZES[size]
+    options = {} if size == "tiny" else {
+        "backbone": str(policy), "outcome_reward": "none", "reward_functions": [{"function": "bench_trl_race.brevity"}]}
+    timer = time_steps(None, steps, warmup, prompts=setting["prompts"], max_new_tokens=setting["new_tokens"],
+                       skip_zero_advantage_rows=skip_zero_advantage_rows, **options)
+    return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
                                         f"transformers {transformers.__version__}, torch {torch.__version__}"}
 
 
-def trl_worker(steps: int, warmup: int, prompts_path: Path) -> dict:
+def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: Path) -> dict:
     import importlib.util
 
     import torch
@@ -111,24 +156,28 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path) -> dict:
         def on_step_end(self, *args, **kwargs):
             self.times.append(time.perf_counter() - self._start)
 
+    setting = SIZES[size]
     config = trl.GRPOConfig(
         output_dir=str(prompts_path.parent / "trl_out"), max_steps=steps + warmup, seed=0,
-        num_generations=SAMPLES, per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
-        num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
+        num_generations=SAMPLES, per_device_train_batch_size=setting["prompts"] * SAMPLES, gradient_accumulation_steps=1,
+        num_iterations=1, max_completion_length=setting["new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", use_vllm=False,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, shuffle_dataset=False,
         eval_strategy="no", save_strategy="no", report_to="none", logging_steps=10 ** 6, log_completions=False,
         disable_tqdm=True, dataloader_num_workers=0,
     )
-    model = AutoModelForCausalLM.from_pretrained(TINY_ADDER, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(TINY_ADDER)
+    source = TINY_ADDER if size == "tiny" else policy
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     timer = StepTimer()
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=binary_reward, args=config, processing_class=tokenizer,
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=binary_reward if size == "tiny" else brevity, args=config, processing_class=tokenizer,
                               train_dataset=load_dataset("json", data_files=str(prompts_path), split="train"),
                               callbacks=[timer])
     trainer.train()
-    return {"times": timer.times[warmup:], "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, "
+    mean_length = next((float(h["completions/mean_length"]) for h in reversed(trainer.state.log_history)
+                        if "completions/mean_length" in h), float("nan"))  # over all steps, warm-up included
+    return {"times": timer.times[warmup:], "mean_length": mean_length, "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, "
                                                        f"torch {torch.__version__}"}
 
 
@@ -136,7 +185,7 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path) -> dict:
 def run_worker(python: Path, side: str, args: argparse.Namespace, prompts_path: Path) -> dict:
     out = prompts_path.parent / f"{side}.json"
     command = [python, __file__, "--worker", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--prompts-file", str(prompts_path), "--result", str(out)]
+               "--size", args.size, "--prompts-file", str(prompts_path), "--result", str(out)]
     subprocess.run(command, check=True, env=single_thread_env(), cwd=prompts_path.parent)
     return json.loads(out.read_text())
 
@@ -146,6 +195,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run, after the warm-up")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the three sides, back to back")
+    parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--trl-venv", default=str(REPO / "build" / "trl_venv"))
     parser.add_argument("--csv", default=None)
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
@@ -154,8 +204,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         sys.path.insert(0, str(HERE))
-        result = (trl_worker(args.steps, args.warmup, Path(args.prompts_file)) if args.worker == "trl"
-                  else flowkit_worker(args.steps, args.warmup, skip_zero_advantage_rows=args.worker == "flowkit"))
+        policy = Path(args.prompts_file).parent / "mid_policy"
+        result = (trl_worker(args.steps, args.warmup, Path(args.prompts_file), args.size, policy)
+                  if args.worker == "trl" else
+                  flowkit_worker(args.steps, args.warmup, args.worker == "flowkit", args.size, policy))
         Path(args.result).write_text(json.dumps(result))
         return
 
@@ -167,29 +219,39 @@ def main() -> None:
     trl_python = ensure_trl_venv(Path(args.trl_venv))
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     versions: dict[str, str] = {}
+    lengths: dict[str, list[float]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory(prefix="bench_trl_race_") as tmp:
         prompts_path = Path(tmp) / "prompts.jsonl"
-        write_prompt_stream(prompts_path, args.steps + args.warmup)
+        write_prompt_stream(prompts_path, args.steps + args.warmup, SIZES[args.size]["prompts"])
+        if args.size == "mid":
+            build_mid_policy(Path(tmp) / "mid_policy")
         for _ in range(args.rounds):
             for side in SIDES:
                 python = trl_python if side == "trl" else Path(sys.executable)
                 result = run_worker(python, side, args, prompts_path)
                 times[side] += result["times"]
                 versions[side] = result["versions"]
+                lengths[side].append(result["mean_length"])
     medians = {side: statistics.median(t) for side, t in times.items()}
+    means = {side: statistics.mean(t) for side, t in times.items()}  # mid: a step's cost varies with its lengths
     for side, t in times.items():
         ordered = sorted(t)
         pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-        print(f"{side:17s} median {medians[side]:.3f} s/step  p20 {pick(0.2):.3f}  p80 {pick(0.8):.3f}  "
-              f"({len(t)} steps; {versions[side]})")
+        print(f"{side:17s} median {medians[side]:.3f} s/step  mean {means[side]:.3f}  p20 {pick(0.2):.3f}  "
+              f"p80 {pick(0.8):.3f}  "
+              f"mean response {statistics.mean(lengths[side]):.1f} tokens ({len(t)} steps; {versions[side]})")
         append_csv(args.csv, {
             "timestamp": timestamp(), "benchmark": "trl_race", "implementation": side, "device": "cpu",
-            "dtype": "float32", "size": f"tiny_adder {PROMPTS}x{SAMPLES}, {NEW_TOKENS} new", "threads": 1,
-            "median_ms": 1e3 * medians[side], "p20_ms": 1e3 * pick(0.2), "p80_ms": 1e3 * pick(0.8),
-            "versions": versions[side],
+            "dtype": "float32", "threads": 1,
+            "size": f"{'tiny_adder' if args.size == 'tiny' else 'random Qwen2 19M, vocab 32k'} "
+                    f"{SIZES[args.size]['prompts']}x{SAMPLES}, {SIZES[args.size]['new_tokens']} new",
+            "median_ms": 1e3 * medians[side], "mean_ms": 1e3 * means[side], "p20_ms": 1e3 * pick(0.2),
+            "p80_ms": 1e3 * pick(0.8),
+            "mean_response_tokens": round(statistics.mean(lengths[side]), 1), "versions": versions[side],
         })
-    print(f"step time ratio flowkit / TRL: {medians['flowkit'] / medians['trl']:.2f} (target <= 0.9); "
-          f"flowkit-every-row / TRL: {medians['flowkit-every-row'] / medians['trl']:.2f}")
+    print(f"step time ratio flowkit / TRL ({args.size}): median {medians['flowkit'] / medians['trl']:.2f}, mean "
+          f"{means['flowkit'] / means['trl']:.2f} (target <= 0.8); flowkit-every-row / TRL: median "
+          f"{medians['flowkit-every-row'] / medians['trl']:.2f}, mean {means['flowkit-every-row'] / means['trl']:.2f}")
 
 
 if __name__ == "__main__":
