@@ -107,6 +107,10 @@ class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
         super().setup_environment()
 
 
+def _zero_stage_3(strategy: Any) -> bool:
+    return isinstance(strategy, DeepSpeedStrategy) and bool(strategy.config) and strategy.zero_stage_3
+
+
 def full_parameters(trainer: L.Trainer, module: torch.nn.Module) -> contextlib.AbstractContextManager:
     """A context in which ``module``'s parameters are whole: under ZeRO-3 each rank holds only shards.
 
@@ -114,7 +118,7 @@ def full_parameters(trainer: L.Trainer, module: torch.nn.Module) -> contextlib.A
     enter it; elsewhere it does nothing.
     """
     strategy = trainer.strategy
-    if isinstance(strategy, DeepSpeedStrategy) and strategy.config and strategy.zero_stage_3:
+    if _zero_stage_3(strategy):
         import deepspeed
 
         # A forward through the engine that ran no sub-module (a validation_step whose rollouts come from vLLM)
@@ -134,16 +138,12 @@ def whole_weights_for_generation(trainer: L.Trainer | None, module: torch.nn.Mod
     generation of 28 tokens took minutes that way. Costs the whole model on each rank while generating (TRL's default
     ``ds3_gather_for_generation``). Elsewhere (no ZeRO-3, no trainer) nothing; a collective under ZeRO-3 (every rank
     enters)."""
-    strategy = trainer.strategy if trainer is not None else None
-    if not (isinstance(strategy, DeepSpeedStrategy) and strategy.config and strategy.zero_stage_3):
+    if trainer is None or not _zero_stage_3(trainer.strategy):
         yield
         return
-    import deepspeed
-
-    engine = strategy.model
+    engine = trainer.strategy.model
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)  # training: the ZeRO-3 optimizer's
-    engine.empty_partition_cache()  # no fetch left in flight (see full_parameters)
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+    with full_parameters(trainer, module):
         for param in module.parameters():
             param.ds_active_sub_modules.clear()
         hooks = offload.forward_hooks + offload.backward_hooks

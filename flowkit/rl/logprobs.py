@@ -53,10 +53,7 @@ class _FrozenHeadChunk(torch.autograd.Function):
         ctx.save_for_backward(hidden, targets)
         ctx.lm_head, ctx.temperature, ctx.entropy_gradient = lm_head, temperature, entropy_gradient
         with torch.no_grad(), gathered(list(lm_head.parameters())):
-            logits = torch.nn.functional.linear(hidden, lm_head.weight, lm_head.bias).float() / temperature
-        log_normalizer = torch.logsumexp(logits, dim=-1)
-        picked = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normalizer
-        entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+            picked, entropy = _chunk_logprobs(lm_head.forward, hidden, targets, temperature)
         if not entropy_gradient:
             ctx.mark_non_differentiable(entropy)
         return picked, entropy

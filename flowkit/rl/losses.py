@@ -250,9 +250,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, aggregation
                estimator: KLEstimator = "k3") -> Tensor:
     """The KL term of the loss: :func:`kl_estimate` aggregated over ``mask`` (k3 by default, as verl's
     ``low_var_kl``). ``denominator`` / ``max_new_tokens`` as in :func:`clipped_policy_loss`."""
-    if denominator is None:
-        denominator = aggregation_denominator(mask, aggregation, max_new_tokens)
-    return masked_sum(kl_estimate(logprobs, ref_logprobs, estimator), mask, aggregation) / denominator
+    return _aggregated(kl_estimate(logprobs, ref_logprobs, estimator), mask, aggregation, denominator, max_new_tokens)
 
 
 def kl_shaped_rewards(token_rewards: Tensor | None, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
