@@ -7,20 +7,25 @@ new tokens, the binary verifier (flowkit's grader) as the reward. ``--size mid``
 of 19 M parameters (hidden 320, 6 layers, GQA 5/1 heads, vocabulary 32k: a character tokenizer padded with filler
 tokens) built in a temporary directory, 4 prompts × 8 samples, 256 new tokens, and long-tailed response lengths: the
 EOS row of the (tied) output embedding points along the mean final hidden state, so EOS comes at once in some samples,
-after a few dozen tokens in others and not before 256 in some (HF sampling, 4 prompts × 8: 2 to 256 tokens; in the
-race's steps both sides averaged ≈ 40 tokens with ≈ 10 % at 256, and a step's time varies with its lengths, so the
-race reports the mean s/step beside the median); a random policy never answers right, so the
-reward is a TRL-style function both sides call, ``brevity`` (−characters / 1000), which differs between samples.
+after a few dozen tokens in others and not before 256 in some. A random policy never answers right, so the reward
+is a TRL-style function both sides call, ``scrambled``: a hash of the completion's text scaled to [0, 1), which
+differs between samples (every group has a non-zero advantage) but carries nothing to learn, and the learning rate is
+1e-7, so the length distribution stays where the EOS bias puts it (at 5e-5 the random policy's lengths ran to 1
+token within five steps under a reward for brevity, to 256 within two under this one, leaving nothing to time). A
+step's time follows its lengths, and each side samples its own, so the race reports the mean s/step beside the
+median, each side's mean response length, and the mean step time per response token.
 
 Both sides: the same prompts per step in the same order (flowkit's prompt stream, written to a JSONL file that TRL
-reads unshuffled), temperature 1, top-p 1, lr 5e-5 (constant, AdamW, no weight decay), grad-norm clip 1, clip ε 0.2,
-no KL, token-mean loss over the step's completions (TRL ``loss_type="dapo"`` with one gradient-accumulation step),
-group-normalised advantages, one update per generation, no gradient checkpointing, no vLLM, no evaluation, no
-checkpoints, logging only past the last step. Each side runs in its own process with one thread; ``--rounds``
-alternates them back to back so machine load hits all alike. Reports the median s/step after ``--warmup`` steps per
-side (over all rounds) and the ratio flowkit / TRL (target: ≤ 0.8 at both sizes), and appends one row per side with
-the library versions. A third side, ``flowkit-every-row``, runs flowkit with ``skip_zero_advantage_rows: false``
-(TRL forwards every row too), so the run also shows how much of the difference that option makes.
+reads unshuffled), temperature 1, top-p 1, lr 5e-5 (mid: 1e-7; constant, AdamW, no weight decay), grad-norm clip 1,
+clip ε 0.2, no KL, token-mean loss over the step's completions (TRL ``loss_type="dapo"`` with one
+gradient-accumulation step), group-normalised advantages, one update per generation, no gradient checkpointing, no
+vLLM, no evaluation, no checkpoints, logging only past the last step. Each side runs in its own process with one thread; ``--rounds``
+alternates them back to back so machine load hits all alike. Reports the median and mean s/step after ``--warmup``
+steps per side (over all rounds) and the ratios flowkit / TRL (target: ≤ 0.8 at both sizes), and appends one row per
+side with the library versions. flowkit runs with ``micro_batch_tokens`` 2048 at mid size (its setting for
+long-tailed lengths; TRL has none). A third side, ``flowkit-every-row``, runs flowkit with
+``skip_zero_advantage_rows: false`` (TRL forwards every row too), so the run also shows how much of the difference
+that option makes.
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
@@ -36,16 +41,18 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TINY_ADDER = REPO / "flowkit" / "assets" / "tiny_adder"
-SAMPLES, LR = 8, 5e-5
-SIZES = {  # prompts per step, new tokens, reward
-    "tiny": {"prompts": 16, "new_tokens": 28, "reward": "binary"},
-    "mid": {"prompts": 4, "new_tokens": 256, "reward": "brevity"},
+SAMPLES = 8
+SIZES = {  # prompts per step, new tokens, reward, learning rate
+    "tiny": {"prompts": 16, "new_tokens": 28, "reward": "binary", "lr": 5e-5},
+    "mid": {"prompts": 4, "new_tokens": 256, "reward": "scrambled", "lr": 1e-7},
 }
+MID_TOKEN_BUDGET = 2048  # flowkit's micro_batch_tokens at mid size: rows padded to their neighbours', not to 256
 EOS_LOGIT = 10.0  # the mid policy's EOS logit at its mean final hidden state
 SIDES = ("flowkit", "flowkit-every-row", "trl")
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "math-verify==0.9.0")  # math-verify: the grader's fallback
@@ -67,9 +74,9 @@ def ensure_trl_venv(venv: Path) -> Path:
     return python
 
 
-def brevity(prompts, completions, **_) -> list[float]:
-    """The mid-size race's reward (TRL's reward-function signature, also flowkit's): −characters / 1000."""
-    return [-len(completion) / 1000 for completion in completions]
+def scrambled(prompts, completions, **_) -> list[float]:
+    """The mid-size race's reward (TRL's reward-function signature, also flowkit's): CRC-32 of the completion / 2³²."""
+    return [zlib.crc32(completion.encode()) / 2 ** 32 for completion in completions]
 
 
 def build_mid_policy(directory: Path) -> None:
@@ -122,8 +129,10 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
     torch.set_num_threads(1)
     setting = SIZES[size]
     options = {} if size == "tiny" else {
-        "backbone": str(policy), "outcome_reward": "none", "reward_functions": [{"function": "bench_trl_race.brevity"}]}
+        "backbone": str(policy), "outcome_reward": "none", "reward_functions": [{"function": "bench_trl_race.scrambled"}],
+        "micro_batch_tokens": MID_TOKEN_BUDGET}
     timer = time_steps(None, steps, warmup, prompts=setting["prompts"], max_new_tokens=setting["new_tokens"],
+                       lr=setting["lr"],
                        skip_zero_advantage_rows=skip_zero_advantage_rows, **options)
     return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
                                         f"transformers {transformers.__version__}, torch {torch.__version__}"}
@@ -162,7 +171,7 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
         num_generations=SAMPLES, per_device_train_batch_size=setting["prompts"] * SAMPLES, gradient_accumulation_steps=1,
         num_iterations=1, max_completion_length=setting["new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", use_vllm=False,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        learning_rate=setting["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, shuffle_dataset=False,
         eval_strategy="no", save_strategy="no", report_to="none", logging_steps=10 ** 6, log_completions=False,
         disable_tqdm=True, dataloader_num_workers=0,
@@ -171,7 +180,7 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source)
     timer = StepTimer()
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=binary_reward if size == "tiny" else brevity, args=config, processing_class=tokenizer,
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=binary_reward if size == "tiny" else scrambled, args=config, processing_class=tokenizer,
                               train_dataset=load_dataset("json", data_files=str(prompts_path), split="train"),
                               callbacks=[timer])
     trainer.train()
@@ -249,9 +258,11 @@ def main() -> None:
             "p80_ms": 1e3 * pick(0.8),
             "mean_response_tokens": round(statistics.mean(lengths[side]), 1), "versions": versions[side],
         })
-    print(f"step time ratio flowkit / TRL ({args.size}): median {medians['flowkit'] / medians['trl']:.2f}, mean "
-          f"{means['flowkit'] / means['trl']:.2f} (target <= 0.8); flowkit-every-row / TRL: median "
-          f"{medians['flowkit-every-row'] / medians['trl']:.2f}, mean {means['flowkit-every-row'] / means['trl']:.2f}")
+    per_token = {side: means[side] / statistics.mean(lengths[side]) for side in SIDES}  # the sides sample their own lengths
+    for side in ("flowkit", "flowkit-every-row"):
+        print(f"{side} / TRL ({args.size}): step time median {medians[side] / medians['trl']:.2f}, mean "
+              f"{means[side] / means['trl']:.2f}, mean per response token {per_token[side] / per_token['trl']:.2f} "
+              f"(target <= 0.8)")
 
 
 if __name__ == "__main__":

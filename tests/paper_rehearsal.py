@@ -58,7 +58,9 @@ OVERRIDES: dict[str, list[str]] = {
         "--model.init_args.reward_model.init_args.proxies",
         "[bundled:explain_tiny/proxy0, bundled:explain_tiny/proxy1, bundled:explain_tiny/proxy2]",
         "--model.init_args.max_new_tokens", "16",
-        "--model.init_args.lm_head_chunk_size", "4",        # several LM-head chunks per micro-batch of 1
+        # one LM-head chunk per response token of a micro-batch of 1 row: ranks whose rows differ in length (the
+        # rehearsal's explanations run 13-16 tokens) run different numbers of chunks, which they must agree on
+        "--model.init_args.lm_head_chunk_size", "1",
         "--model.init_args.reward_model.init_args.flow_epochs_per_round", "2",
         "--model.init_args.reward_model.init_args.round_contexts", "8",
         "--model.init_args.reward_model.init_args.heldout_contexts", "8",

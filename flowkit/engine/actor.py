@@ -18,7 +18,7 @@ from flowkit.distributed import zero3_sharded
 from flowkit.engine.options import LossOptions, UpdateOptions
 from flowkit.engine.stats import StepStats
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import forward_hidden
+from flowkit.llm.rollout import forward_hidden, forward_hidden_shared_prompts
 from flowkit.rl.logprobs import lm_head_logprobs
 from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_sum
 
@@ -95,6 +95,16 @@ class KLReference:
                 target.copy_(source)
 
 
+def _forward_hidden(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
+    """The last hidden state with each group's prompt run once (:func:`forward_hidden_shared_prompts`) where that is
+    sound: no activation checkpointing (HF's checkpointed layers), no ZeRO-3 sharding; else row by row."""
+    if not (zero3_sharded(model.parameters()) or any(getattr(m, "gradient_checkpointing", False) for m in model.modules())):
+        hidden = forward_hidden_shared_prompts(model, batch)
+        if hidden is not None:
+            return hidden
+    return forward_hidden(model, batch)
+
+
 class Actor:
     """Forward passes of the policy over rollout rows, and the per-micro-batch loss (verl's ``compute_log_prob`` /
     ``update_policy`` split, here per micro-batch so the caller owns the loop, the backward and the step).
@@ -120,7 +130,7 @@ class Actor:
                 hidden = forward_hidden(self.policy, batch)
             latents = self.tap.latents
         else:
-            hidden, latents = forward_hidden(self.policy, batch), None
+            hidden, latents = _forward_hidden(self.policy, batch), None
         temperature = (self.update.temperature or 1.0) if temperature is None else temperature
         logprobs, entropy = lm_head_logprobs(hidden, self.policy.get_output_embeddings(), batch.input_ids,
                                              batch.response_mask, temperature, self.update.lm_head_chunk_size,
@@ -135,7 +145,7 @@ class Actor:
     @torch.no_grad()
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
         with self.reference.reading() as model:
-            hidden = forward_hidden(model, batch)
+            hidden = _forward_hidden(model, batch)
             return lm_head_logprobs(hidden, model.get_output_embeddings(), batch.input_ids, batch.response_mask,
                                     self.update.temperature or 1.0, self.update.lm_head_chunk_size)[0]
 

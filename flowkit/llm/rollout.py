@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Iterator
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
 from transformers import (
-    DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase,
+    DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, TemperatureLogitsWarper, TopPLogitsWarper,
 )
 
 from flowkit.batch import RolloutBatch
@@ -47,6 +46,37 @@ def forward_hidden(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
     ).last_hidden_state
 
 
+def forward_hidden_shared_prompts(model: torch.nn.Module, batch: RolloutBatch) -> Tensor | None:
+    """:func:`forward_hidden` running each group's prompt once: the rows of a group (same ``group_ids``) share their
+    prompt columns, so the decoder runs over them once per group into a KV cache that every row of the group then
+    reads (indexing it is differentiable: the rows' gradients add up in the shared prompt's). With 8 samples per
+    prompt the prompt's forward and backward cost 1/8 of a row-by-row pass. B×S like :func:`forward_hidden`, zeros
+    in the prompt columns (only response tokens' log-probs and values are read; a response token's comes from the
+    column before it, the prompt's last, which runs with the responses). None when no two rows share a prompt.
+
+    Not for forwards whose hooks read every layer's output (a latent tap), nor for activation checkpointing or
+    ZeRO-3, whose recomputation and parameter gathering assume one decoder pass per forward."""
+    starts = batch.response_mask.argmax(-1)  # first response column of each row
+    prefix = int(starts.min()) - 1 if bool(batch.response_mask.any(-1).all()) else 0  # columns the cache holds
+    groups, inverse = torch.unique(batch.group_ids, return_inverse=True)
+    if prefix < 1 or len(groups) == batch.batch_size:
+        return None
+    rows = torch.arange(batch.batch_size, device=inverse.device)
+    first = torch.full_like(groups, batch.batch_size).scatter_reduce(0, inverse, rows, "amin")  # one row per group
+    ids, mask = batch.input_ids[:, :prefix], batch.attention_mask[:, :prefix]
+    if not (torch.equal(ids, ids[first][inverse]) and torch.equal(mask, mask[first][inverse])):
+        return None  # a group whose rows were encoded apart (other padding): no shared columns to rely on
+    decoder = model.get_decoder()
+    cache_keyword = _cache_argument(decoder)
+    cache = DynamicCache(config=model.config)
+    decoder(input_ids=ids[first], attention_mask=mask[first], position_ids=position_ids(mask[first]), use_cache=True,
+            **{cache_keyword: cache})
+    cache.batch_select_indices(inverse)
+    hidden = decoder(input_ids=batch.input_ids[:, prefix:], attention_mask=batch.attention_mask, use_cache=True,
+                     position_ids=position_ids(batch.attention_mask)[:, prefix:], **{cache_keyword: cache}).last_hidden_state
+    return torch.nn.functional.pad(hidden, (0, 0, prefix, 0))
+
+
 def _zero3_partitioned(model: torch.nn.Module) -> bool:
     """DeepSpeed ZeRO-3 shards parameters (marking them with ``ds_id``) and gathers them in every forward,
     a collective: with several ranks, all must keep stepping until every rank's generation is done."""
@@ -63,34 +93,20 @@ def _response_mask(generated: Tensor, eos_token_id: int | None) -> Tensor:
     return (~after_eos).float()
 
 
-class _NonFiniteGuard(LogitsProcessor):
-    """Notes non-finite next-token scores (NaN / inf weights) and replaces them by finite ones, so sampling
-    does not crash inside ``generate`` and the caller can apply its own non-finite policy afterwards."""
-
-    def __init__(self):
-        self.seen = False
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        if torch.isfinite(scores).all():
-            return scores
-        self.seen = True
-        return torch.nan_to_num(scores, nan=0.0, posinf=torch.finfo(scores.dtype).max, neginf=torch.finfo(scores.dtype).min)
-
-
-@contextmanager
-def _sampling_as_requested(model: PreTrainedModel) -> Iterator[None]:
-    """``generate`` fills every option it is not given from the model's ``generation_config`` (instruct models ship
-    e.g. top_k 20 and repetition_penalty 1.05), then from global defaults (top_k 50). Each reshapes the sampling
-    distribution away from the policy's tempered softmax, so the rollouts would be off-policy for the loss, which
-    scores them under the full softmax. While generating, the model's config carries only its special tokens."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT reads the base model's
-    saved = base.generation_config
-    base.generation_config = GenerationConfig(bos_token_id=saved.bos_token_id, eos_token_id=saved.eos_token_id,
-                                              pad_token_id=saved.pad_token_id)
-    try:
-        yield
-    finally:
-        base.generation_config = saved
+def _next_token_scores(logits: Tensor, temperature: float, top_p: float) -> tuple[Tensor, bool]:
+    """fp32 next-token scores as HF ``generate`` samples from them (temperature, then nucleus filtering; top-k off),
+    and whether any logit was NaN or inf — replaced by finite values so sampling goes on and the caller applies its
+    own non-finite policy afterwards."""
+    scores = logits.float()
+    nonfinite = not bool(torch.isfinite(scores).all())
+    if nonfinite:
+        scores = torch.nan_to_num(scores, nan=0.0, posinf=torch.finfo(scores.dtype).max,
+                                  neginf=torch.finfo(scores.dtype).min)
+    if temperature > 0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+        if top_p < 1.0:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores, nonfinite
 
 
 def _cache_argument(decoder: torch.nn.Module) -> str:
@@ -98,32 +114,35 @@ def _cache_argument(decoder: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
-def _shared_prompt_prefill(model: PreTrainedModel, encoded: dict[str, Tensor], n: int) -> dict[str, Any]:
-    """``generate`` inputs for ``n`` samples per prompt whose prompt is encoded once, not ``n`` times: the decoder
-    runs over every prompt token but the last into a KV cache, which is repeated ``n`` times per row; ``generate``
-    then starts from the last prompt token. The samples are those of ``num_return_sequences = n`` (same logits, same
-    sampler draws), at 1/n of the prompt's compute."""
-    input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
-    decoder = model.get_decoder()
-    name = _cache_argument(decoder)
+def _prompt_cache(model: PreTrainedModel, encoded: dict[str, Tensor], n: int, shared: bool) -> tuple[DynamicCache, Tensor]:
+    """An empty KV cache and the ``n`` copies per prompt of every prompt token — or, ``shared``, a cache holding every
+    prompt token but the last, filled by one decoder pass per prompt and repeated ``n`` times (1/n of the prompt's
+    compute; the samples are those of ``n`` copies, same logits and sampler draws), and the prompts' last tokens."""
+    input_ids = encoded["input_ids"].repeat_interleave(n, dim=0)
     cache = DynamicCache(config=model.config)
-    decoder(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids(attention_mask[:, :-1]), use_cache=True, **{name: cache})
+    if not shared:
+        return cache, input_ids
+    ids, mask = encoded["input_ids"][:, :-1], encoded["attention_mask"][:, :-1]
+    model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+                        **{_cache_argument(model.get_decoder()): cache})
     cache.batch_repeat_interleave(n)
-    return {"input_ids": input_ids.repeat_interleave(n, dim=0), "attention_mask": attention_mask.repeat_interleave(n, dim=0),
-            name: cache}
+    return cache, input_ids[:, -1:]
 
 
 class RolloutEngine:
-    """Samples ``n`` responses per prompt with HF ``generate`` and packs them into a :class:`RolloutBatch`.
+    """Samples ``n`` responses per prompt with an HF model and packs them into a :class:`RolloutBatch`.
+
+    The decoding loop is HF ``generate``'s sampling (fp32 scores, temperature, nucleus, no top-k, no repetition
+    penalty or other defaults of the model's ``generation_config``: the loss scores rollouts under the full tempered
+    softmax) with the prompt encoded once per group and finished rows dropped from the batch (see :meth:`_sample`).
 
     Args:
-        rollout_batch_size: sequences (prompts × n) per ``generate`` call, which bounds the KV cache; a multiple
+        rollout_batch_size: sequences (prompts × n) per decoding batch, which bounds the KV cache; a multiple
             of ``n`` (whole groups per call). None: all prompts in one call.
         whole_weights: a context in which the model's weights are whole and its forwards run no collective
             (:func:`flowkit.strategies.whole_weights_for_generation` under ZeRO-3); generation then runs inside it,
             each rank at its own pace. None: under ZeRO-3 each decoding step gathers the weights, and ranks step in
-            lockstep (``synced_gpus``).
+            lockstep (as ``generate``'s ``synced_gpus``).
 
     After each :meth:`generate`, :attr:`saw_nonfinite_logits` says whether any next-token score was NaN or
     inf (the sequences are then garbage; the policy module skips or fails the step).
@@ -168,30 +187,55 @@ class RolloutEngine:
     def _generate(self, prompts: list[str], n: int, answers: list[str] | None, temperature: float) -> RolloutBatch:
         device = next(self.model.parameters()).device
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
-        sampling = ({"do_sample": True, "temperature": temperature, "top_p": self.top_p, "top_k": 0} if temperature > 0
-                    else {"do_sample": False})
         was_training = self.model.training
         self.model.eval()
-        guard = _NonFiniteGuard()
         synced = _zero3_partitioned(self.model) and self.whole_weights is None
         shared = n > 1 and encoded["input_ids"].shape[1] > 1
         if synced:  # the prefill is a forward, a collective under ZeRO-3: every rank runs it or none
             shared = bool(all_reduce_int(int(shared), ReduceOp.MIN))
-        with (self.whole_weights or nullcontext)(), _sampling_as_requested(self.model):
-            output = self.model.generate(
-                **(_shared_prompt_prefill(self.model, encoded, n) if shared else encoded),
-                max_new_tokens=self.max_new_tokens,
-                num_return_sequences=1 if shared else n,
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_id=self.tokenizer.eos_token_id,
-                synced_gpus=synced,
-                logits_processor=LogitsProcessorList([guard]),
-                **sampling,
-            )
+        with (self.whole_weights or nullcontext)():
+            cache, pending = _prompt_cache(self.model, encoded, n, shared)
+            generated = self._sample(cache, pending, encoded["attention_mask"].repeat_interleave(n, dim=0),
+                                     temperature, synced)
         self.model.train(was_training)
-        self.saw_nonfinite_logits |= guard.seen
-        prompt_len = encoded["input_ids"].shape[1]
-        return pack_rollouts(self.tokenizer, encoded, output[:, prompt_len:], prompts, n, answers)
+        return pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers)
+
+    def _sample(self, cache: DynamicCache, pending: Tensor, attention_mask: Tensor, temperature: float,
+                synced: bool) -> Tensor:
+        """Decodes up to ``max_new_tokens`` per row (B × steps taken; padding after EOS). Rows that emitted EOS leave
+        the batch and the KV cache (once an eighth of the batch has ended: dropping rows copies the cache), so the long
+        tail of a batch decodes only its own rows (HF ``generate`` decodes finished rows until the last one ends). ``synced`` (ZeRO-3 without whole weights): every forward is a
+        collective, so finished rows stay and the ranks decode until every rank's rows have ended."""
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        name = _cache_argument(self.model.get_decoder())
+        rows = torch.arange(len(pending), device=pending.device)  # the generated row of each row still decoding
+        unfinished = torch.ones_like(rows, dtype=torch.bool)
+        generated = torch.full((len(rows), self.max_new_tokens), pad, dtype=torch.long, device=pending.device)
+        positions = position_ids(attention_mask)[:, -pending.shape[1]:]
+        steps = 0
+        while steps < self.max_new_tokens:
+            logits = self.model(input_ids=pending, attention_mask=attention_mask, position_ids=positions,
+                                use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
+            scores, nonfinite = _next_token_scores(logits, temperature, self.top_p)
+            self.saw_nonfinite_logits |= nonfinite
+            tokens = (torch.multinomial(torch.softmax(scores, dim=-1), 1)[:, 0] if temperature > 0
+                      else scores.argmax(-1))
+            tokens = torch.where(unfinished, tokens, pad)
+            generated[rows, steps] = tokens
+            steps += 1
+            if eos is not None:
+                unfinished &= tokens != eos
+            running = int(unfinished.sum()) if not synced else all_reduce_int(int(bool(unfinished.any())), ReduceOp.MAX)
+            if not running:
+                break
+            if not synced and (len(rows) - running) * 8 >= len(rows):
+                keep = unfinished.nonzero().flatten()
+                cache.batch_select_indices(keep)
+                rows, tokens, attention_mask, unfinished = rows[keep], tokens[keep], attention_mask[keep], unfinished[keep]
+                positions = positions[keep]
+            pending, positions = tokens[:, None], positions[:, -1:] + 1
+            attention_mask = torch.cat([attention_mask, torch.ones_like(pending)], dim=1)
+        return generated[:, :steps]
 
 
 def pack_rollouts(tokenizer: PreTrainedTokenizerBase, encoded: dict[str, Tensor], generated: Tensor, prompts: list[str],

@@ -30,27 +30,54 @@ def test_sampling_ignores_generation_defaults_that_reshape_the_distribution(wrap
     assert (config.top_k, config.repetition_penalty) == (1, 1.3)
 
 
-def test_prompts_encoded_once_give_the_samples_of_num_return_sequences():
-    """The engine runs each prompt's prefix once into a KV cache repeated per sample; with the same seed its
-    samples equal HF ``generate(num_return_sequences=n)``'s token for token (left-padded prompts of unequal length)."""
+PROMPTS = ["3+4=", "68+62=", "7+15="]  # left-padded to unequal lengths
+
+
+def _hf_generate(model, tokenizer, n: int, max_new_tokens: int, **sampling):
+    encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    output = model.generate(**encoded, max_new_tokens=max_new_tokens, num_return_sequences=n, top_k=0,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
+    width = encoded["input_ids"].shape[1]
+    return output[:, width:], width
+
+
+def test_samples_are_those_of_hf_generate_until_a_row_ends():
+    """The engine encodes each prompt once (its KV cache repeated per sample) and drops rows that ended; until the
+    first row ends, the batch and HF ``generate(num_return_sequences=n)``'s draw the same tokens with the same seed
+    (afterwards the sampler draws fewer tokens per step, so the streams part)."""
     from flowkit.llm.backbone import load_backbone
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
-    prompts = ["3+4=", "68+62=", "7+15="]
     engine = RolloutEngine(model, tokenizer, max_new_tokens=20, temperature=1.0)
     torch.manual_seed(5)
-    batch = engine.generate(prompts, n=4)
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    batch = engine.generate(PROMPTS, n=4)
     torch.manual_seed(5)
-    expected = model.generate(**encoded, max_new_tokens=20, num_return_sequences=4, do_sample=True, top_k=0,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    width = encoded["input_ids"].shape[1]
-    generated = expected[:, width:]
-    assert torch.equal(batch.input_ids[:, :width], expected[:, :width])
+    expected, width = _hf_generate(model, tokenizer, 4, 20, do_sample=True)
+    ours = batch.input_ids[:, width:]
+    first_end = int((expected == tokenizer.eos_token_id).any(0).float().argmax())  # the step at which a row ends
+    assert 0 < first_end < ours.shape[1] - 1
+    assert torch.equal(batch.input_ids[:, :width], tokenizer(PROMPTS, return_tensors="pt", padding=True,
+                                                             padding_side="left")["input_ids"].repeat_interleave(4, 0))
+    assert torch.equal(ours[:, :first_end + 1], expected[:, :first_end + 1])
     assert len(set(batch.responses)) > 1  # really sampled
-    assert batch.responses == tokenizer.batch_decode(
-        torch.where(batch.response_mask[:, width:].bool(), generated[:, :batch.response_mask.shape[1] - width], 0),
-        skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("synced", [False, True])
+def test_greedy_rollouts_equal_hf_generate_with_rows_ending_at_different_steps(synced, monkeypatch):
+    """Greedy decoding is deterministic, so rows that leave the batch when they end must still complete as HF
+    ``generate`` completes them, whole sequences, EOS and padding included. ``synced`` (ZeRO-3 without whole
+    weights; one rank here): finished rows stay in the batch until every rank's rows have ended — same result."""
+    from flowkit.llm import rollout
+    from flowkit.llm.backbone import load_backbone
+
+    model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
+    monkeypatch.setattr(rollout, "_zero3_partitioned", lambda model: synced)
+    batch = RolloutEngine(model, tokenizer, max_new_tokens=40).generate(PROMPTS, n=1, temperature=0)
+    expected, width = _hf_generate(model, tokenizer, 1, 40, do_sample=False)
+    lengths = batch.response_mask.sum(-1)
+    assert len(set(lengths.tolist())) > 1  # the rows end at different steps
+    assert torch.equal(batch.input_ids[:, width:], expected)
+    assert batch.responses == tokenizer.batch_decode(expected, skip_special_tokens=True)
 
 
 def test_cached_expert_latents_equal_a_fresh_encoding():
