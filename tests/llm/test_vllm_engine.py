@@ -192,6 +192,48 @@ def test_tiny_rlfr_job_runs_end_to_end_with_vllm_and_syncs_full_weights(tmp_path
     release(cli.model)
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_explanation_method_rolls_out_with_vllm_and_syncs_its_lora(tmp_path, single_thread):
+    """The explanation method on the same engine (``PolicyModule`` + ``ExplanationReward`` + one round of
+    ``ExplanationRounds``, LoRA) with ``rollout_engine: vllm``: the round's explanations, the PPO rollouts and the
+    evaluations come from vLLM, and afterwards vLLM samples the trained policy. The policy is a random one with the
+    bundled explanation policy's word-level tokenizer and head size 32: vLLM's CPU attention has no kernel for the
+    bundled policy's head size 24."""
+    from transformers import AutoTokenizer
+
+    from flowkit.llm.tiny import tiny_qwen2
+    from flowkit.modules.explanation import ExplanationDataModule, ExplanationRounds
+    from flowkit.rewards import ExplanationReward
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_backbone_path("bundled:explain_tiny/policy"))
+    torch.manual_seed(0)
+    tiny_qwen2(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id).save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    torch.manual_seed(0)
+    reward = ExplanationReward(proxies=[f"bundled:explain_tiny/proxy{i}" for i in (0, 1)],
+                               evaluators=["bundled:explain_tiny/proxy2"], ode_steps=3, num_draws=4, flow_time_dim=16,
+                               flow_projector_dim=32, explanations_per_context=2, round_contexts=8,
+                               heldout_contexts=8, flow_epochs_per_round=2, flow_batch_size=16)
+    module = PolicyModule(backbone=str(tmp_path / "policy"), lora=LoraSettings(r=4, alpha=4), reward_model=reward,
+                          num_samples=2, max_new_tokens=16, outcome_reward="none", advantage="gae", kl_coef=0.05,
+                          kl_estimator="k1", kl_in="reward", lr=2e-2, flow_lr=1e-3, rollout_engine="vllm")
+    data = ExplanationDataModule(num_train=8, num_test=8, batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=-1, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[ExplanationRounds(1, 1)])
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.logged_metrics
+    for key in ("round/acceptance", "train/policy_loss", "train/value_loss", "final/explanation_accuracy"):
+        assert key in metrics and torch.isfinite(torch.as_tensor(metrics[key])), key
+    assert trainer.global_step == 2
+    initial, _ = load_backbone(str(tmp_path / "policy"))
+    assert_synced(module, initial, [record["prompt"] for record in data.test_records[:6]])
+    release(module)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
