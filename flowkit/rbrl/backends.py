@@ -14,7 +14,7 @@ import random
 import time
 import urllib.error
 import urllib.request
-from datetime import datetime, timezone
+from datetime import timezone
 from functools import lru_cache
 
 from flowkit.errors import ConfigError
