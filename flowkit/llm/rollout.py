@@ -73,7 +73,8 @@ def forward_hidden_shared_prompts(model: torch.nn.Module, batch: RolloutBatch) -
             **{cache_keyword: cache})
     cache.batch_select_indices(inverse)
     hidden = decoder(input_ids=batch.input_ids[:, prefix:], attention_mask=batch.attention_mask, use_cache=True,
-                     position_ids=position_ids(batch.attention_mask)[:, prefix:], **{cache_keyword: cache}).last_hidden_state
+                     position_ids=position_ids(batch.attention_mask)[:, prefix:],
+                     **{cache_keyword: cache}).last_hidden_state
     return torch.nn.functional.pad(hidden, (0, 0, prefix, 0))
 
 
@@ -204,8 +205,9 @@ class RolloutEngine:
                 synced: bool) -> Tensor:
         """Decodes up to ``max_new_tokens`` per row (B × steps taken; padding after EOS). Rows that emitted EOS leave
         the batch and the KV cache (once an eighth of the batch has ended: dropping rows copies the cache), so the long
-        tail of a batch decodes only its own rows (HF ``generate`` decodes finished rows until the last one ends). ``synced`` (ZeRO-3 without whole weights): every forward is a
-        collective, so finished rows stay and the ranks decode until every rank's rows have ended."""
+        tail of a batch decodes only its own rows (HF ``generate`` decodes finished rows until the last one ends).
+        ``synced`` (ZeRO-3 without whole weights): every forward is a collective, so finished rows stay and the ranks
+        decode until every rank's rows have ended."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         name = _cache_argument(self.model.get_decoder())
         rows = torch.arange(len(pending), device=pending.device)  # the generated row of each row still decoding
@@ -231,8 +233,8 @@ class RolloutEngine:
             if not synced and (len(rows) - running) * 8 >= len(rows):
                 keep = unfinished.nonzero().flatten()
                 cache.batch_select_indices(keep)
-                rows, tokens, attention_mask, unfinished = rows[keep], tokens[keep], attention_mask[keep], unfinished[keep]
-                positions = positions[keep]
+                rows, tokens, positions = rows[keep], tokens[keep], positions[keep]
+                attention_mask, unfinished = attention_mask[keep], unfinished[keep]
             pending, positions = tokens[:, None], positions[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, torch.ones_like(pending)], dim=1)
         return generated[:, :steps]

@@ -111,7 +111,7 @@ class PolicyModule(L.LightningModule):
         grader_timeout: seconds allowed to grade one response.
         micro_batch_size: sequences per forward/backward in every pass over the rollouts (scoring, flow rewards,
             policy update, online flow loss); None = a whole minibatch at once (fastest on the tiny job).
-        rollout_batch_size: sequences per ``generate`` call (a multiple of ``num_samples``; bounds the KV
+        rollout_batch_size: sequences per HF decoding batch (a multiple of ``num_samples``; bounds the KV
             cache); None = the whole batch in one call.
         lm_head_chunk_size: response tokens per LM-head call when computing log-probs and entropies (bounds the
             vocabulary-sized logits to chunk × V); None = all of a micro-batch's response tokens at once.
@@ -120,12 +120,13 @@ class PolicyModule(L.LightningModule):
         rollout_is_cap: truncated importance-sampling correction for a rollout engine whose sampler differs from
             the trainer: the policy loss of each token is weighted by min(exp(logπ_old − logπ_rollout), cap)
             (verl / TRL); it applies when the engine returns its sampler's log-probs
-            (``RolloutBatch.rollout_logprobs``, vLLM) and does nothing with HF ``generate``. None is off.
+            (``RolloutBatch.rollout_logprobs``, vLLM) and does nothing with HF rollouts. None is off.
         max_consecutive_skips: with ``nonfinite: skip``, fail (with the reason) after this many RL steps in a
             row were skipped, e.g. NaN weights that no step can repair; None never fails.
-        rollout_engine: ``hf`` (``generate`` of the policy itself) or ``vllm``: a vLLM engine colocated in this
-            process, one per rank (``pip install flowkit[vllm]``), into which the policy's weights are synced after
-            every training step (LoRA merged, ZeRO-3 gathered); it also returns its sampler's log-probs for
+        rollout_engine: ``hf`` (flowkit's decoding loop over the policy itself,
+            :class:`~flowkit.llm.rollout.RolloutEngine`) or ``vllm``: a vLLM engine colocated in this process, one
+            per rank (``pip install flowkit[vllm]``), into which the policy's weights are synced after every training
+            step (LoRA merged, ZeRO-3 gathered); it also returns its sampler's log-probs for
             ``rollout_is_cap``. ``rollout_batch_size`` applies to ``hf`` only (vLLM schedules its own batches).
         vllm_gpu_memory_utilization: share of the GPU vLLM may take for its weights and KV cache (CPU: the KV cache
             is ``VLLM_CPU_KVCACHE_SPACE`` GiB instead).
