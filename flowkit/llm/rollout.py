@@ -66,15 +66,12 @@ def forward_hidden_shared_prompts(model: torch.nn.Module, batch: RolloutBatch) -
     ids, mask = batch.input_ids[:, :prefix], batch.attention_mask[:, :prefix]
     if not (torch.equal(ids, ids[first][inverse]) and torch.equal(mask, mask[first][inverse])):
         return None  # a group whose rows were encoded apart (other padding): no shared columns to rely on
-    decoder = model.get_decoder()
-    cache_keyword = _cache_argument(decoder)
-    cache = DynamicCache(config=model.config)
-    decoder(input_ids=ids[first], attention_mask=mask[first], position_ids=position_ids(mask[first]), use_cache=True,
-            **{cache_keyword: cache})
+    cache = _prefilled_cache(model, ids[first], mask[first])
     cache.batch_select_indices(inverse)
+    decoder = model.get_decoder()
     hidden = decoder(input_ids=batch.input_ids[:, prefix:], attention_mask=batch.attention_mask, use_cache=True,
                      position_ids=position_ids(batch.attention_mask)[:, prefix:],
-                     **{cache_keyword: cache}).last_hidden_state
+                     **{_cache_argument(decoder): cache}).last_hidden_state
     return torch.nn.functional.pad(hidden, (0, 0, prefix, 0))
 
 
@@ -120,14 +117,20 @@ def _prompt_cache(model: PreTrainedModel, encoded: dict[str, Tensor], n: int, sh
     prompt token but the last, filled by one decoder pass per prompt and repeated ``n`` times (1/n of the prompt's
     compute; the samples are those of ``n`` copies, same logits and sampler draws), and the prompts' last tokens."""
     input_ids = encoded["input_ids"].repeat_interleave(n, dim=0)
-    cache = DynamicCache(config=model.config)
     if not shared:
-        return cache, input_ids
-    ids, mask = encoded["input_ids"][:, :-1], encoded["attention_mask"][:, :-1]
-    model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
-                        **{_cache_argument(model.get_decoder()): cache})
+        return DynamicCache(config=model.config), input_ids
+    cache = _prefilled_cache(model, encoded["input_ids"][:, :-1], encoded["attention_mask"][:, :-1])
     cache.batch_repeat_interleave(n)
     return cache, input_ids[:, -1:]
+
+
+def _prefilled_cache(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> DynamicCache:
+    """A KV cache of ``input_ids`` (left-padded rows, positioned as during generation) from one decoder pass."""
+    cache = DynamicCache(config=model.config)
+    decoder = model.get_decoder()
+    decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+            use_cache=True, **{_cache_argument(decoder): cache})
+    return cache
 
 
 class RolloutEngine:

@@ -60,7 +60,7 @@ def test_shared_prompt_forward_equals_row_by_row(wrap, monkeypatch):
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_shared_prompts_step_aside_where_unsound():
+def test_shared_prompts_step_aside_where_unsound(monkeypatch):
     """No two rows of a group, a group whose rows were encoded apart, activation checkpointing: row by row."""
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
     batch = sampled_rows(model, tokenizer)
@@ -71,10 +71,7 @@ def test_shared_prompts_step_aside_where_unsound():
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()  # as PolicyModule
     actor = Actor(model, None, None, None, UpdateOptions(), LossOptions())
     called = []
-    original = actor_module.forward_hidden_shared_prompts
-    actor_module.forward_hidden_shared_prompts = lambda *a: called.append(1) or original(*a)
-    try:
-        actor.forward(batch)
-    finally:
-        actor_module.forward_hidden_shared_prompts = original
+    monkeypatch.setattr(actor_module, "forward_hidden_shared_prompts",
+                        lambda *a: called.append(1) or forward_hidden_shared_prompts(*a))
+    actor.forward(batch)
     assert not called
