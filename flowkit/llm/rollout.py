@@ -17,6 +17,7 @@ from torch.distributed import ReduceOp
 from transformers import (
     DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, TemperatureLogitsWarper, TopPLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
@@ -66,7 +67,7 @@ def forward_hidden_shared_prompts(model: torch.nn.Module, batch: RolloutBatch) -
     ids, mask = batch.input_ids[:, :prefix], batch.attention_mask[:, :prefix]
     if not (torch.equal(ids, ids[first][inverse]) and torch.equal(mask, mask[first][inverse])):
         return None  # a group whose rows were encoded apart (other padding): no shared columns to rely on
-    cache = _prefilled_cache(model, ids[first], mask[first])
+    cache = _prefill(model, DynamicCache(config=model.config), ids[first], mask[first])
     cache.batch_select_indices(inverse)
     decoder = model.get_decoder()
     hidden = decoder(input_ids=batch.input_ids[:, prefix:], attention_mask=batch.attention_mask, use_cache=True,
@@ -112,21 +113,69 @@ def _cache_argument(decoder: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
-def _prompt_cache(model: PreTrainedModel, encoded: dict[str, Tensor], n: int, shared: bool) -> tuple[DynamicCache, Tensor]:
-    """An empty KV cache and the ``n`` copies per prompt of every prompt token — or, ``shared``, a cache holding every
-    prompt token but the last, filled by one decoder pass per prompt and repeated ``n`` times (1/n of the prompt's
-    compute; the samples are those of ``n`` copies, same logits and sampler draws), and the prompts' last tokens."""
+def _prompt_cache(model: PreTrainedModel, encoded: dict[str, Tensor], n: int, shared: bool,
+                  capacity: int) -> tuple[DynamicCache, Tensor]:
+    """An empty decoding cache (room for ``capacity`` positions) and the ``n`` copies per prompt of every prompt
+    token — or, ``shared``, a cache holding every prompt token but the last, filled by one decoder pass per prompt and
+    repeated ``n`` times (1/n of the prompt's compute; the samples are those of ``n`` copies, same logits and sampler
+    draws), and the prompts' last tokens."""
     input_ids = encoded["input_ids"].repeat_interleave(n, dim=0)
+    cache = _decoding_cache(model, capacity)
     if not shared:
-        return DynamicCache(config=model.config), input_ids
-    cache = _prefilled_cache(model, encoded["input_ids"][:, :-1], encoded["attention_mask"][:, :-1])
+        return cache, input_ids
+    _prefill(model, cache, encoded["input_ids"][:, :-1], encoded["attention_mask"][:, :-1])
     cache.batch_repeat_interleave(n)
     return cache, input_ids[:, -1:]
 
 
-def _prefilled_cache(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> DynamicCache:
-    """A KV cache of ``input_ids`` (left-padded rows, positioned as during generation) from one decoder pass."""
+class _ReservedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose positions are reserved up front: each decoding step writes its key and value
+    into the buffer instead of concatenating a copy of the whole cache (``DynamicLayer``). ``keys`` / ``values`` are
+    views of the filled positions, so everything else a ``DynamicLayer`` does works unchanged. Decoding only (an
+    in-place write would invalidate what autograd saved of an earlier pass)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            shape = (*key_states.shape[:-2], self.capacity, key_states.shape[-1])
+            self.key_buffer, self.value_buffer = key_states.new_empty(shape), value_states.new_empty(shape)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache reserved for {self.capacity} positions, asked for {end}")
+        self.key_buffer[..., start:end, :] = key_states
+        self.value_buffer[..., start:end, :] = value_states
+        self.keys, self.values = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
+        return self.keys, self.values
+
+    def _rebuffer(self, select: Callable[[Tensor], Tensor]) -> None:
+        if self.is_initialized:
+            length = self.get_seq_length()
+            self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
+            self.keys, self.values = self.key_buffer[..., :length, :], self.value_buffer[..., :length, :]
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._rebuffer(lambda buffer: buffer[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rebuffer(lambda buffer: buffer.repeat_interleave(repeats, dim=0))
+
+
+def _decoding_cache(model: PreTrainedModel, capacity: int) -> DynamicCache:
+    """The model's ``DynamicCache`` with its full-attention layers reserving ``capacity`` positions (sliding-window
+    and other layer kinds as transformers builds them)."""
     cache = DynamicCache(config=model.config)
+    cache.layers = [_ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def _prefill(model: PreTrainedModel, cache: DynamicCache, input_ids: Tensor, attention_mask: Tensor) -> DynamicCache:
+    """``cache`` filled with the KV of ``input_ids`` (left-padded rows, positioned as during generation) by one
+    decoder pass."""
     decoder = model.get_decoder()
     decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
             use_cache=True, **{_cache_argument(decoder): cache})
@@ -197,10 +246,15 @@ class RolloutEngine:
         shared = n > 1 and encoded["input_ids"].shape[1] > 1
         if synced:  # the prefill is a forward, a collective under ZeRO-3: every rank runs it or none
             shared = bool(all_reduce_int(int(shared), ReduceOp.MIN))
-        with (self.whole_weights or nullcontext)():
-            cache, pending = _prompt_cache(self.model, encoded, n, shared)
+        # inference mode skips autograd's bookkeeping per op; not under ZeRO-3, whose forwards gather parameters
+        # (what they create in inference mode could not be saved for backward in the training forward)
+        decoding = torch.no_grad() if zero3_sharded(self.model.parameters()) else torch.inference_mode()
+        with (self.whole_weights or nullcontext)(), decoding:
+            cache, pending = _prompt_cache(self.model, encoded, n, shared,
+                                           encoded["input_ids"].shape[1] + self.max_new_tokens)
             generated = self._sample(cache, pending, encoded["attention_mask"].repeat_interleave(n, dim=0),
                                      temperature, synced)
+        generated = generated.clone()  # out of inference mode: a tensor the training forward may embed
         self.model.train(was_training)
         return pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers)
 

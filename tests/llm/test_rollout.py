@@ -80,6 +80,49 @@ def test_greedy_rollouts_equal_hf_generate_with_rows_ending_at_different_steps(s
     assert batch.responses == tokenizer.batch_decode(expected, skip_special_tokens=True)
 
 
+def test_reserved_kv_layer_holds_what_a_dynamic_layer_holds():
+    """The decoding cache writes into positions reserved up front; after a prefill, a repeat per sample, steps and
+    dropped rows it holds exactly what transformers' concatenating ``DynamicLayer`` holds, and it refuses to run past
+    its reservation."""
+    from transformers.cache_utils import DynamicLayer
+
+    from flowkit.llm.rollout import _ReservedLayer
+
+    torch.manual_seed(0)
+    reserved, dynamic = _ReservedLayer(capacity=7), DynamicLayer()
+    steps = [lambda layer: layer.update(torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5)),
+             lambda layer: layer.batch_repeat_interleave(2),
+             lambda layer: layer.update(torch.randn(6, 2, 1, 5), torch.randn(6, 2, 1, 5)),
+             lambda layer: layer.batch_select_indices(torch.tensor([0, 2, 5])),
+             lambda layer: layer.update(torch.randn(3, 2, 2, 5), torch.randn(3, 2, 2, 5))]
+    for step in steps:
+        state = torch.get_rng_state()
+        step(dynamic)
+        torch.set_rng_state(state)  # the same random states for both layers
+        step(reserved)
+        assert torch.equal(reserved.keys, dynamic.keys) and torch.equal(reserved.values, dynamic.values)
+        assert reserved.get_seq_length() == dynamic.get_seq_length()
+    assert reserved.get_seq_length() == 7
+    with pytest.raises(RuntimeError, match="reserved for 7 positions"):
+        reserved.update(torch.randn(3, 2, 1, 5), torch.randn(3, 2, 1, 5))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_rollouts_that_fill_the_token_budget_equal_hf_generate(n):
+    """Every row decodes to ``max_new_tokens`` (the cache's last reserved position), with each prompt encoded per
+    row (n = 1) or once per group (n = 3); the ids are plain tensors that autograd may use (decoding runs in
+    inference mode)."""
+    from flowkit.llm.backbone import load_backbone
+
+    model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
+    batch = RolloutEngine(model, tokenizer, max_new_tokens=3).generate(PROMPTS, n=n, temperature=0)
+    expected, width = _hf_generate(model, tokenizer, 1, 3, do_sample=False)  # HF: no greedy num_return_sequences
+    assert (batch.response_mask.sum(-1) == 3).all()
+    assert torch.equal(batch.input_ids[:, width:], expected.repeat_interleave(n, dim=0))
+    assert not batch.input_ids.is_inference()
+    model.get_input_embeddings()(batch.input_ids).sum().backward()
+
+
 def test_cached_expert_latents_equal_a_fresh_encoding():
     """Pairs seen in other batches (other padding) come back as :func:`expert_latents` encodes them now: equal on
     every real token, in the same layout, with the same response mask."""
