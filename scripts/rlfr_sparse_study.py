@@ -7,8 +7,7 @@ zero; a dense reward is the only signal inside them. Arms (``--arms`` picks a su
 - ``grpo``: configs/grpo_sparse.yaml, no flow;
 - ``rlfr``: configs/rlfr_sparse.yaml as configured (β = 0.01); ``rlfr_b0.05``, ``rlfr_b0.2``: β = 0.05 / 0.2;
 - ``entropy_adv``: plain GRPO plus the logit-space baseline of RLFR Table 2 (Cheng et al. 2025, "Entropy Adv.",
-  :func:`flowkit.rl.advantages.entropy_shaped_advantages`, α = 0.4, κ = 2). It runs once PolicyModule has the
-  option ``entropy_advantage_alpha``; until then the script skips it and says so.
+  :func:`flowkit.rl.advantages.entropy_shaped_advantages`, α = 0.4, κ = 2).
 
 Every arm of a seed runs `flowkit fit` with ``seed_everything = seed``: the same prompt order and the same sampling
 stream at step 1 (checked: step 1's outcome reward is identical in every arm of a seed). Every ``--eval-every`` RL
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import json
 import math
 import os
@@ -64,16 +62,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "entropy_adv": ("grpo_sparse.yaml", ["--model.init_args.entropy_advantage_alpha", "0.4",
                                          "--model.init_args.entropy_advantage_kappa", "2.0"]),
 }
-NEEDS_OPTION = {"entropy_adv": "entropy_advantage_alpha"}  # arm → the PolicyModule option it sets
 GROUP = 8  # the configs' num_samples: a group whose 8 samples are all wrong has zero outcome advantage
-
-
-def missing_option(arm: str) -> str | None:
-    """The PolicyModule option ``arm`` needs when this flowkit lacks it, else None."""
-    from flowkit.modules import PolicyModule
-
-    option = NEEDS_OPTION.get(arm)
-    return option if option and option not in inspect.signature(PolicyModule.__init__).parameters else None
 
 
 def first_wrong_aurocs(scores: dict[str, torch.Tensor], responses: list[str], solutions: list[str],
@@ -316,10 +305,7 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     setting = {"difficulty": args.difficulty, "max_steps": args.max_steps, "eval_every": args.eval_every,
                "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed}
-    arms = [] if args.report_only else [a for a in args.arms if missing_option(a) is None]
-    for arm in [a for a in args.arms if a not in arms and not args.report_only]:
-        print(f"skipping arm {arm}: PolicyModule has no option {missing_option(arm)!r} yet (the arm runs once it "
-              "exists)", flush=True)
+    arms = [] if args.report_only else args.arms
     for seed in args.seeds:
         for arm in arms:
             if (arm, seed) in {(r["arm"], r["seed"]) for r in read_runs(path, setting)}:  # read now: other processes
