@@ -26,9 +26,9 @@ side with the library versions. Each side trains in the micro-batches that were 
 ``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under ``micro_batch_tokens``
 (1024 tiny, 2048 mid; on the tiny task the smaller activations stay in cache: 0.425 vs 0.463 s/step without, 2048
 0.438), TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches, generating all
-rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side, ``flowkit-every-row``, runs flowkit with
-``skip_zero_advantage_rows: false`` (TRL forwards every row too), so the run also shows how much of the difference
-that option makes.
+rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side, ``flowkit-every-row``, runs
+flowkit with ``skip_zero_advantage_rows: false`` (TRL forwards every row too), so the run also shows how much of the
+difference that option makes.
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
@@ -52,8 +52,10 @@ REPO = HERE.parent
 TINY_ADDER = REPO / "flowkit" / "assets" / "tiny_adder"
 SAMPLES = 8
 SIZES = {  # prompts per step, new tokens, reward, learning rate; each side's fastest micro-batching (measured)
-    "tiny": {"prompts": 16, "new_tokens": 28, "reward": "binary", "lr": 5e-5, "token_budget": 1024, "trl_micro_batches": 1},
-    "mid": {"prompts": 4, "new_tokens": 256, "reward": "scrambled", "lr": 1e-7, "token_budget": 2048, "trl_micro_batches": 1},
+    "tiny": {"prompts": 16, "new_tokens": 28, "reward": "binary", "lr": 5e-5,
+             "token_budget": 1024, "trl_micro_batches": 1},
+    "mid": {"prompts": 4, "new_tokens": 256, "reward": "scrambled", "lr": 1e-7,
+            "token_budget": 2048, "trl_micro_batches": 1},
 }
 EOS_LOGIT = 10.0  # the mid policy's EOS logit at its mean final hidden state
 SIDES = ("flowkit", "flowkit-every-row", "trl")
@@ -198,7 +200,9 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
 def run_worker(python: Path, side: str, args: argparse.Namespace, prompts_path: Path) -> dict:
     out = prompts_path.parent / f"{side}.json"
     command = [python, __file__, "--worker", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--size", args.size, "--token-budget", str(args.token_budget), "--trl-micro-batches", str(args.trl_micro_batches), "--prompts-file", str(prompts_path), "--result", str(out)]
+               "--size", args.size, "--token-budget", str(args.token_budget),
+               "--trl-micro-batches", str(args.trl_micro_batches), "--prompts-file", str(prompts_path),
+               "--result", str(out)]
     subprocess.run(command, check=True, env=single_thread_env(), cwd=prompts_path.parent)
     return json.loads(out.read_text())
 
@@ -227,7 +231,8 @@ def main() -> None:
     if args.worker:
         sys.path.insert(0, str(HERE))
         policy = Path(args.prompts_file).parent / "mid_policy"
-        result = (trl_worker(args.steps, args.warmup, Path(args.prompts_file), args.size, policy, args.trl_micro_batches)
+        result = (trl_worker(args.steps, args.warmup, Path(args.prompts_file), args.size, policy,
+                             args.trl_micro_batches)
                   if args.worker == "trl" else
                   flowkit_worker(args.steps, args.warmup, args.worker == "flowkit", args.size, policy,
                                  args.token_budget))
