@@ -65,7 +65,7 @@ def fused(x1, timesteps, weights, mask, max_rows: int | None, velocity=None):
 
 
 def velocity_network(dim: int, depth: int, device):
-    """flowkit's VelocityField (DESIGN §2) when present, else a token-wise MLP of the same depth and width."""
+    """flowkit's VelocityField (RLFR §3.2) when present, else a token-wise MLP of the same depth and width."""
     try:
         from flowkit.flow.velocity_field import VelocityField
 

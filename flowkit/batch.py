@@ -13,9 +13,10 @@ from torch import Tensor
 class RolloutBatch:
     """A batch of prompt + response sequences and everything computed about them.
 
-    Sequences are right-padded to a common length S. Prompts are left-aligned at position 0, so the
-    response of row b starts at ``prompt_lengths[b]``; ``response_mask`` marks response tokens
-    (including the EOS token when one was generated).
+    Each row is ``[left padding][prompt][response][right padding]``, S positions in all (the layout HF
+    ``generate`` produces; positions come from ``attention_mask``): every response starts at the same column,
+    the batch's longest prompt length. ``response_mask`` marks response tokens (including the EOS token when one
+    was generated).
 
     Shapes: B rows, S positions, P layer percentiles, d hidden size.
     """

@@ -1,5 +1,5 @@
 """Agreeing on per-rank counts, so that collective work whose amount depends on a rank's data stays in step
-(:func:`agreed_call_count`: DESIGN.md's multi-rank rule), gathering per-rank tensors of different sizes, and telling
+(:func:`agreed_call_count`: the multi-rank rule of docs/design.md), gathering per-rank tensors of different sizes, and telling
 DeepSpeed ZeRO-3's sharded parameters apart.
 
 Plain torch (no Lightning), so every layer can use it.

@@ -1,7 +1,7 @@
 """DeepSpeed strategies: ZeRO-offload-aware on GPUs, and a CPU variant (gloo) that CI runs.
 
 Lightning's ``DeepSpeedStrategy`` takes the module's single optimizer — flowkit's policy and flow share
-one optimizer with two parameter groups (DESIGN.md §1), so nothing special is needed for that. Three gaps
+one optimizer with two parameter groups, so nothing special is needed for that. Three gaps
 are filled here:
 
 * ZeRO optimizer offload refuses a plain ``torch.optim.Adam(W)``; :class:`FlowkitDeepSpeedStrategy`

@@ -4,7 +4,7 @@ Run once from the repository root (a few minutes on 2 CPU cores)::
 
     python scripts/make_tiny_adder.py
 
-Steps (DESIGN.md §7): write the arithmetic splits; build the character tokenizer (with a post-processor
+Steps: write the arithmetic splits; build the character tokenizer (with a post-processor
 that prepends ``<bos>``) and a randomly initialised tiny Qwen2; supervised fine-tuning on
 ``<bos> prompt solution <eos>`` with the loss on the response only (AdamW, lr 1e-3, batch 128);
 stop at the first evaluation whose greedy validation accuracy lies in the target band, so that RL

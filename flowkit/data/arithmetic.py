@@ -1,4 +1,4 @@
-"""The bundled verifiable task: two-digit addition solved digit by digit (DESIGN.md §7).
+"""The bundled verifiable task: two-digit addition solved digit by digit.
 
 An example is ``{"prompt": "47+38=", "solution": "7+8=15,4+3+1=8\\boxed{85}", "answer": "85"}``:
 the units step ``a0+b0=s``, a comma, the tens step ``a1+b1[+1]=t`` (``+1`` only when the units

@@ -8,7 +8,7 @@ every micro-batch is its share of the whole minibatch's, so results do not depen
 token budget the step's rows are put longest first and packed into runs of consecutive rows
 (:mod:`flowkit.engine.micro_batches`); minibatches keep the rows they would have had.
 
-Multi-rank rule (DESIGN.md): every forward/backward is a collective under DDP and ZeRO, so the number of
+Multi-rank rule (docs/design.md): every forward/backward is a collective under DDP and ZeRO, so the number of
 micro-batches and of loss pieces agrees over ranks before the first one runs; a rank with fewer runs zero-loss
 padding micro-batches, and ranks decide to skip a step together.
 """

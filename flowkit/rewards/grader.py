@@ -1,5 +1,5 @@
-"""Outcome verifier: ``\\boxed{}`` extraction and answer equivalence (the outcome reward r_o of eq. 9,
-DESIGN.md §2: official RLFR gives 1 correct, 0.5 wrong but boxed, 0 otherwise).
+"""Outcome verifier: ``\\boxed{}`` extraction and answer equivalence (the outcome reward r_o of eq. 9;
+the official RLFR code gives 1 correct, 0.5 wrong but boxed, 0 otherwise).
 
 Equivalence is decided in stages, cheapest first, so that the common cases never reach sympy:
 

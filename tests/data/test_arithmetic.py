@@ -20,7 +20,7 @@ STEPS = re.compile(r"(\d)\+(\d)=(\d+),(\d)\+(\d)(\+1)?=(\d+)\\boxed\{(\d+)\}")
 
 
 @pytest.mark.parametrize("a, b, solution", [
-    (47, 38, "7+8=15,4+3+1=8\\boxed{85}"),   # carry, two-digit result (DESIGN.md §7)
+    (47, 38, "7+8=15,4+3+1=8\\boxed{85}"),   # carry, two-digit result
     (41, 32, "1+2=3,4+3=7\\boxed{73}"),      # no carry
     (87, 38, "7+8=15,8+3+1=12\\boxed{125}"),  # carry, three-digit result
     (60, 50, "0+0=0,6+5=11\\boxed{110}"),    # no carry, three-digit result
@@ -96,7 +96,7 @@ def test_bundled_tokenizer_layout_is_shared_by_sft_and_rl(tiny_adder):
 
 
 def test_bundled_policy_is_competent_but_imperfect(tiny_adder):
-    """RL needs signal: greedy held-out accuracy well above 0 and below 1 (DESIGN.md §7)."""
+    """RL needs signal: greedy held-out accuracy well above 0 and below 1 (README "The bundled tiny task")."""
     model, tokenizer = tiny_adder
     assert sum(f.stat().st_size for f in Path(ASSETS / "tiny_adder").iterdir()) < 5_000_000
     test = generate_splits(seed=0)["test"][:100]
