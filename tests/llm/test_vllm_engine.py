@@ -23,7 +23,7 @@ import torch
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path
 from flowkit.llm.lora import LoraSettings
-from flowkit.llm.rollout import RolloutEngine, forward_logits
+from flowkit.llm.rollout import HFRolloutEngine, forward_logits
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.rl.logprobs import token_logprobs
 
@@ -63,7 +63,7 @@ def recomputed_logprobs(model: torch.nn.Module, batch) -> torch.Tensor:
 def assert_synced(module: PolicyModule, initial: torch.nn.Module, prompts: list[str]) -> None:
     """vLLM samples the trained policy: greedy completions equal HF greedy generation with the trained weights,
     and its log-probs of its own samples match the trained policy's recomputation, not the initial policy's."""
-    hf = RolloutEngine(module.policy, module.tokenizer, module.hparams.max_new_tokens)
+    hf = HFRolloutEngine(module.policy, module.tokenizer, module.hparams.max_new_tokens)
     greedy_vllm = module.engine.generate(prompts, 1, temperature=0)
     greedy_hf = hf.generate(prompts, 1, temperature=0)
     assert greedy_vllm.responses == greedy_hf.responses
@@ -105,7 +105,7 @@ def test_layout_matches_hf_engine_and_sampler_logprobs_match_the_trainer(single_
     torch.manual_seed(0)
     policy, tokenizer = load_backbone("bundled:tiny_adder")
     engine = VllmRolloutEngine(policy, tokenizer, resolve_backbone_path("bundled:tiny_adder"), max_new_tokens=28)
-    hf = RolloutEngine(policy, tokenizer, max_new_tokens=28)
+    hf = HFRolloutEngine(policy, tokenizer, max_new_tokens=28)
     prompts, answers = val_prompts(6)
     prompts[0] = "7+5="  # a shorter prompt, so rows are left-padded
 
@@ -407,7 +407,7 @@ import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path
-from flowkit.llm.rollout import RolloutEngine
+from flowkit.llm.rollout import HFRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine
 policy, tokenizer = load_backbone("bundled:tiny_adder")
 engine = VllmRolloutEngine(policy, tokenizer, resolve_backbone_path("bundled:tiny_adder"), max_new_tokens=28)
@@ -419,7 +419,7 @@ with torch.no_grad():
         param.add_(torch.randn_like(param), alpha=0.02)
 engine.sync_weights(policy)
 after = engine.generate(prompts, 1, temperature=0).responses
-assert after == RolloutEngine(policy, tokenizer, 28).generate(prompts, 1, temperature=0).responses, after
+assert after == HFRolloutEngine(policy, tokenizer, 28).generate(prompts, 1, temperature=0).responses, after
 assert after != before
 print(f"rank {dist.get_rank()} synced", flush=True)
 """
