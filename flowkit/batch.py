@@ -34,7 +34,8 @@ class RolloutBatch:
     token_rewards: Tensor | None = None  # B×S float, dense (flow) rewards on response tokens
     advantages: Tensor | None = None  # B×S float
     old_logprobs: Tensor | None = None  # B×S float, logprob of token s under the sampling policy (aligned to input_ids)
-    rollout_logprobs: Tensor | None = None  # B×S float, the rollout engine's own log-probs of its samples (vLLM), same alignment
+    rollout_logprobs: Tensor | None = None  # B×S float, the rollout engine's own log-probs of its samples, same alignment
+    policy_versions: Tensor | None = None  # B long, the policy version (optimizer steps) whose weights sampled each row
     ref_logprobs: Tensor | None = None  # B×S float, same under the frozen reference (KL only)
     entropy: Tensor | None = None  # B float, mean token entropy of the response
     latents: Tensor | None = None  # P×B×S×d, detached hidden states at the tapped layers

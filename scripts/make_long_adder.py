@@ -29,7 +29,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from flowkit.data.long_addition import ALPHABET, DEFAULT_OPERANDS, OPERAND_COUNTS, max_new_tokens, write_splits
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import RolloutEngine
+from flowkit.llm.rollout import HFRolloutEngine
 from flowkit.llm.sft import completion_tensors
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 from flowkit.rewards.grader import grade
@@ -49,7 +49,7 @@ def sample_hits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, reco
                 temperature: float, seed: int, new_tokens: int, rollout_batch_size: int = 512) -> torch.Tensor:
     """Correctness (prompts × samples, bool) of ``samples`` responses per prompt from flowkit's rollout engine
     (temperature 0: greedy), after ``torch.manual_seed(seed)``."""
-    engine = RolloutEngine(model, tokenizer, max_new_tokens=new_tokens, temperature=temperature,
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=new_tokens, temperature=temperature,
                            rollout_batch_size=max(samples, rollout_batch_size // samples * samples))
     torch.manual_seed(seed)
     batch = engine.generate([r["prompt"] for r in records], samples, [r["answer"] for r in records])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lightning as L
 
-from flowkit.llm.rollout import RolloutEngine
+from flowkit.llm.rollout import HFRolloutEngine
 from flowkit.strategies import whole_weights_for_generation
 
 # Three prompts per rank, different on each rank, from the tiny adder's task.
@@ -28,7 +28,7 @@ class GreedyParity(L.Callback):
         self.initial: list[str] = []
 
     def _hf_greedy(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
-        engine = RolloutEngine(pl_module.policy, pl_module.tokenizer, pl_module.hparams.max_new_tokens,
+        engine = HFRolloutEngine(pl_module.policy, pl_module.tokenizer, pl_module.hparams.max_new_tokens,
                                whole_weights=lambda: whole_weights_for_generation(trainer, pl_module.policy))
         return engine.generate(PROMPTS[trainer.global_rank], 1, temperature=0).responses
 

@@ -20,7 +20,10 @@ from flowkit.engine.stats import StepStats
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.rollout import forward_hidden, forward_hidden_shared_prompts
 from flowkit.rl.logprobs import lm_head_logprobs
-from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_sum
+from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_aggregate, masked_sum
+from flowkit.rl.rollout_correction import (
+    correction_weights, mismatch_metrics, off_policy_sequence_mask, rollout_log_ratio,
+)
 
 REFERENCE_ADAPTER = "reference"  # the frozen LoRA adapter holding a snapshot of the policy (e.g. after SFT)
 
@@ -157,11 +160,11 @@ class Actor:
         ``entropy_coeff``); + kl_coef × the KL term (KL in the loss); + vf_coef × the clipped value loss over the
         minibatch's ``tokens`` (``gae``). The shares add up to the minibatch loss whatever the micro-batch size."""
         options = self.options
-        weights = None
-        if options.rollout_is_cap is not None and micro.rollout_logprobs is not None:
-            weights = torch.exp(micro.old_logprobs - micro.rollout_logprobs).clamp(max=options.rollout_is_cap)
+        anchor, weights = micro.old_logprobs, None
+        if micro.rollout_logprobs is not None:
+            anchor, weights = self._rollout_correction(micro, out, stats)
         policy_loss = POLICY_LOSSES[options.policy_loss]
-        loss, info = policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, micro.response_mask,
+        loss, info = policy_loss(out.logprobs, anchor, micro.advantages, micro.response_mask,
                                  options.clip_low, options.clip_high, options.aggregation, options.clip_ratio_c,
                                  weights, denominator, options.max_new_tokens)
         count = float(micro.response_mask.sum())
@@ -183,6 +186,31 @@ class Actor:
             stats.add("train/value_loss", value_loss.detach())
             loss = loss + options.vf_coef * value_loss
         return loss
+
+    def _rollout_correction(self, micro: RolloutBatch, out: ActorOutput, stats: StepStats) -> tuple[Tensor, Tensor | None]:
+        """PPO's anchor log-probs (the trainer's π_old, or π_rollout in bypass mode) and the detached per-token
+        weights of ``rollout_correction`` (:mod:`flowkit.rl.rollout_correction`) for a micro-batch whose engine
+        returned its sampler's log-probs; logs the rollout / trainer mismatch (``rollout_corr/...``) either way."""
+        correction, mask = self.options.rollout_correction, micro.response_mask
+        rollout = micro.rollout_logprobs
+        log_ratio = rollout_log_ratio(micro.old_logprobs, rollout, mask)
+        count = float(mask.sum())
+        gap = mismatch_metrics(micro.old_logprobs, rollout, mask)
+        stats.add_weighted("rollout_corr/abs_diff_mean", gap["abs_diff_mean"], count)
+        stats.add_weighted("rollout_corr/k3_kl", gap["k3_kl"], count)
+        stats.add_max("rollout_corr/abs_diff_max", gap["abs_diff_max"])
+        weights = None
+        if correction.mode is not None:
+            weights = correction_weights(log_ratio, mask, correction.mode, correction.upper, correction.lower)
+            stats.add_weighted("rollout_corr/weight_mean", masked_aggregate(weights, mask, "token-mean"), count)
+            stats.add_weighted("rollout_corr/masked_frac", masked_aggregate((weights == 0).float(), mask, "token-mean"),
+                               count)
+        if correction.off_policy_mask is not None:
+            keep = off_policy_sequence_mask(out.logprobs, rollout, micro.advantages, mask, correction.off_policy_mask)
+            stats.add_weighted("rollout_corr/off_policy_masked_frac",
+                               masked_aggregate(1 - keep, mask, "token-mean"), count)
+            weights = keep if weights is None else weights * keep
+        return (rollout if correction.bypass else micro.old_logprobs), weights
 
     def sft_loss(self, micro: RolloutBatch, tokens: Tensor) -> Tensor:
         """Supervised fine-tuning: the negative log-likelihood of the micro-batch's response tokens, summed and divided

@@ -13,6 +13,7 @@ from flowkit.errors import ConfigError, check_range
 from flowkit.rl.advantages import ESTIMATORS, AdvantageName, OutcomePlacement, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
 from flowkit.rl.losses import KL_ESTIMATORS, POLICY_LOSSES, Aggregation, KLEstimator, PolicyLossName
+from flowkit.rl.rollout_correction import RolloutCorrection
 
 
 KLPlacement = Literal["loss", "reward"]
@@ -71,8 +72,8 @@ class AdvantageOptions:
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The clipped surrogate (ε_low, ε_high, dual clip c, ``aggregation``), the truncated IS correction
-    ``rollout_is_cap``, the KL to the reference (``kl_coef``, its ``kl_estimator``, and whether it is a ``loss``
+    """The clipped surrogate (ε_low, ε_high, dual clip c, ``aggregation``), the ``rollout_correction`` of rows an
+    engine sampled from another distribution (:class:`~flowkit.rl.rollout_correction.RolloutCorrection`), the KL to the reference (``kl_coef``, its ``kl_estimator``, and whether it is a ``loss``
     term, as GRPO / verl, or subtracted from the ``reward``, as TRL's PPO), and the value loss (``vf_coef``,
     ``value_clip``) of the ``gae`` estimator. ``max_new_tokens``: the generation budget, for ``dr-grpo``.
     ``policy_loss``: the registered policy loss (``ppo`` the clipped surrogate, ``gspo`` its sequence-level ratio,
@@ -83,7 +84,7 @@ class LossOptions:
     clip_high: float = 0.2
     clip_ratio_c: float | None = None
     aggregation: Aggregation = "token-mean"
-    rollout_is_cap: float | None = None
+    rollout_correction: RolloutCorrection = RolloutCorrection()
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     kl_in: KLPlacement = "loss"
@@ -104,7 +105,7 @@ class LossOptions:
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ConfigError(f"{owner}.clip_ratio_c must be > 1 (or null), got {self.clip_ratio_c}")
         _one_of(owner, "aggregation", self.aggregation, ("token-mean", "seq-mean", "dr-grpo"))
-        check_range(owner, "rollout_is_cap", self.rollout_is_cap, 0, open_low=True)
+        self.rollout_correction.check(owner)
         check_range(owner, "kl_coef", self.kl_coef, 0)
         _one_of(owner, "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of(owner, "kl_in", self.kl_in, ("loss", "reward"))

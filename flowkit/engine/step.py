@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +28,7 @@ from flowkit.engine.actor import Actor, ActorOutput
 from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, sequence_lengths
 from flowkit.engine.options import AdvantageOptions, UpdateOptions
 from flowkit.engine.stats import StepStats
+from flowkit.llm.engines import RolloutEngine
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rl.advantages import (
     ESTIMATORS, AdvantageInputs, entropy_shaped_advantages, group_normalized_advantage, whitened,
@@ -49,15 +49,14 @@ class RLStep:
 
     Args:
         actor: the policy's forward and loss.
-        rollout: the rollout engine (``generate(prompts, n, answers)`` → :class:`RolloutBatch`; its
-            ``saw_nonfinite_logits`` after a call).
+        rollout: the rollout engine (:class:`~flowkit.llm.engines.RolloutEngine`).
         reward_model: dense token rewards (and an online loss), or None.
         grade: fills ``outcome_rewards`` and ``correct`` of a generated batch.
         advantage, update: option groups; ``num_samples``: responses per prompt.
         backward, step_optimizer: see the module docstring.
     """
 
-    def __init__(self, actor: Actor, rollout: Any, reward_model: TokenRewardModel | None,
+    def __init__(self, actor: Actor, rollout: RolloutEngine, reward_model: TokenRewardModel | None,
                  grade: Callable[[RolloutBatch], RolloutBatch], advantage: AdvantageOptions, update: UpdateOptions,
                  num_samples: int, backward: Callable[[Tensor], None],
                  step_optimizer: Callable[[Collection[str]], None]):

@@ -182,8 +182,9 @@ def _prefill(model: PreTrainedModel, cache: DynamicCache, input_ids: Tensor, att
     return cache
 
 
-class RolloutEngine:
-    """Samples ``n`` responses per prompt with an HF model and packs them into a :class:`RolloutBatch`.
+class HFRolloutEngine:
+    """Samples ``n`` responses per prompt with an HF model and packs them into a :class:`RolloutBatch` (the ``hf``
+    engine of :mod:`flowkit.llm.engines`: it runs the policy itself, so new weights need no push).
 
     The decoding loop is HF ``generate``'s sampling (fp32 scores, temperature, nucleus, no top-k, no repetition
     penalty or other defaults of the model's ``generation_config``: the loss scores rollouts under the full tempered
@@ -198,7 +199,10 @@ class RolloutEngine:
             lockstep (as ``generate``'s ``synced_gpus``).
 
     After each :meth:`generate`, :attr:`saw_nonfinite_logits` says whether any next-token score was NaN or
-    inf (the sequences are then garbage; the policy module skips or fails the step).
+    inf (the sequences are then garbage; the policy module skips or fails the step). ``rollout_logprobs`` holds the
+    log-probability of each sampled token under the distribution it was drawn from (after temperature and top-p, as
+    vLLM's processed log-probs; greedy: the plain softmax): the trainer's forward reproduces it up to numerics,
+    which the step logs as ``rollout_corr/...``.
     """
 
     def __init__(
@@ -216,6 +220,14 @@ class RolloutEngine:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.rollout_batch_size = rollout_batch_size
         self.saw_nonfinite_logits = False
+        self.policy_version = 0
+
+    def sync_weights(self, model: PreTrainedModel, version: int) -> None:
+        """The engine samples from ``model`` itself: only the version changes."""
+        self.model, self.policy_version = model, version
+
+    def close(self) -> None:
+        """Nothing to release: the model belongs to the trainer."""
 
     @torch.no_grad()
     def generate(
@@ -252,15 +264,19 @@ class RolloutEngine:
         with (self.whole_weights or nullcontext)(), decoding:
             cache, pending = _prompt_cache(self.model, encoded, n, shared,
                                            encoded["input_ids"].shape[1] + self.max_new_tokens)
-            generated = self._sample(cache, pending, encoded["attention_mask"].repeat_interleave(n, dim=0),
-                                     temperature, synced)
-        generated = generated.clone()  # out of inference mode: a tensor the training forward may embed
+            generated, sampler_logprobs = self._sample(cache, pending, encoded["attention_mask"].repeat_interleave(n, dim=0),
+                                                       temperature, synced)
+        # out of inference mode: tensors the training forward may use
+        generated, sampler_logprobs = generated.clone(), sampler_logprobs.clone()
         self.model.train(was_training)
-        return pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers)
+        batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
+        batch.policy_versions = torch.full((batch.batch_size,), self.policy_version, device=device)
+        return batch
 
     def _sample(self, cache: DynamicCache, pending: Tensor, attention_mask: Tensor, temperature: float,
-                synced: bool) -> Tensor:
-        """Decodes up to ``max_new_tokens`` per row (B × steps taken; padding after EOS). Rows that emitted EOS leave
+                synced: bool) -> tuple[Tensor, Tensor]:
+        """Decodes up to ``max_new_tokens`` per row: the tokens and their log-probs under the sampler (B × steps taken;
+        padding after EOS). Rows that emitted EOS leave
         the batch and the KV cache (once an eighth of the batch has ended: dropping rows copies the cache), so the long
         tail of a batch decodes only its own rows (HF ``generate`` decodes finished rows until the last one ends).
         ``synced`` (ZeRO-3 without whole weights): every forward is a collective, so finished rows stay and the ranks
@@ -270,6 +286,7 @@ class RolloutEngine:
         rows = torch.arange(len(pending), device=pending.device)  # the generated row of each row still decoding
         unfinished = torch.ones_like(rows, dtype=torch.bool)
         generated = torch.full((len(rows), self.max_new_tokens), pad, dtype=torch.long, device=pending.device)
+        logprobs = torch.zeros(generated.shape, device=pending.device)
         positions = position_ids(attention_mask)[:, -pending.shape[1]:]
         steps = 0
         while steps < self.max_new_tokens:
@@ -277,10 +294,16 @@ class RolloutEngine:
                                 use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
             scores, nonfinite = _next_token_scores(logits, temperature, self.top_p)
             self.saw_nonfinite_logits |= nonfinite
-            tokens = (torch.multinomial(torch.softmax(scores, dim=-1), 1)[:, 0] if temperature > 0
-                      else scores.argmax(-1))
+            if temperature > 0:
+                probs = torch.softmax(scores, dim=-1)
+                tokens = torch.multinomial(probs, 1)[:, 0]
+                token_logprobs = probs.gather(-1, tokens[:, None])[:, 0].log()
+            else:
+                tokens = scores.argmax(-1)
+                token_logprobs = scores.gather(-1, tokens[:, None])[:, 0] - scores.logsumexp(-1)
             tokens = torch.where(unfinished, tokens, pad)
             generated[rows, steps] = tokens
+            logprobs[rows, steps] = token_logprobs
             steps += 1
             if eos is not None:
                 unfinished &= tokens != eos
@@ -294,7 +317,7 @@ class RolloutEngine:
                 attention_mask, unfinished = attention_mask[keep], unfinished[keep]
             pending, positions = tokens[:, None], positions[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, torch.ones_like(pending)], dim=1)
-        return generated[:, :steps]
+        return generated[:, :steps], logprobs[:, :steps]
 
 
 def pack_rollouts(tokenizer: PreTrainedTokenizerBase, encoded: dict[str, Tensor], generated: Tensor, prompts: list[str],
@@ -322,7 +345,7 @@ def encode_pairs(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], responses: list[str], answers: list[str] | None = None,
     append_eos: bool = True,
 ) -> RolloutBatch:
-    """Pack given (prompt, response) pairs into the same layout as :meth:`RolloutEngine.generate`.
+    """Pack given (prompt, response) pairs into the same layout as :meth:`HFRolloutEngine.generate`.
 
     Used for expert solutions (offline flow pretraining) and for scoring existing responses.
     """

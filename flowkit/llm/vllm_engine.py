@@ -130,9 +130,9 @@ def _trainer_rng_kept(cuda: bool):
 
 
 class VllmRolloutEngine:
-    """Samples ``n`` responses per prompt with a colocated ``vllm.LLM``, in :class:`RolloutEngine`'s layout.
+    """Samples ``n`` responses per prompt with a colocated ``vllm.LLM``, in the HF engine's layout.
 
-    The :class:`RolloutBatch` is laid out as :meth:`flowkit.llm.rollout.RolloutEngine.generate` lays it out
+    The :class:`RolloutBatch` is laid out as :meth:`flowkit.llm.rollout.HFRolloutEngine.generate` lays it out
     (left-padded prompt, then the response right-padded; ``response_mask`` up to and including the first EOS;
     rows of prompt i at i·n … i·n+n−1), plus ``rollout_logprobs``: at the position of each response token,
     vLLM's log-probability of sampling it — after temperature and top-p (``logprobs_mode="processed_logprobs"``),
@@ -141,14 +141,14 @@ class VllmRolloutEngine:
     Prompts are tokenized by the trainer's tokenizer and handed to vLLM as token ids (vLLM's own tokenizer is
     never loaded), and responses are decoded by it too, so both engines see the same tokens. After each
     :meth:`generate`, :attr:`saw_nonfinite_logits` says whether a sampled token's log-prob was NaN or inf (broken
-    weights; the policy module then skips or fails the step, as with :class:`RolloutEngine`).
+    weights; the policy module then skips or fails the step, as with the HF engine).
 
     Args:
         model: the policy (HF or peft); its weights are pushed into vLLM at the first generation and at the first
             one after each :meth:`sync_weights`.
         tokenizer: the policy's tokenizer.
         model_path: directory or hub id vLLM builds the architecture from (its weights are overwritten).
-        max_new_tokens, temperature, top_p: sampling, as :class:`RolloutEngine`.
+        max_new_tokens, temperature, top_p: sampling, as the HF engine's.
         gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache); unused on CPU, where the
             KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB.
         max_model_len: longest prompt + response vLLM plans its KV cache for (``None``: the model's maximum).
@@ -180,6 +180,7 @@ class VllmRolloutEngine:
         self.llm = None  # built at the first generation, once the trainer has put the policy on its device
         self.sleep_mode = False
         self.saw_nonfinite_logits = False
+        self.policy_version = 0
         self._sleeping: set[str] = set()  # vLLM memory tags ("weights", "kv_cache") currently released
         self._weights_stale = True  # vLLM's weights are not the policy's: never pushed, trained since, or released
 
@@ -260,15 +261,20 @@ class VllmRolloutEngine:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
         self._weights_stale = False
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Call after each training step: ``model``'s weights changed, so the next generation pushes them first.
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Call after each training step: ``model``'s weights (policy version ``version``) changed, so the next
+        generation pushes them first.
 
         The push waits for that generation because on a GPU it needs vLLM's weights awake, which the generation
         wakes anyway (and a step followed by none, the last, pushes nothing). Under ZeRO-3 the push is a
         collective: every rank must generate at the same points, as the HF engine's forward passes require too.
         """
-        self.model = model
+        self.model, self.policy_version = model, version
         self._weights_stale = True
+
+    def close(self) -> None:
+        """Shut the engine down (its KV cache and weights go with it)."""
+        self.llm = None
 
     # ------------------------------------------------------------------------------------------ sampling
     def _sampling_params(self, samples: int, temperature: float) -> list:
@@ -323,4 +329,5 @@ class VllmRolloutEngine:
                 [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
         batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
         self.saw_nonfinite_logits = not bool(torch.isfinite(batch.rollout_logprobs[batch.response_mask.bool()]).all())
+        batch.policy_versions = torch.full((batch.batch_size,), self.policy_version)
         return batch.to(next(self.model.parameters()).device)

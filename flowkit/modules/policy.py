@@ -18,11 +18,10 @@ from flowkit.engine import (
 )
 from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, check_range
-from flowkit.llm.backbone import load_backbone, resolve_backbone_path
+from flowkit.llm.backbone import load_backbone
+from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSetup, RolloutEngine
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
-from flowkit.llm.rollout import RolloutEngine
-from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
 from flowkit.modules.optim import LR_DECAYS, LrDecay, step_groups
 from flowkit.modules.pretraining import pretrain_flow_reward
 from flowkit.modules.sft import supervised_start
@@ -33,6 +32,7 @@ from flowkit.rl.advantages import AdvantageName, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
 from flowkit.rl.losses import Aggregation, KLEstimator, PolicyLossName
 from flowkit.rl.metrics import pass_at_k
+from flowkit.rl.rollout_correction import RolloutCorrection
 from flowkit.strategies import accumulate_until_step, average_gradients, manual_backward, whole_weights_for_generation
 
 log = logging.getLogger(__name__)
@@ -117,17 +117,18 @@ class PolicyModule(L.LightningModule):
             vocabulary-sized logits to chunk × V); None = all of a micro-batch's response tokens at once.
         gradient_checkpointing: recompute the decoder's activations in the backward (HF gradient
             checkpointing), for long rollouts of large models.
-        rollout_is_cap: truncated importance-sampling correction for a rollout engine whose sampler differs from
-            the trainer: the policy loss of each token is weighted by min(exp(logπ_old − logπ_rollout), cap)
-            (verl / TRL); it applies when the engine returns its sampler's log-probs
-            (``RolloutBatch.rollout_logprobs``, vLLM) and does nothing with HF rollouts. None is off.
+        rollout_correction: the correction of rows the rollout engine sampled from another distribution than the
+            trainer's forward (its numerics, or older weights): truncated / masked importance weights per token or
+            sequence, IcePop, the off-policy sequence mask, or PPO anchored at the rollout's log-probs
+            (:class:`~flowkit.rl.rollout_correction.RolloutCorrection`; TRL / verl). The mismatch is logged as
+            ``rollout_corr/...`` whatever it is set to. None: no correction.
         max_consecutive_skips: with ``nonfinite: skip``, fail (with the reason) after this many RL steps in a
             row were skipped, e.g. NaN weights that no step can repair; None never fails.
-        rollout_engine: ``hf`` (flowkit's decoding loop over the policy itself,
-            :class:`~flowkit.llm.rollout.RolloutEngine`) or ``vllm``: a vLLM engine colocated in this process, one
-            per rank (``pip install flowkit[vllm]``), into which the policy's weights are synced after every training
-            step (LoRA merged, ZeRO-3 gathered); it also returns its sampler's log-probs for
-            ``rollout_is_cap``. ``rollout_batch_size`` applies to ``hf`` only (vLLM schedules its own batches).
+        rollout_engine: a name of :data:`flowkit.llm.engines.ROLLOUT_ENGINES`: ``hf`` (flowkit's decoding loop over
+            the policy itself, :class:`~flowkit.llm.rollout.HFRolloutEngine`) or ``vllm``: a vLLM engine colocated in
+            this process, one per rank (``pip install flowkit[vllm]``), into which the policy's weights are synced
+            after every training step (LoRA merged, ZeRO-3 gathered). Both return their sampler's log-probs for
+            ``rollout_correction``. ``rollout_batch_size`` applies to ``hf`` only (vLLM schedules its own batches).
         vllm_gpu_memory_utilization: share of the GPU vLLM may take for its weights and KV cache (CPU: the KV cache
             is ``VLLM_CPU_KVCACHE_SPACE`` GiB instead).
         vllm_max_model_len: longest prompt + response vLLM sizes its KV cache for; None = the model's maximum.
@@ -205,9 +206,9 @@ class PolicyModule(L.LightningModule):
         rollout_batch_size: int | None = None,
         lm_head_chunk_size: int | None = DEFAULT_LM_HEAD_CHUNK,
         gradient_checkpointing: bool = False,
-        rollout_is_cap: float | None = None,
+        rollout_correction: RolloutCorrection | None = None,
         max_consecutive_skips: int | None = 10,
-        rollout_engine: Literal["hf", "vllm"] = "hf",
+        rollout_engine: str = "hf",
         vllm_gpu_memory_utilization: float = 0.3,
         vllm_max_model_len: int | None = None,
         vllm_enable_sleep_mode: bool = True,
@@ -226,7 +227,8 @@ class PolicyModule(L.LightningModule):
         self.sampling = SamplingOptions(num_samples, max_new_tokens, temperature, top_p)
         self.advantage = AdvantageOptions(advantage, gamma, lam, scale_rewards, outcome_placement,
                                           entropy_advantage_alpha, entropy_advantage_kappa)
-        self.loss_options = LossOptions(clip_low, clip_high, clip_ratio_c, aggregation, rollout_is_cap, kl_coef,
+        self.loss_options = LossOptions(clip_low, clip_high, clip_ratio_c, aggregation,
+                                        rollout_correction or RolloutCorrection(), kl_coef,
                                         kl_estimator, kl_in, vf_coef, value_clip, max_new_tokens, policy_loss,
                                         entropy_coef)
         self.update = UpdateOptions(ppo_epochs, num_minibatches, micro_batch_size, lm_head_chunk_size, temperature,
@@ -238,8 +240,7 @@ class PolicyModule(L.LightningModule):
                               flow_pretrain_batch_size, flow_pretrain_lr_decay, val_num_samples, val_temperature,
                               nonfinite, grader_timeout, rollout_batch_size, num_samples, max_consecutive_skips,
                               rollout_engine, sft_epochs, sft_lr)
-        if rollout_engine == "vllm":
-            require_vllm()  # before the backbone loads
+        ROLLOUT_ENGINES[rollout_engine].check()  # before the backbone loads
         self.save_hyperparameters(ignore=["reward_model"])
         self.automatic_optimization = False
         self.reward_functions = build_reward_functions(reward_functions)
@@ -264,13 +265,9 @@ class PolicyModule(L.LightningModule):
             self.tap = LatentTap(self.policy, reward_model.percentiles)
         if reward_model is not None:
             reward_model.bind(self.policy, self.tap.layer_positions if self.tap is not None else [], self.tokenizer)
-        if rollout_engine == "vllm":
-            self.engine = VllmRolloutEngine(self.policy, self.tokenizer, resolve_backbone_path(backbone), max_new_tokens,
-                                            temperature, top_p, vllm_gpu_memory_utilization, vllm_max_model_len,
-                                            vllm_enable_sleep_mode)
-        else:
-            self.engine = RolloutEngine(self.policy, self.tokenizer, max_new_tokens, temperature, top_p, rollout_batch_size,
-                                        whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy))
+        self.engine: RolloutEngine = ROLLOUT_ENGINES[rollout_engine].build(EngineSetup(
+            self.policy, self.tokenizer, backbone, max_new_tokens, temperature, top_p, self.hparams,
+            whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy)))
         # after an SFT start, PPO's reference is the post-SFT policy: a snapshot (a frozen adapter under LoRA)
         reference = KLReference(self.policy, self.reference, snapshot_adapter=sft_epochs > 0) if kl_coef > 0 else None
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
@@ -401,10 +398,9 @@ class PolicyModule(L.LightningModule):
         return batch
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """vLLM holds its own copy of the weights: after the step's optimizer steps it is marked stale, and the next
-        generation pushes the policy this step produced into it first (:meth:`VllmRolloutEngine.sync_weights`)."""
-        if isinstance(self.engine, VllmRolloutEngine):
-            self.engine.sync_weights(self.policy)
+        """The engine learns of the weights the step produced (policy version = optimizer steps so far): an engine
+        with its own copy (vLLM) pushes them before its next generation."""
+        self.engine.sync_weights(self.policy, self.global_step)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["skipped_steps"] = self.skipped_steps  # a resumed run keeps counting
@@ -483,7 +479,7 @@ def _check_module_options(owner: str, reward_model: TokenRewardModel | None, out
                         ("grader_timeout", grader_timeout), ("sft_lr", sft_lr)]:
         check_range(owner, name, value, 0, open_low=True)
     for name, value, allowed in [("outcome_reward", outcome_reward, ("official", "binary", "none")),
-                                 ("nonfinite", nonfinite, ("skip", "fail")), ("rollout_engine", rollout_engine, ("hf", "vllm")),
+                                 ("nonfinite", nonfinite, ("skip", "fail")), ("rollout_engine", rollout_engine, tuple(ROLLOUT_ENGINES)),
                                  ("flow_pretrain_lr_decay", flow_pretrain_lr_decay, LR_DECAYS)]:
         if value not in allowed:
             raise ConfigError(f"{owner}.{name} must be one of {', '.join(allowed)}, got {value!r}")

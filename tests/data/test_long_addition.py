@@ -20,7 +20,7 @@ from flowkit.data.long_addition import (
     write_splits,
 )
 from flowkit.llm.backbone import ASSETS, load_backbone
-from flowkit.llm.rollout import RolloutEngine, encode_pairs
+from flowkit.llm.rollout import HFRolloutEngine, encode_pairs
 from flowkit.llm.sft import completion_tensors
 from flowkit.rewards.grader import extract_boxed, grade
 
@@ -127,7 +127,7 @@ def test_bundled_policy_is_sparse_but_not_blind(long_adder):
     assert sum(f.stat().st_size for f in (ASSETS / "long_adder").iterdir()) < 5_000_000
     test = generate_splits(DEFAULT_OPERANDS, seed=0)["test"][:48]
     torch.manual_seed(0)
-    engine = RolloutEngine(model, tokenizer, max_new_tokens=max_new_tokens(DEFAULT_OPERANDS), temperature=1.0)
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=max_new_tokens(DEFAULT_OPERANDS), temperature=1.0)
     batch = engine.generate([ex["prompt"] for ex in test], 8, [ex["answer"] for ex in test])
     hits = torch.tensor([grade(r, a) for r, a in zip(batch.responses, batch.answers)]).view(len(test), 8)
     assert 0 < hits.float().mean() <= 0.15

@@ -12,12 +12,12 @@ from flowkit.engine import actor as actor_module
 from flowkit.engine.actor import Actor
 from flowkit.engine.options import LossOptions, UpdateOptions
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import RolloutEngine, forward_hidden_shared_prompts
+from flowkit.llm.rollout import HFRolloutEngine, forward_hidden_shared_prompts
 
 
 def sampled_rows(model, tokenizer) -> RolloutBatch:
     """3 prompts of unequal length (left padding differs) × 4 samples, two decoding calls (widths differ) joined."""
-    engine = RolloutEngine(model, tokenizer, max_new_tokens=24, rollout_batch_size=8)
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=24, rollout_batch_size=8)
     torch.manual_seed(0)
     return engine.generate(["3+4=", "68+62=", "7+15="], n=4)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from flowkit.llm.rollout import RolloutEngine
+from flowkit.llm.rollout import HFRolloutEngine
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 
 
@@ -23,7 +23,7 @@ def test_sampling_ignores_generation_defaults_that_reshape_the_distribution(wrap
     model.generation_config.top_k, model.generation_config.repetition_penalty = 1, 1.3
     if wrap == "peft":
         model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
-    engine = RolloutEngine(model, tokenizer, max_new_tokens=1, temperature=1.0)
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=1, temperature=1.0)
     sampled = engine.generate([alphabet[0]], n=400).input_ids[:, -1]
     assert sampled.unique().numel() > 100
     config = model.get_base_model().generation_config if wrap == "peft" else model.generation_config
@@ -48,7 +48,7 @@ def test_samples_are_those_of_hf_generate_until_a_row_ends():
     from flowkit.llm.backbone import load_backbone
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
-    engine = RolloutEngine(model, tokenizer, max_new_tokens=20, temperature=1.0)
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=20, temperature=1.0)
     torch.manual_seed(5)
     batch = engine.generate(PROMPTS, n=4)
     torch.manual_seed(5)
@@ -72,7 +72,7 @@ def test_greedy_rollouts_equal_hf_generate_with_rows_ending_at_different_steps(s
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
     monkeypatch.setattr(rollout, "_zero3_partitioned", lambda model: synced)
-    batch = RolloutEngine(model, tokenizer, max_new_tokens=40).generate(PROMPTS, n=1, temperature=0)
+    batch = HFRolloutEngine(model, tokenizer, max_new_tokens=40).generate(PROMPTS, n=1, temperature=0)
     expected, width = _hf_generate(model, tokenizer, 1, 40, do_sample=False)
     lengths = batch.response_mask.sum(-1)
     assert len(set(lengths.tolist())) > 1  # the rows end at different steps
@@ -115,7 +115,7 @@ def test_rollouts_that_fill_the_token_budget_equal_hf_generate(n):
     from flowkit.llm.backbone import load_backbone
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
-    batch = RolloutEngine(model, tokenizer, max_new_tokens=3).generate(PROMPTS, n=n, temperature=0)
+    batch = HFRolloutEngine(model, tokenizer, max_new_tokens=3).generate(PROMPTS, n=n, temperature=0)
     expected, width = _hf_generate(model, tokenizer, 1, 3, do_sample=False)  # HF: no greedy num_return_sequences
     assert (batch.response_mask.sum(-1) == 3).all()
     assert torch.equal(batch.input_ids[:, width:], expected.repeat_interleave(n, dim=0))

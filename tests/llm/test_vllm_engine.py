@@ -23,9 +23,10 @@ import torch
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path
 from flowkit.llm.lora import LoraSettings
-from flowkit.llm.rollout import RolloutEngine, forward_logits
+from flowkit.llm.rollout import HFRolloutEngine, forward_logits
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.rl.logprobs import token_logprobs
+from flowkit.rl.rollout_correction import RolloutCorrection
 
 # vLLM's in-process engine, a 1 GiB CPU KV cache (the machine is shared) and no pinning of OpenMP threads to
 # cores, which would pin the test process's own threads too.
@@ -63,7 +64,7 @@ def recomputed_logprobs(model: torch.nn.Module, batch) -> torch.Tensor:
 def assert_synced(module: PolicyModule, initial: torch.nn.Module, prompts: list[str]) -> None:
     """vLLM samples the trained policy: greedy completions equal HF greedy generation with the trained weights,
     and its log-probs of its own samples match the trained policy's recomputation, not the initial policy's."""
-    hf = RolloutEngine(module.policy, module.tokenizer, module.hparams.max_new_tokens)
+    hf = HFRolloutEngine(module.policy, module.tokenizer, module.hparams.max_new_tokens)
     greedy_vllm = module.engine.generate(prompts, 1, temperature=0)
     greedy_hf = hf.generate(prompts, 1, temperature=0)
     assert greedy_vllm.responses == greedy_hf.responses
@@ -105,7 +106,7 @@ def test_layout_matches_hf_engine_and_sampler_logprobs_match_the_trainer(single_
     torch.manual_seed(0)
     policy, tokenizer = load_backbone("bundled:tiny_adder")
     engine = VllmRolloutEngine(policy, tokenizer, resolve_backbone_path("bundled:tiny_adder"), max_new_tokens=28)
-    hf = RolloutEngine(policy, tokenizer, max_new_tokens=28)
+    hf = HFRolloutEngine(policy, tokenizer, max_new_tokens=28)
     prompts, answers = val_prompts(6)
     prompts[0] = "7+5="  # a shorter prompt, so rows are left-padded
 
@@ -148,7 +149,7 @@ def fit_policy(tmp_path: Path, **options) -> PolicyModule:
     """3 plain-GRPO steps of 4 prompts × 4 samples with the vLLM engine, lr high enough to move greedy outputs."""
     L.seed_everything(0)
     module = PolicyModule(num_samples=4, max_new_tokens=28, outcome_reward="binary", rollout_engine="vllm",
-                          rollout_is_cap=2.0, **options)
+                          rollout_correction=RolloutCorrection(mode="token_tis", cap=2.0), **options)
     data = RolloutDataModule(batch_size=4, val_path=None)
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
@@ -176,7 +177,7 @@ def test_tiny_rlfr_job_runs_end_to_end_with_vllm_and_syncs_full_weights(tmp_path
     cli = FlowkitCLI(args=[
         "fit", "--config", CONFIG, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
         "--trainer.enable_progress_bar", "false", "--model.init_args.rollout_engine", "vllm",
-        "--model.init_args.rollout_is_cap", "2.0", "--model.init_args.lr", "1e-3",
+        "--model.init_args.rollout_correction.mode", "token_tis", "--model.init_args.lr", "1e-3",
         "--model.init_args.flow_pretrain_steps", "3", "--model.init_args.reward_model.init_args.kappa", "4",
         "--data.init_args.batch_size", "4", "--model.init_args.num_samples", "4",
         "--data.init_args.max_val_examples", "16",
@@ -407,7 +408,7 @@ import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path
-from flowkit.llm.rollout import RolloutEngine
+from flowkit.llm.rollout import HFRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine
 policy, tokenizer = load_backbone("bundled:tiny_adder")
 engine = VllmRolloutEngine(policy, tokenizer, resolve_backbone_path("bundled:tiny_adder"), max_new_tokens=28)
@@ -417,9 +418,9 @@ torch.manual_seed(dist.get_rank())
 with torch.no_grad():
     for param in policy.parameters():
         param.add_(torch.randn_like(param), alpha=0.02)
-engine.sync_weights(policy)
+engine.sync_weights(policy, 1)
 after = engine.generate(prompts, 1, temperature=0).responses
-assert after == RolloutEngine(policy, tokenizer, 28).generate(prompts, 1, temperature=0).responses, after
+assert after == HFRolloutEngine(policy, tokenizer, 28).generate(prompts, 1, temperature=0).responses, after
 assert after != before
 print(f"rank {dist.get_rank()} synced", flush=True)
 """
@@ -524,7 +525,7 @@ def test_sleep_mode_sleeps_at_level_2_and_wakes_weights_then_push_then_kv_cache(
     engine.generate(["1+1="], 2)  # first generation: vLLM awake, holding the directory's weights
     assert events == ["reload_weights", "reset_prefix_cache", "generate", "sleep level 2"]
     events.clear()
-    engine.sync_weights(engine.model)  # after a training step: nothing happens until the next generation
+    engine.sync_weights(engine.model, 1)  # after a training step: nothing happens until the next generation
     assert events == []
     engine.generate(["1+1="], 2)
     assert events == wake_push_generate
@@ -538,7 +539,7 @@ def test_without_sleep_mode_weights_are_pushed_once_per_training_step(monkeypatc
     events: list[str] = []
     engine = fake_engine(monkeypatch, events, sleep_mode=False)
     engine.generate(["1+1="], 2)
-    engine.sync_weights(engine.model)
+    engine.sync_weights(engine.model, 2)
     engine.generate(["1+1="], 2)
     engine.generate(["1+1="], 2)  # no step since the last push
     assert events == ["reload_weights", "reset_prefix_cache", "generate"] * 2 + ["generate"]

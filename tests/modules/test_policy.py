@@ -140,7 +140,10 @@ def test_nan_weights_skip_in_generation_then_fail_after_max_consecutive_skips(tm
     ("aggregation", "sum", "aggregation must be one of token-mean, seq-mean, dr-grpo, got .sum."),
     ("scale_rewards", "std", "scale_rewards must be one of group, batch, none, got .std."),
     ("lm_head_chunk_size", 0, "lm_head_chunk_size must be >= 1"),
-    ("rollout_is_cap", 0.0, "rollout_is_cap must be > 0"),
+    ("rollout_correction", {"mode": "token_tis", "cap": 0.0}, "rollout_correction.cap must be > 0"),
+    ("rollout_correction", {"mode": "tis"}, "rollout_correction.mode must be one of token_tis, seq_tis, token_mis"),
+    ("rollout_correction", {"mode": "icepop", "floor": 6.0}, r"rollout_correction.floor \(6.0\) must be below cap \(5.0\)"),
+    ("rollout_correction", {"mode": "token_tis", "bypass": True}, "rollout_correction.bypass takes the rollout's"),
     ("max_consecutive_skips", 0, "max_consecutive_skips must be >= 1"),
 ])
 def test_rl_step_options_are_checked_before_the_backbone_loads(monkeypatch, option, value, message):
@@ -148,5 +151,9 @@ def test_rl_step_options_are_checked_before_the_backbone_loads(monkeypatch, opti
     from flowkit.modules import policy
 
     monkeypatch.setattr(policy, "load_backbone", lambda *a: pytest.fail("loaded the backbone"))
+    from flowkit.rl.rollout_correction import RolloutCorrection
+
+    if option == "rollout_correction":
+        value = RolloutCorrection(**value)
     with pytest.raises(ConfigError, match=message):
         PolicyModule(**{option: value})

@@ -1,0 +1,102 @@
+"""The rollout-engine contract (flowkit.llm.engines): every registered engine satisfies it, the HF engine's sampler
+log-probs are the trainer's, and the step logs the mismatch and applies the configured correction."""
+
+import csv
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowkit.cli import FlowkitCLI
+from flowkit.llm.backbone import load_backbone
+from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutEngine
+from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.vllm_engine import VllmRolloutEngine
+from flowkit.rl.logprobs import lm_head_logprobs
+from flowkit.llm.rollout import forward_hidden
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["47+38=", "12+13=", "9+9="]
+
+
+def test_every_registered_engine_has_the_contracts_methods():
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    assert isinstance(HFRolloutEngine(model, tokenizer, max_new_tokens=4), RolloutEngine)
+    for name in ("generate", "sync_weights", "close"):  # vLLM needs vllm to build: compare the class's signatures
+        expected = list(inspect.signature(getattr(RolloutEngine, name)).parameters)
+        assert list(inspect.signature(getattr(VllmRolloutEngine, name)).parameters) == expected, name
+    assert set(ROLLOUT_ENGINES) == {"hf", "vllm"}
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.0, 1.0)])
+def test_hf_sampler_logprobs_equal_the_trainers_forward(single_thread, temperature, top_p):
+    torch.manual_seed(0)
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=24, temperature=temperature, top_p=top_p)
+    engine.sync_weights(model, 7)
+    batch = engine.generate(PROMPTS, n=4)
+    assert torch.equal(batch.policy_versions, torch.full((12,), 7))
+    with torch.no_grad():
+        trainer, _ = lm_head_logprobs(forward_hidden(model, batch), model.get_output_embeddings(), batch.input_ids,
+                                      batch.response_mask, temperature or 1.0)
+    on = batch.response_mask.bool()
+    assert on.sum() > 12  # the responses have tokens
+    assert torch.equal(batch.rollout_logprobs[~on], torch.zeros(int((~on).sum())))
+    torch.testing.assert_close(batch.rollout_logprobs[on], trainer[on], atol=2e-5, rtol=0)
+
+
+def test_a_fit_logs_the_rollout_mismatch_and_applies_the_correction(tmp_path, monkeypatch, single_thread):
+    monkeypatch.chdir(tmp_path)
+    cli = FlowkitCLI(args=["fit", "--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "2",
+                           "--trainer.enable_progress_bar", "false", "--model.init_args.flow_pretrain_steps", "0",
+                           "--data.init_args.batch_size", "4", "--model.init_args.max_new_tokens", "24",
+                           "--model.init_args.rollout_correction.mode", "icepop",
+                           "--model.init_args.rollout_correction.off_policy_mask", "0.1"])
+    assert cli.model.loss_options.rollout_correction.mode == "icepop"
+    with open(Path(cli.trainer.logger.log_dir) / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("rollout_corr/abs_diff_mean")]
+    assert len(rows) == 2
+    for row in rows:
+        assert float(row["rollout_corr/abs_diff_max"]) < 1e-4  # the same weights in fp32: numerics only
+        assert float(row["rollout_corr/weight_mean"]) == pytest.approx(1.0, abs=1e-4)
+        assert float(row["rollout_corr/masked_frac"]) == 0.0
+        assert float(row["rollout_corr/off_policy_masked_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("correction", [{"mode": "token_tis", "cap": 2.0}, {"mode": "token_mis", "cap": 2.0},
+                                        {"mode": "seq_tis", "cap": 1e9}, {"bypass": True}])
+def test_the_actors_loss_applies_the_correction(single_thread, correction):
+    """Rows whose engine sampled each token with a quarter of the trainer's probability (ρ = 4): the actor's loss is
+    the clipped surrogate with, per token, weight 2 (token TIS at cap 2), 0 (MIS at cap 2: ρ leaves the band),
+    min(4^length, e^20) (sequence TIS: ∏ρ, the log bounded at 20), or the rollout's log-probs as PPO's anchor."""
+    from flowkit.engine import Actor, LossOptions, StepStats, UpdateOptions
+    from flowkit.rl.losses import aggregation_denominator, clipped_policy_loss
+    from flowkit.rl.rollout_correction import RolloutCorrection
+
+    torch.manual_seed(0)
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    batch = HFRolloutEngine(model, tokenizer, max_new_tokens=12).generate(PROMPTS, n=2)
+    mask = batch.response_mask
+    batch.advantages = torch.randn(mask.shape) * mask
+    actor = Actor(model, None, None, None, UpdateOptions(), LossOptions(rollout_correction=RolloutCorrection(**correction)))
+    out = actor.forward(batch)
+    batch.old_logprobs = out.logprobs.detach() + 0.1 * mask  # a PPO ratio ≠ 1, so the anchor matters
+    batch.rollout_logprobs = batch.old_logprobs - torch.log(torch.tensor(4.0)) * mask
+    denominator = aggregation_denominator(mask)
+    loss = actor.loss(batch, out, denominator, mask.sum(), StepStats())
+
+    anchor, weights = batch.old_logprobs, None
+    if correction.get("mode") == "token_tis":
+        weights = 2.0 * mask
+    elif correction.get("mode") == "token_mis":
+        weights = 0.0 * mask
+    elif correction.get("mode") == "seq_tis":
+        weights = torch.exp((mask.sum(-1, keepdim=True) * torch.log(torch.tensor(4.0))).clamp(max=20.0)) * mask
+    else:
+        anchor = batch.rollout_logprobs
+    expected, _ = clipped_policy_loss(out.logprobs, anchor, batch.advantages, mask, importance_weights=weights,
+                                      denominator=denominator)
+    torch.testing.assert_close(loss, expected)
+    assert not torch.allclose(loss, clipped_policy_loss(out.logprobs, batch.old_logprobs, batch.advantages, mask,
+                                                         denominator=denominator)[0])  # the correction did something
