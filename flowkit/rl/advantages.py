@@ -55,20 +55,6 @@ def reward_to_go(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Ten
     return returns * mask
 
 
-def rlfr_advantages(
-    outcome_rewards: Tensor,
-    group_ids: Tensor,
-    response_mask: Tensor,
-    token_rewards: Tensor | None = None,
-    gamma: float = 1.0,
-    eps: float = 1e-6,
-    scale_rewards: ScaleRewards = "group",
-) -> Tensor:
-    """A_k = Σ_{s≥k} γ^{s−k} r_s + Â_o on response tokens (eq. 9); no further whitening."""
-    outcome = group_normalized_advantage(outcome_rewards, group_ids, eps, scale_rewards)
-    return token_advantages(outcome, response_mask, token_rewards, gamma)
-
-
 def token_advantages(outcome_advantages: Tensor, response_mask: Tensor, token_rewards: Tensor | None = None,
                      gamma: float = 1.0) -> Tensor:
     """The per-row part of eq. 9: Â_o (B, already normalised over the batch) on every response token plus

@@ -5,7 +5,6 @@ from flowkit.rl.advantages import (
     entropy_shaped_advantages,
     group_normalized_advantage,
     reward_to_go,
-    rlfr_advantages,
     token_advantages,
 )
 
@@ -29,11 +28,12 @@ def test_reward_to_go_by_hand():
 
 
 def test_rlfr_advantage_adds_outcome_and_reward_to_go():
+    """Eq. 9: A_k = Σ_{s≥k} γ^{s−k} r_s + Â_o on response tokens, as the GRPO estimator composes it."""
     outcome = torch.tensor([1.0, 0.0])
     groups = torch.tensor([0, 0])
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     token_rewards = torch.tensor([[0.0, -0.01, -0.02], [0.0, -0.03, 0.0]])
-    adv = rlfr_advantages(outcome, groups, mask, token_rewards, gamma=1.0, eps=0.0)
+    adv = token_advantages(group_normalized_advantage(outcome, groups, eps=0.0), mask, token_rewards, gamma=1.0)
     a = 0.5 / torch.tensor([1.0, 0.0]).std()
     expected = torch.tensor([[0.0, a - 0.03, a - 0.02], [0.0, -a - 0.03, 0.0]])
     assert torch.allclose(adv, expected)
