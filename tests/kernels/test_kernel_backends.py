@@ -1,5 +1,6 @@
 """Dispatch between reference, Triton and native kernels (FLOWKIT_KERNELS, fallbacks, one warning)."""
 
+import importlib.util
 import warnings
 
 import pytest
@@ -18,13 +19,29 @@ def test_triton_runs_on_cpu_only_when_interpreting(monkeypatch):
     assert "triton" not in available_backends("cpu")
 
 
-@pytest.mark.parametrize("forced", ["reference", "native"])
-def test_forced_backend_is_used_when_available(forced, monkeypatch):
-    monkeypatch.setenv("FLOWKIT_KERNELS", forced)
-    expected = forced if forced in available_backends("cpu") else available_backends("cpu")[0]
+def test_forced_reference_is_used(monkeypatch):
+    monkeypatch.setenv("FLOWKIT_KERNELS", "reference")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert backends.select_backend(torch.device("cpu")) == expected
+        warnings.simplefilter("error")
+        assert backends.select_backend(torch.device("cpu")) == "reference"
+
+
+def test_forced_native_is_used_when_flowkit_C_is_built(monkeypatch):
+    if importlib.util.find_spec("flowkit._C") is None:
+        pytest.skip("flowkit._C is not built here")
+    monkeypatch.setenv("FLOWKIT_KERNELS", "native")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.select_backend(torch.device("cpu")) == "native"
+
+
+def test_forced_native_without_a_build_falls_back_to_the_reference(monkeypatch):
+    monkeypatch.setenv("FLOWKIT_KERNELS", "native")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(backends, "native_has", lambda device_type: False)
+    monkeypatch.setattr(backends, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="FLOWKIT_KERNELS=native is not available"):
+        assert backends.select_backend(torch.device("cpu")) == "reference"
 
 
 def test_missing_forced_backend_falls_back_with_one_warning(monkeypatch):

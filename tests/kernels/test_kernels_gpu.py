@@ -51,7 +51,8 @@ def test_velocity_deviation_matches_reference(backend, shape, dtype, tol, monkey
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("case", [(2, 3, 4, 4, 64, 37), (2, 5, 8, 2, 128, 300), (1, 4, 16, 4, 128, 1000)])
+@pytest.mark.parametrize("case", [(2, 3, 4, 4, 64, 37), (2, 5, 8, 2, 128, 300), (1, 4, 16, 4, 128, 1000),
+                                  (1, 2, 8, 2, 128, 300, 32)])  # 128 query rows per KV head: above one block
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 def test_flow_attention_matches_reference(backend, case, dtype, tol, monkeypatch):
     require(backend)
@@ -102,16 +103,19 @@ def test_native_flow_attention_names_the_shared_memory_limit():
         torch.ops.flowkit.flow_attention(q, fk, fv, ck, cv, prefix)
 
 
-def test_opcheck_cuda_and_triton_ops():
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_opcheck(backend):
+    require(backend)
     x1, ts, w, mask, v = deviation_inputs(2, 3, 6, 20, device="cuda")
     v, mask = v.detach().requires_grad_(), mask.float()
     q, fk, fv, ck, cv, prefix = (t.cuda() for t in core_inputs(2, 2, 4, 2, 16, 7, dtype=torch.float32))
     q = q.requires_grad_()
-    if backends.native_has("cuda"):
-        torch.library.opcheck(torch.ops.flowkit.interpolate_latents.default, (x1, ts, 4, 3))
-        torch.library.opcheck(torch.ops.flowkit.velocity_deviation.default, (v, x1, ts, w, 4, 3, mask))
-        torch.library.opcheck(torch.ops.flowkit.flow_attention.default, (q, fk, fv, ck, cv, prefix))
-    if "triton" in available_backends("cuda"):
+    if backend == "native":
+        ops = torch.ops.flowkit
+        torch.library.opcheck(ops.interpolate_latents.default, (x1, ts, 4, 3))
+        torch.library.opcheck(ops.velocity_deviation.default, (v, x1, ts, w, 4, 3, mask))
+        torch.library.opcheck(ops.flow_attention.default, (q, fk, fv, ck, cv, prefix))
+    else:
         from flowkit.kernels.triton import flow_attention
         from flowkit.kernels.triton import velocity_deviation as triton_deviation
 

@@ -46,10 +46,14 @@ def test_velocity_deviation_matches_reference(layers, steps, tokens, dim, dtype,
     assert_deviation_ops_match_reference(*deviation_inputs(layers, steps, tokens, dim, dtype=dtype), tol)
 
 
-@pytest.mark.parametrize("case", [(2, 2, 4, 4, 16, 37), (1, 3, 8, 2, 32, 70), (2, 1, 4, 1, 64, 9)])
+@pytest.mark.parametrize("case", [
+    (2, 2, 4, 4, 16, 37, 2), (1, 3, 8, 2, 32, 70, 2), (2, 1, 4, 1, 64, 9, 2),
+    (1, 2, 4, 1, 16, 9, 40),  # 160 query rows and 40 flow keys per KV head: 3 row blocks, 2 flow-key blocks
+])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 2e-3)])
 def test_flow_attention_matches_reference(case, dtype, tol):
-    kwargs = attention_inputs(*case, dtype=dtype)
+    *shape, num_flow = case
+    kwargs = attention_inputs(*shape, num_flow=num_flow, dtype=dtype)
     expected = attention_reference.flow_token_attention(**kwargs)
     (expected_grad,) = torch.autograd.grad(expected.float().square().sum(), kwargs["flow_hidden"])
     out = flow_token_attention(**kwargs)

@@ -17,9 +17,9 @@ def mix32(x):
 
 @triton.jit
 def noise_at(counter, k0, k1):
-    """Standard normal for int64 ``counter`` tensors under stream keys ``k0, k1`` (uint32)."""
-    k0 = k0.to(tl.uint32)  # keys ≥ 2**31 arrive as int64 scalars
-    k1 = k1.to(tl.uint32)
+    """Standard normal for int64 ``counter`` tensors under stream keys ``k0, k1`` (uint32 bits in int32 scalars)."""
+    k0 = k0.to(tl.uint32, bitcast=True)
+    k1 = k1.to(tl.uint32, bitcast=True)
     lo = (counter & 0xFFFFFFFF).to(tl.uint32)
     hi = (counter >> 32).to(tl.uint32)
     b0 = mix32(mix32(lo ^ k0) ^ hi)

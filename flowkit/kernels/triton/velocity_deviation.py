@@ -15,12 +15,24 @@ from torch.library import triton_op, wrap_triton
 from ..rng import stream_keys
 from .rng import noise_at
 
-BLOCK_ROWS = 16
-BLOCK_TOKENS = 16
+# Tiles of at most 2,048 elements for 4 warps: 16 per thread keep the noise hash and its operands in registers on
+# sm_90 (16 x 1024 tiles spilled 3-5 KB per thread and took 12-18 s to compile; benchmarks/compile_sm90.py checks).
+BLOCK_ROWS = 4
+BLOCK_TOKENS = 4
+MAX_BLOCK_DIM = 512
+NUM_WARPS = 4
+# Run-time sizes, offsets and seed keys change every step: specialising on their values (== 1, divisible by 16)
+# would compile a new variant per step (names a kernel lacks are ignored).
+DYNAMIC_ARGS = ["k0", "k1", "num_rows", "num_tokens", "token_offset"]
 
 
 def _block_dim(dim: int) -> int:
-    return min(triton.next_power_of_2(dim), 1024)
+    return min(triton.next_power_of_2(dim), MAX_BLOCK_DIM)
+
+
+def _int32_keys(seed: int) -> tuple[int, int]:
+    """The stream keys as the int32 bit patterns of their uint32 values, so every seed binds the same i32 argument."""
+    return tuple(key - (1 << 32) if key >= 1 << 31 else key for key in stream_keys(seed))
 
 
 @triton.jit
@@ -29,7 +41,7 @@ def _noise_base(tokens, token_offset, groups, group, dim):
     return ((tokens.to(tl.int64) + token_offset) * groups + group) * dim
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def _interpolate_kernel(x1_ptr, t_ptr, out_ptr, k0, k1, num_rows, num_layers, num_tokens, num_steps, dim, token_offset,
                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -50,7 +62,7 @@ def _interpolate_kernel(x1_ptr, t_ptr, out_ptr, k0, k1, num_rows, num_layers, nu
         tl.store(out_ptr + out_rows[:, None] + cols[None, :], x_t.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def _deviation_kernel(v_ptr, x1_ptr, w_ptr, mask_ptr, score_ptr, k0, k1, num_layers, num_steps, num_tokens, dim,
                       token_offset, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,7 +88,7 @@ def _deviation_kernel(v_ptr, x1_ptr, w_ptr, mask_ptr, score_ptr, k0, k1, num_lay
     tl.store(score_ptr + tokens, score.to(score_ptr.dtype.element_ty), mask=token_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def _deviation_backward_kernel(grad_ptr, v_ptr, x1_ptr, w_ptr, mask_ptr, grad_v_ptr, k0, k1, num_rows, num_layers,
                                num_tokens, num_steps, dim, token_offset, norm, BLOCK_R: tl.constexpr,
                                BLOCK_D: tl.constexpr):
@@ -106,11 +118,11 @@ def interpolate_latents(x1: torch.Tensor, timesteps: torch.Tensor, seed: int, to
     num_layers, num_tokens, dim = x1.shape
     num_rows = num_layers * timesteps.shape[0] * num_tokens
     out = torch.empty((num_rows, dim), device=x1.device, dtype=x1.dtype)
-    k0, k1 = stream_keys(seed)
+    k0, k1 = _int32_keys(seed)
     grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
     wrap_triton(_interpolate_kernel)[grid](x1, timesteps, out, k0, k1, num_rows, num_layers, num_tokens,
                                            timesteps.shape[0], dim, token_offset,
-                                           BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_dim(dim))
+                                           BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_dim(dim), num_warps=NUM_WARPS)
     return out
 
 
@@ -121,10 +133,11 @@ def velocity_deviation(v: torch.Tensor, x1: torch.Tensor, timesteps: torch.Tenso
     num_layers, num_tokens, dim = x1.shape
     score_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     score = torch.empty((num_tokens,), device=v.device, dtype=score_dtype)
-    k0, k1 = stream_keys(seed)
+    k0, k1 = _int32_keys(seed)
     grid = (triton.cdiv(num_tokens, BLOCK_TOKENS),)
     wrap_triton(_deviation_kernel)[grid](v, x1, weights, mask, score, k0, k1, num_layers, timesteps.shape[0],
-                                         num_tokens, dim, token_offset, BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_dim(dim))
+                                         num_tokens, dim, token_offset, BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_dim(dim),
+                                         num_warps=NUM_WARPS)
     return score
 
 
@@ -135,13 +148,13 @@ def velocity_deviation_backward(grad_score: torch.Tensor, v: torch.Tensor, x1: t
     num_layers, num_tokens, dim = x1.shape
     num_rows = v.shape[0]
     grad_v = torch.empty_like(v)
-    k0, k1 = stream_keys(seed)
+    k0, k1 = _int32_keys(seed)
     norm = 2.0 / (num_layers * timesteps.shape[0] * dim)
     grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
     wrap_triton(_deviation_backward_kernel)[grid](grad_score.contiguous(), v, x1, weights, mask, grad_v, k0, k1,
                                                   num_rows, num_layers, num_tokens, timesteps.shape[0], dim,
                                                   token_offset, norm,
-                                                  BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_dim(dim))
+                                                  BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_dim(dim), num_warps=NUM_WARPS)
     return grad_v
 
 
