@@ -1,12 +1,14 @@
 """Scale rehearsal of the RL step: a random-weight Qwen2.5-1.5B-shaped policy, RLFR flow reward, HF rollouts.
 
-    python benchmarks/bench_rl_scale.py                       # one H200: bf16, 2 steps of 64 prompts x 8 x 1024 tokens
-    python benchmarks/bench_rl_scale.py --shape toy --device cpu --dtype float32 --prompts 2 --samples 4 \
+    python benchmarks/bench_rl_scale.py                       # one H200: bf16-mixed, 2 steps of 64 prompts x 8 x 1024
+    python benchmarks/bench_rl_scale.py --shape toy --device cpu --precision 32-true --prompts 2 --samples 4 \
         --new-tokens 16 --micro-batch-size 4 --rollout-batch-size 8     # the same code path on CPU, in seconds
 
 The policy is built from a config (Qwen2.5-1.5B: 28 layers, hidden 1536, 12 heads / 2 KV heads, intermediate 8960,
 vocab 151936, tied embeddings; nothing is downloaded) with a character tokenizer padded to the vocabulary, saved to
-a temporary directory and loaded by PolicyModule like any local model. Random weights almost never sample EOS, so
+a temporary directory and loaded by PolicyModule like any local model, in fp32: one device has no DeepSpeed to keep
+an fp32 master copy of bf16 weights (PolicyModule refuses them there), so ``bf16-mixed`` is fp32 weights, gradients
+and AdamW state with bf16 compute. Random weights almost never sample EOS, so
 every rollout runs the full ``--new-tokens``: the worst case for memory. Prints, per step, the step time and
 PolicyModule's own phase timings (``time/*``: generate, score when there is a scoring pass, update, flow) plus the
 flow token-reward share of the update (timed here by wrapping ``FlowReward.token_rewards``), the number of online
@@ -101,7 +103,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--dtype", default="bfloat16", help="parameter dtype (PolicyModule.dtype)")
+    parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "32-true"],
+                        help="Lightning precision over fp32 weights (bf16-mixed: bf16 autocast compute)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
@@ -125,7 +128,7 @@ def main() -> None:
             model = tiny_qwen2(**SHAPES[args.shape], pad_token_id=tokenizer.pad_token_id,
                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
         model.config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}  # Qwen2.5's θ
-        model.to(getattr(torch, args.dtype)).save_pretrained(tmp)
+        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         parameters = sum(p.numel() for p in model.parameters())
         del model
@@ -133,7 +136,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         reward = FlowReward(percentiles=[0.25, 0.5, 0.75], depth=4, timesteps=[0.8], kappa=args.kappa, seed=0,
                             rejection_metric=args.rejection_metric)
-        module = PolicyModule(backbone=tmp, dtype=args.dtype, reward_model=reward, num_samples=args.samples,
+        module = PolicyModule(backbone=tmp, dtype="float32", reward_model=reward, num_samples=args.samples,
                               max_new_tokens=args.new_tokens, outcome_reward="official", lr=1e-6, flow_lr=1e-4,
                               micro_batch_size=args.micro_batch_size, rollout_batch_size=args.rollout_batch_size,
                               gradient_checkpointing=args.gradient_checkpointing)
@@ -141,7 +144,7 @@ def main() -> None:
         phases = StepPhases(args.device)
         phases.wrap_reward(reward)
         trainer = L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=1,
-                            precision="bf16-mixed" if args.dtype == "bfloat16" else "32-true", max_steps=args.steps,
+                            precision=args.precision, max_steps=args.steps,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, callbacks=[phases])
         if args.device == "cuda":
@@ -152,11 +155,11 @@ def main() -> None:
     size = (f"{args.shape} ({parameters / 1e6:.1f} M params), {rollouts} rollouts x {args.new_tokens} new, "
             f"micro {args.micro_batch_size}, rollout batch {args.rollout_batch_size}"
             + (", grad ckpt" if args.gradient_checkpointing else ""))
-    print(f"scale rehearsal: {size}, {args.device} {args.dtype}")
+    print(f"scale rehearsal: {size}, {args.device} {args.precision}")
     for index, step in enumerate(phases.steps):
         pieces = step.pop("flow_pieces")
         append_csv(args.csv, {"timestamp": timestamp(), "benchmark": "rl_scale", "implementation": f"step {index}",
-                              "device": args.device, "dtype": args.dtype, "size": size,
+                              "device": args.device, "dtype": args.precision, "size": size,
                               "threads": torch.get_num_threads(), "step_ms": round(1e3 * step["step_s"], 1),
                               "phases_s": " ".join(f"{k}={v:.3f}" for k, v in step.items()), "flow_pieces": pieces,
                               **{k: round(v, 1) for k, v in memory.items()}})

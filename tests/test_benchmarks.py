@@ -42,7 +42,7 @@ def test_scale_rehearsal_runs_on_cpu_at_toy_size(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_rl_scale.py"), "--shape", "toy", "--device", "cpu",
-         "--dtype", "float32", "--steps", "1", "--prompts", "2", "--samples", "2", "--new-tokens", "8",
+         "--precision", "32-true", "--steps", "1", "--prompts", "2", "--samples", "2", "--new-tokens", "8",
          "--micro-batch-size", "2", "--rollout-batch-size", "4", "--kappa", "1", "--csv", str(tmp_path / "results.csv")],
         capture_output=True, text=True, env=env, timeout=300,
     )

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,26 @@ def test_deepspeed_configs_parse(config):
     strategy = CPUDeepSpeedStrategy(config=str(config))
     assert strategy.config["zero_optimization"]["stage"] in (2, 3)
     assert strategy._offloads_optimizer() == ("offload" in config.name)
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs" / "deepspeed").glob("*.json")), ids=lambda p: p.name)
+def test_deepspeed_configs_accumulate_bf16_gradients_in_fp32(config):
+    """Each shipped config, as Lightning hands it to DeepSpeed under ``bf16-mixed``, parsed by DeepSpeed's own config
+    class: the engine's (model, accumulation) dtypes — what it passes to the ZeRO-2/3 optimizers as
+    ``gradient_accumulation_dtype`` (their gradient partitions' dtype) — are (bf16, fp32). Without ``data_types``
+    DeepSpeed accumulates in the model dtype: a step's ~32 micro-batches and flow pieces summed in bf16."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from lightning.fabric.strategies.deepspeed import _format_precision_config
+
+    settings = json.loads(config.read_text())
+    settings["train_micro_batch_size_per_gpu"] = 1  # Lightning sets it from the loader
+    _format_precision_config(settings, "bf16-mixed", loss_scale=0, loss_scale_window=1000, min_loss_scale=1,
+                             initial_scale_power=16, hysteresis=2)
+    engine = types.SimpleNamespace(_config=DeepSpeedConfig(settings))
+    engine.fp16_enabled = types.MethodType(DeepSpeedEngine.fp16_enabled, engine)
+    engine.bfloat16_enabled = types.MethodType(DeepSpeedEngine.bfloat16_enabled, engine)
+    assert DeepSpeedEngine.get_data_types(engine) == (torch.bfloat16, torch.float32)
 
 
 def test_offload_turns_adamw_into_cpu_adam_with_same_groups():

@@ -129,6 +129,47 @@ def _trainer_rng_kept(cuda: bool):
     np.random.set_state(numpy_state)
 
 
+def _engine_seed() -> int:
+    """This rank's engine seed: the run's seed (``torch.initial_seed()``, which Lightning's ``seed_everything`` sets
+    alike on every rank) times the world size plus the rank, modulo 2³² (NumPy's seed range) — distinct over the
+    ranks and over runs' seeds below 2³² / world size."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+    return (torch.initial_seed() * world + rank) % 2**32
+
+
+class _SamplingRandomness:
+    """The random stream an engine samples from, one per engine (TRL seeds its colocated engines per rank, not per
+    request). vLLM draws what a request without a seed of its own needs from the process's global generators —
+    torch's default (its sampler's noise) or NumPy's (a per-request seed, in its newer model runner) — which are the
+    trainer's. Inside :meth:`active` they run this engine's stream (seeded with ``seed`` at the first use, as vLLM's
+    ``set_random_seed``, then continued) and the trainer's states are put back afterwards: samples depend on the seed
+    alone, not on the trainer's draws, nor the trainer's on how much vLLM sampled. Per-request seeds instead give
+    vLLM one generator per request, sampled row by row in Python at every decoding step."""
+
+    def __init__(self, seed: int, cuda: bool):
+        self.seed, self.cuda = seed, cuda
+        self._states: tuple | None = None  # Python, NumPy, torch CPU, torch CUDA (None on CPU)
+
+    @contextlib.contextmanager
+    def active(self):
+        with _trainer_rng_kept(self.cuda):
+            if self._states is None:
+                random.seed(self.seed)
+                np.random.seed(self.seed)
+                torch.manual_seed(self.seed)
+            else:
+                python_state, numpy_state, cpu_state, cuda_state = self._states
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
+                torch.set_rng_state(cpu_state)
+                if self.cuda:
+                    torch.cuda.set_rng_state(cuda_state)
+            yield
+            self._states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                            torch.cuda.get_rng_state() if self.cuda else None)
+
+
 class VllmRolloutEngine:
     """Samples ``n`` responses per prompt with a colocated ``vllm.LLM``, in the HF engine's layout.
 
@@ -178,6 +219,7 @@ class VllmRolloutEngine:
         self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len
         self.enable_sleep_mode = enable_sleep_mode
         self.llm = None  # built at the first generation, once the trainer has put the policy on its device
+        self._randomness: _SamplingRandomness | None = None  # seeded at the first generation, in the process group
         self.sleep_mode = False
         self.saw_nonfinite_logits = False
         self.policy_version = 0
@@ -198,7 +240,7 @@ class VllmRolloutEngine:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed:
             # One engine per rank inside the trainer's process group (TRL's colocate mode): vLLM joins the
-            # existing group instead of starting its own, and each rank samples with its own seed.
+            # existing group instead of starting its own; each rank samples with its own seed (_engine_seed).
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
             os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
             os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
@@ -210,7 +252,7 @@ class VllmRolloutEngine:
                 model=self.model_path,
                 skip_tokenizer_init=True,
                 dtype=dtype,
-                seed=torch.distributed.get_rank() if distributed else 0,
+                seed=self._randomness.seed,
                 logprobs_mode="processed_logprobs",
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 max_model_len=self.max_model_len,
@@ -242,6 +284,8 @@ class VllmRolloutEngine:
     def _ready_to_generate(self) -> None:
         """Build on first use, then wake in TRL's order: the weights, the policy's weights pushed into them if
         vLLM's are stale, then the KV cache (so the push never shares the GPU with the KV cache)."""
+        if self._randomness is None:
+            self._randomness = _SamplingRandomness(_engine_seed(), next(self.model.parameters()).device.type == "cuda")
         if self.llm is None:
             self._build()
         if self._weights_stale:
@@ -277,26 +321,16 @@ class VllmRolloutEngine:
         self.llm = None
 
     # ------------------------------------------------------------------------------------------ sampling
-    def _sampling_params(self, samples: int, temperature: float) -> list:
-        """One ``SamplingParams`` per sample (one vLLM request each, n = 1), prompt-major.
-
-        Sampled requests get a seed each, distinct over (rank, prompt, sample): a base drawn from the trainer's
-        seeded torch RNG (a new one per call, so a run is reproducible) plus the sample's index interleaved over
-        the ranks. Lightning seeds every rank alike, so the base is the same on every rank; and vLLM seeds the j-th
-        sample of an n > 1 request with ``seed + j``, so per-prompt seeds would make samples of neighbouring
-        prompts, and of every rank, draw the same random numbers.
-        """
+    def _sampling_params(self, temperature: float):
+        """The ``SamplingParams`` of every request of a call (one per sample, n = 1): no seed of their own, so vLLM
+        samples them together from the engine's stream (:class:`_SamplingRandomness`); temperature 0 is greedy."""
         from vllm import SamplingParams
 
         common = {"max_tokens": self.max_new_tokens, "logprobs": 0, "detokenize": False,
                   "stop_token_ids": [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else None}
         if temperature <= 0:
-            return [SamplingParams(n=1, temperature=0.0, **common) for _ in range(samples)]
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
-        base = int(torch.randint(0, 2**62, ()))  # + samples × world stays below vLLM's int64 seeds
-        return [SamplingParams(n=1, temperature=temperature, top_p=self.top_p, seed=base + sample * world + rank,
-                               **common) for sample in range(samples)]
+            return SamplingParams(n=1, temperature=0.0, **common)
+        return SamplingParams(n=1, temperature=temperature, top_p=self.top_p, **common)
 
     @torch.no_grad()
     def generate(
@@ -314,7 +348,8 @@ class VllmRolloutEngine:
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids for _ in range(n)]
-        outputs = self.llm.generate(requests, self._sampling_params(len(requests), temperature), use_tqdm=False)
+        with self._randomness.active():
+            outputs = self.llm.generate(requests, self._sampling_params(temperature), use_tqdm=False)
         self._sleep()
         samples = [request.outputs[0] for request in outputs]  # prompt-major, as HF orders them
 

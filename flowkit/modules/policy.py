@@ -22,7 +22,7 @@ from flowkit.llm.backbone import load_backbone
 from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSetup, RolloutEngine
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
-from flowkit.modules.optim import LR_DECAYS, LrDecay, step_groups
+from flowkit.modules.optim import LR_DECAYS, LrDecay, require_fp32_master_weights, step_groups
 from flowkit.modules.pretraining import pretrain_flow_reward
 from flowkit.modules.sft import supervised_start
 from flowkit.rewards.base import TokenRewardModel
@@ -58,7 +58,8 @@ class PolicyModule(L.LightningModule):
 
     Args:
         backbone: hub id, local dir, or ``bundled:tiny_adder``.
-        dtype: parameter dtype of the backbone (``bfloat16`` for real models).
+        dtype: parameter dtype of the backbone: ``bfloat16`` for real models under DeepSpeed (fp32 master copies);
+            elsewhere ``float32`` with ``precision: bf16-mixed`` (bf16 weights there are a ConfigError).
         trust_remote_code: passed to ``from_pretrained``; off unless you trust the model repo.
         lora: LoRA settings (peft); ``None`` fine-tunes all weights.
         reward_model: dense reward (e.g. :class:`~flowkit.rewards.FlowReward`); ``None`` is plain GRPO.
@@ -283,6 +284,7 @@ class PolicyModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         hp = self.hparams
         if stage == "fit":
+            require_fp32_master_weights("PolicyModule", self.trainer.strategy, self, hp.lr)
             accumulate_until_step(self.trainer, hp.max_grad_norm)
         if stage == "fit" and hp.flow_pretrain_steps > 0 and self.trainer.ckpt_path is None:
             self.pretrain_reward_model()

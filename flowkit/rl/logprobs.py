@@ -12,7 +12,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from flowkit.distributed import agreed_call_count, gathered, zero3_sharded
+from flowkit.distributed import agreed_call_count
 
 # Response tokens per LM-head chunk: 1024 tokens × 152k vocab × 4 bytes ≈ 0.6 GB of float32 logits at a time.
 DEFAULT_LM_HEAD_CHUNK = 1024
@@ -32,28 +32,33 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.nn.functional.pad(entropy, (1, 0))
 
 
-def _frozen_sharded(lm_head: Callable[[Tensor], Tensor]) -> bool:
-    """A ZeRO-3-sharded head that does not train (a LoRA policy's): DeepSpeed gathers a module's shards for the
-    backward only when they are trained, so a checkpointed chunk recomputed in the backward would find it empty."""
-    if not isinstance(lm_head, torch.nn.Linear):
-        return False
-    params = list(lm_head.parameters())
-    return not any(p.requires_grad for p in params) and zero3_sharded(params)
+class _LinearHeadLogprobs(torch.autograd.Function):
+    """log p(target) and the entropy of N tokens through a Linear head, ``chunk`` tokens at a time, holding one chunk
+    of vocabulary-sized logits at a time and saving only the N×d hidden states (as checkpointing each chunk would).
 
-
-class _FrozenHeadChunk(torch.autograd.Function):
-    """log p(target) and the entropy of N tokens through a frozen Linear head, saving only the N×d hidden states (as
-    checkpointing would): forward and backward each gather the head's weights explicitly (a collective that every rank
-    runs as often, chunk counts being agreed) and recompute the chunk's logits; the gradient w.r.t. the hidden states is
-    ((onehot(target) − softmax) · g / T) · W, plus −p ⊙ (log p + H) · g_H / T · W for an ``entropy_gradient``."""
+    Called inside the head module's own forward (:func:`_as_forward_of`), so under ZeRO-3 DeepSpeed's module hooks
+    gather the head (trained or frozen) at most once for the forward of all chunks and once for their backward (and
+    keep it between the two when the module trace says it is reused next): the backward recomputes each chunk's
+    logits and adds its share of every gradient under that gather. The gradient w.r.t. the logits z/T is
+    g·(onehot(target) − softmax), plus −p ⊙ (log p + H)·g_H for an ``entropy_gradient``; the hidden states get it
+    times W, W gets its transpose times the hidden states (summed over the chunks in fp32), the bias its column sums.
+    Matmuls run in the forward's autocast dtype where autocast is on, as the module's own forward would."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, lm_head: torch.nn.Linear, targets: Tensor, temperature: float,
-                entropy_gradient: bool = False):
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: torch.nn.Linear, targets: Tensor,
+                temperature: float, chunk: int, entropy_gradient: bool):
+        device = hidden.device.type
+        ctx.compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         ctx.save_for_backward(hidden, targets)
-        ctx.lm_head, ctx.temperature, ctx.entropy_gradient = lm_head, temperature, entropy_gradient
-        with torch.no_grad(), gathered(list(lm_head.parameters())):
-            picked, entropy = _chunk_logprobs(lm_head.forward, hidden, targets, temperature)
+        ctx.head, ctx.temperature, ctx.chunk, ctx.entropy_gradient = head, temperature, chunk, entropy_gradient
+        picked, entropy = [], []
+        for start in range(0, len(targets), chunk):
+            logits = torch.nn.functional.linear(hidden[start:start + chunk], weight, bias).float() / temperature
+            log_normalizer = torch.logsumexp(logits, dim=-1)
+            picked.append(logits.gather(-1, targets[start:start + chunk, None]).squeeze(-1) - log_normalizer)
+            entropy.append(log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        picked, entropy = (torch.cat(picked) if picked else empty), (torch.cat(entropy) if entropy else empty.clone())
         if not entropy_gradient:
             ctx.mark_non_differentiable(entropy)
         return picked, entropy
@@ -61,19 +66,48 @@ class _FrozenHeadChunk(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_picked: Tensor, grad_entropy: Tensor):
         hidden, targets = ctx.saved_tensors
-        head = ctx.lm_head
-        with torch.no_grad(), gathered(list(head.parameters())):
-            logits = torch.nn.functional.linear(hidden, head.weight, head.bias).float() / ctx.temperature
+        head, dtype = ctx.head, ctx.compute_dtype
+        want_weight, want_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(hidden)
+        weight = head.weight.to(dtype)
+        bias = None if head.bias is None else head.bias.to(dtype)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_bias else None
+        for start in range(0, len(targets), ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            states = hidden[rows].to(dtype)
+            logits = torch.nn.functional.linear(states, weight, bias).float() / ctx.temperature
             probs = torch.softmax(logits, dim=-1)
             grad_logits = -probs
-            grad_logits[torch.arange(len(targets), device=targets.device), targets] += 1.0
-            grad_logits *= grad_picked[:, None]
+            grad_logits[torch.arange(len(states), device=targets.device), targets[rows]] += 1.0
+            grad_logits *= grad_picked[rows, None]
             if ctx.entropy_gradient:  # ∂H/∂z = −p ⊙ (log p + H)
                 log_probs = torch.log_softmax(logits, dim=-1)
                 entropy = -(probs * log_probs).sum(-1, keepdim=True)
-                grad_logits -= probs * (log_probs + entropy) * grad_entropy[:, None]
-            grad_hidden = (grad_logits / ctx.temperature @ head.weight.float()).to(hidden.dtype)
-        return grad_hidden, None, None, None, None
+                grad_logits -= probs * (log_probs + entropy) * grad_entropy[rows, None]
+            grad_logits = (grad_logits / ctx.temperature).to(dtype)
+            grad_hidden[rows] = (grad_logits @ weight).to(hidden.dtype)
+            if want_weight:
+                grad_weight += (grad_logits.T @ states).float()
+            if want_bias:
+                grad_bias += grad_logits.float().sum(0)
+        grad_weight = None if grad_weight is None else grad_weight.to(head.weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(head.bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _as_forward_of(module: torch.nn.Module, function: Callable, *args):
+    """``module(*args)`` with ``function`` in place of its forward: the module's hooks — ZeRO-3's gather before its
+    forward and its backward and release after them — run once around the whole of ``function``."""
+    own_forward = module.__dict__.get("forward")  # an instance-level forward (e.g. accelerate's) to put back
+    module.forward = function
+    try:
+        return module(*args)
+    finally:
+        if own_forward is None:
+            del module.forward
+        else:
+            module.forward = own_forward
 
 
 def _chunk_logprobs(lm_head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor,
@@ -100,11 +134,12 @@ def lm_head_logprobs(
     """Log-probs and entropies of the response tokens from the last hidden state, in chunks of tokens.
 
     Equal to :func:`token_logprobs` / :func:`token_entropy` of ``lm_head(hidden)`` on response positions (0
-    elsewhere), but only response positions go through the LM head, ``chunk_size`` tokens at a time; each chunk
-    is wrapped in (non-reentrant) activation checkpointing when a gradient is needed, so neither the forward
-    nor the backward ever holds more than one chunk of vocabulary-sized logits. ``lm_head`` is *called* (it is
-    the module, not its weight), so tied embeddings, LoRA-wrapped heads and ZeRO-3 (which gathers parameters in
-    module forward hooks, again during the recomputation) all work.
+    elsewhere), but only response positions go through the LM head, ``chunk_size`` tokens at a time, and the
+    backward recomputes each chunk's logits, so neither the forward nor the backward ever holds more than one chunk
+    of vocabulary-sized logits. ``lm_head`` is *called* (it is the module, not its weight), so its module hooks run:
+    a Linear head (tied embeddings included) is called once for all chunks (:class:`_LinearHeadLogprobs`), so ZeRO-3
+    gathers it once for the forward and once for the backward of the whole micro-batch; any other head (LoRA-wrapped)
+    once per chunk, checkpointed (:func:`_module_head_logprobs`).
 
     Args:
         hidden: B×S×d last hidden state; position s−1 predicts ``input_ids[:, s]``.
@@ -125,33 +160,42 @@ def lm_head_logprobs(
     rows, cols = response.nonzero(as_tuple=True)
     states, targets = hidden[rows, cols - 1], input_ids[rows, cols]
     size = max(1, len(targets)) if chunk_size is None else chunk_size
+    if isinstance(lm_head, torch.nn.Linear):
+        # One call into the head per micro-batch, whatever its number of tokens: every rank makes it (ZeRO-3 gathers).
+        picked, entropy = _as_forward_of(lm_head, lambda chunk_states: _LinearHeadLogprobs.apply(
+            chunk_states, lm_head.weight, lm_head.bias, lm_head, targets, temperature, size, entropy_gradient), states)
+    else:
+        picked, entropy = _module_head_logprobs(lm_head, hidden, input_ids, states, targets, temperature, size,
+                                                entropy_gradient)
+    logprobs = hidden.new_zeros(response.shape, dtype=torch.float32).index_put((rows, cols), picked)
+    entropies = torch.zeros_like(logprobs).index_put((rows, cols), entropy)
+    return logprobs, entropies
+
+
+def _module_head_logprobs(lm_head: Callable[[Tensor], Tensor], hidden: Tensor, input_ids: Tensor, states: Tensor,
+                          targets: Tensor, temperature: float, size: int,
+                          entropy_gradient: bool) -> tuple[Tensor, Tensor]:
+    """Any other head (e.g. a LoRA-wrapped one): called per chunk of ``size`` tokens, each chunk in (non-reentrant)
+    activation checkpointing when a gradient is needed. Under ZeRO-3 every call gathers the head (forward,
+    recomputation, backward), so ranks with fewer chunks call it as often as the rank with the most (agreed before
+    the first call: see agreed_call_count), on one dummy token whose log-prob joins the result × 0."""
     checkpointed = torch.is_grad_enabled() and states.requires_grad
 
-    frozen_sharded = _frozen_sharded(lm_head)
-
     def head(chunk_states: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor]:
-        if frozen_sharded:
-            return _FrozenHeadChunk.apply(chunk_states, lm_head, chunk_targets, temperature, entropy_gradient)
         if checkpointed:
             return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, chunk_states, chunk_targets, temperature,
                                                      entropy_gradient, use_reentrant=False)
         return _chunk_logprobs(lm_head, chunk_states, chunk_targets, temperature, entropy_gradient)
 
     chunks = [slice(start, start + size) for start in range(0, len(targets), size)]
-    # Ranks with fewer response tokens call a ZeRO-3-sharded head as often as the rank with the most (agreed before
-    # the first call: see agreed_call_count), on one dummy token whose log-prob joins the result × 0, so its backward
-    # runs too.
     calls = agreed_call_count(len(chunks), lm_head) if isinstance(lm_head, torch.nn.Module) else len(chunks)
     picked, entropy = [], []
     for chunk in chunks:
         lp, ent = head(states[chunk], targets[chunk])
         picked.append(lp)
         entropy.append(ent)
-    logprobs = hidden.new_zeros(response.shape, dtype=torch.float32)
-    entropies = torch.zeros_like(logprobs)
-    if picked:
-        logprobs = logprobs.index_put((rows, cols), torch.cat(picked))
-        entropies = entropies.index_put((rows, cols), torch.cat(entropy))
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    picked, entropy = (torch.cat(picked) if picked else empty), (torch.cat(entropy) if entropy else empty.clone())
     for _ in range(calls - len(chunks)):
-        logprobs = logprobs + head(hidden[:1, 0], input_ids[:1, 0])[0].sum() * 0.0
-    return logprobs, entropies
+        picked = picked + head(hidden[:1, 0], input_ids[:1, 0])[0].sum() * 0.0
+    return picked, entropy

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
@@ -545,21 +546,57 @@ def test_without_sleep_mode_weights_are_pushed_once_per_training_step(monkeypatc
     assert events == ["reload_weights", "reset_prefix_cache", "generate"] * 2 + ["generate"]
 
 
-def test_sampling_seeds_differ_over_ranks_prompts_and_samples_and_follow_the_trainer_seed(monkeypatch):
-    """One request per sample (n = 1, so vLLM's ``seed + j`` for the j-th sample of a request never applies), each
-    with its own seed; every rank draws the same base from the equally seeded trainer RNG but gets other seeds."""
-    engine = fake_engine(monkeypatch, [], sleep_mode=False)
+class DrawingLLM(FakeLLM):
+    """A fake ``vllm.LLM`` that samples as vLLM does a request without a seed of its own: from the process's global
+    generators (torch's noise; NumPy's in vLLM's newer model runner, which draws a seed per such request)."""
+
+    def __init__(self, events: list[str], eos: int):
+        super().__init__(events, eos)
+        self.draws: list[tuple[float, int]] = []
+
+    def generate(self, requests, params, use_tqdm):
+        self.draws.append((float(torch.rand(())), int(np.random.randint(2**31))))
+        return super().generate(requests, params, use_tqdm)
+
+
+def drawing_engine(monkeypatch, rank: int, world: int):
+    """A fake engine on ``rank`` of ``world`` (the process group faked), built as the first generation builds it."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    seeds = {}
-    for rank in (0, 1, 0):
-        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
-        torch.manual_seed(0)
-        engine.generate(["1+1=", "2+2=", "3+3="], 4)
-        params = engine.llm.sampling[-1]
-        assert len(params) == 12 and all(p.n == 1 and p.temperature == 1.0 for p in params)
-        seeds.setdefault(rank, []).append([p.seed for p in params])
-    assert seeds[0][0] == seeds[0][1]  # reproducible from the trainer's seed
-    assert len(set(seeds[0][0]) | set(seeds[1][0])) == 24
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: world)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
+    engine = fake_engine(monkeypatch, [], sleep_mode=False)
+    engine.llm = DrawingLLM([], engine.tokenizer.eos_token_id)
+    return engine
+
+
+def samples_of(engine, seed: int, calls: int = 2) -> list[tuple[float, int]]:
+    torch.manual_seed(seed)  # the run's seed, as seed_everything sets it on every rank
+    for _ in range(calls):
+        engine.generate(["1+1=", "2+2="], 4)
+    return engine.llm.draws
+
+
+def test_one_seed_per_engine_reproducible_distinct_over_ranks_and_apart_from_the_trainer_rng(monkeypatch):
+    """Sampled requests carry no seed (vLLM then samples the batch together, not with one generator per request):
+    the engine's stream is seeded once per rank from the run's seed. Same seed and rank → the same samples; another
+    rank or seed → others; each generation continues the stream; the trainer's RNG streams are left as they were."""
+    first = samples_of(drawing_engine(monkeypatch, rank=0, world=2), seed=0)
+    assert samples_of(drawing_engine(monkeypatch, rank=0, world=2), seed=0) == first  # reproducible
+    assert first[0] != first[1]  # the stream continues over generations
+    other_rank = samples_of(drawing_engine(monkeypatch, rank=1, world=2), seed=0)
+    other_seed = samples_of(drawing_engine(monkeypatch, rank=0, world=2), seed=1)
+    assert not set(first) & set(other_rank) and not set(first) & set(other_seed)
+
+    engine = drawing_engine(monkeypatch, rank=0, world=2)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    trainer_draws = (torch.rand(3), np.random.rand(3))
+    torch.manual_seed(0)
+    np.random.seed(0)
+    engine.generate(["1+1="], 2)
+    sampled = engine.llm.sampling[-1]
     engine.generate(["1+1="], 2, temperature=0)
-    assert all(p.temperature == 0.0 and "seed" not in vars(p) for p in engine.llm.sampling[-1])
+    greedy = engine.llm.sampling[-1]
+    assert torch.equal(torch.rand(3), trainer_draws[0]) and np.array_equal(np.random.rand(3), trainer_draws[1])
+    assert sampled.n == 1 and sampled.temperature == 1.0 and "seed" not in vars(sampled)
+    assert greedy.temperature == 0.0 and "seed" not in vars(greedy)

@@ -25,7 +25,7 @@ def batch_with_responses(vocab: int, generator: torch.Generator) -> RolloutBatch
 def test_matches_full_logits_in_values_and_gradients(chunk_size):
     generator = torch.Generator().manual_seed(0)
     vocab, dim = 50, 16
-    head = torch.nn.Linear(dim, vocab, bias=False)
+    head = torch.nn.Linear(dim, vocab)
     hidden = torch.randn(3, 9, dim, generator=generator, requires_grad=True)
     batch = batch_with_responses(vocab, generator)
     mask = batch.response_mask
@@ -38,8 +38,8 @@ def test_matches_full_logits_in_values_and_gradients(chunk_size):
     assert not entropy.requires_grad
 
     weights = torch.randn(3, 9, generator=generator)
-    grads = torch.autograd.grad((logprobs * weights).sum(), [hidden, head.weight])
-    expected_grads = torch.autograd.grad((expected * weights).sum(), [hidden, head.weight])
+    grads = torch.autograd.grad((logprobs * weights).sum(), [hidden, head.weight, head.bias])
+    expected_grads = torch.autograd.grad((expected * weights).sum(), [hidden, head.weight, head.bias])
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -82,45 +82,83 @@ def test_tied_embeddings_and_lora_through_the_decoder(lora):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_frozen_sharded_head_gives_the_same_logprobs_and_hidden_gradients(monkeypatch):
-    """The frozen ZeRO-3 head's path (weights gathered explicitly, analytic backward) equals the checkpointed module
-    call on log-probs and on the gradient w.r.t. the hidden states."""
-    import flowkit.rl.logprobs as logprobs
-
+def test_a_frozen_head_gives_the_full_logits_logprobs_and_hidden_gradients():
     torch.manual_seed(0)
     head = torch.nn.Linear(6, 11).requires_grad_(False)
     hidden = torch.randn(2, 5, 6, requires_grad=True)
     ids, mask = torch.randint(0, 11, (2, 5)), torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]).float()
-    expected, _ = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2)
+    expected = token_logprobs(head(hidden), ids, 0.7) * mask
     weights = torch.randn_like(expected)
     (reference,) = torch.autograd.grad((expected * weights).sum(), hidden)
-    monkeypatch.setattr(logprobs, "zero3_sharded", lambda params: True)  # as if DeepSpeed had sharded the head
-    calls, apply = [], logprobs._FrozenHeadChunk.apply
-    monkeypatch.setattr(logprobs._FrozenHeadChunk, "apply", lambda *args: calls.append(1) or apply(*args))
-    got, entropy = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2)
-    assert len(calls) == 3  # 6 response tokens (position 0 excluded) in chunks of 2
+    got, entropy = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2)  # 6 tokens: 3 chunks
     torch.testing.assert_close(got, expected)
     assert not entropy.requires_grad
     (grad,) = torch.autograd.grad((got * weights).sum(), hidden)
     torch.testing.assert_close(grad, reference)
 
 
-def test_entropy_gradient_matches_full_logits_also_through_a_frozen_sharded_head(monkeypatch):
-    """``entropy_gradient``: the entropies carry the gradient of token_entropy(full logits), through the checkpointed
-    chunks and through the frozen ZeRO-3 head's analytic backward (∂H/∂z = −p ⊙ (log p + H))."""
-    import flowkit.rl.logprobs as logprobs
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_bf16_autocast_computes_as_the_module_does(frozen):
+    """Under bf16 autocast (``bf16-mixed`` over fp32 weights) the head's matmuls run in bf16 as the module's own
+    forward does: log-probs and gradients agree with the checkpointed module path within bf16 rounding."""
+    from flowkit.rl.logprobs import _module_head_logprobs
 
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50).requires_grad_(not frozen)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    ids, mask = torch.randint(0, 50, (2, 9)), torch.ones(2, 9)
+    trainable = [hidden] + ([] if frozen else [head.weight, head.bias])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = lm_head_logprobs(hidden, head, ids, mask, chunk_size=4)
+        states, targets = hidden[:, :-1].reshape(-1, 16), ids[:, 1:].reshape(-1)
+        want, _ = _module_head_logprobs(head, hidden, ids, states, targets, 1.0, 4, False)
+    torch.testing.assert_close(got[:, 1:].reshape(-1), want)
+    for mine, theirs in zip(torch.autograd.grad(got.sum(), trainable), torch.autograd.grad(want.sum(), trainable)):
+        torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_entropy_gradient_matches_full_logits(frozen):
+    """``entropy_gradient``: the entropies carry the gradient of token_entropy(full logits), through the analytic
+    backward (∂H/∂z = −p ⊙ (log p + H)), to the hidden states and a trained head."""
     torch.manual_seed(1)
-    head = torch.nn.Linear(6, 11).requires_grad_(False)
+    head = torch.nn.Linear(6, 11).requires_grad_(not frozen)
     hidden = torch.randn(2, 5, 6, requires_grad=True)
     ids, mask = torch.randint(0, 11, (2, 5)), torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]).float()
     weights, entropy_weights = torch.randn(2, 5), torch.randn(2, 5)
+    trainable = [hidden] + ([] if frozen else [head.weight, head.bias])
     logits = head(hidden)
     full = (token_logprobs(logits, ids, 0.7) * weights + token_entropy(logits, 0.7) * entropy_weights) * mask
-    (reference,) = torch.autograd.grad(full.sum(), hidden)
-    for sharded in (False, True):
-        monkeypatch.setattr(logprobs, "zero3_sharded", lambda params, sharded=sharded: sharded)
-        got, entropy = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2, entropy_gradient=True)
-        assert entropy.requires_grad
-        (grad,) = torch.autograd.grad((got * weights + entropy * entropy_weights).sum(), hidden)
-        torch.testing.assert_close(grad, reference, msg=f"sharded={sharded}")
+    reference = torch.autograd.grad(full.sum(), trainable)
+    got, entropy = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2, entropy_gradient=True)
+    assert entropy.requires_grad
+    grads = torch.autograd.grad((got * weights + entropy * entropy_weights).sum(), trainable)
+    for mine, theirs in zip(grads, reference):
+        torch.testing.assert_close(mine, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_zero3_gathers_the_head_once_per_micro_batch(head):
+    """2 CPU ranks under ZeRO-3 (tests/rl/zero3_lm_head_job.py), micro-batches of 2-8 chunks whose count changes
+    every step, as RL's do: once the first step has recorded DeepSpeed's module trace, the head is all-gathered at
+    most twice per micro-batch (forward; backward with its recomputation) — per-chunk calls gathered it 12-26 times
+    — with the full logits' log-probs and, for a trained head, the ranks' mean of its full-logits gradient."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed")
+    job = Path(__file__).with_name("zero3_lm_head_job.py")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(job), head], env=env, capture_output=True, text=True, timeout=600)
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in ranks:
+        assert all(count <= 2 for count in rank["gathers"][1:]), rank
+        assert rank["loss_close"] and rank.get("head_grad_close", True), rank
