@@ -91,13 +91,14 @@ class RLStep:
         if self.reward_model is not None:
             self.reward_model.begin_step(step, batch)
         batch.entropy = torch.full((batch.batch_size,), float("nan"), device=batch.input_ids.device)  # NaN: not run
-        fused = self._fused()
+        frozen = self.reward_model is not None and self.reward_model.freezes_policy(step)
+        fused = self._fused() and not frozen
         if not fused:
             score_start = time.perf_counter()
             self._score(batch, outcome)
             timings["time/score_s"] = time.perf_counter() - score_start
         update_start = time.perf_counter()
-        stats = self._update(batch, outcome, fused, timings, order)
+        stats = self._reward_model_only(batch, timings) if frozen else self._update(batch, outcome, fused, timings, order)
         timings["time/update_s"] = time.perf_counter() - update_start - timings.get("time/flow_s", 0.0)
         return batch, {**timings, **stats}
 
@@ -117,7 +118,7 @@ class RLStep:
         if self.actor.reference is not None:
             micro.ref_logprobs = self.actor.reference_logprobs(micro)
         if self.reward_model is not None:
-            micro.latents = out.latents
+            micro.latents, micro.token_entropy = out.latents, out.entropy.detach()
             micro.token_rewards = self.reward_model.score(micro, rows)
             micro.latents = None
             if batch.token_rewards is None:  # the step's batch keeps them (completion logs read them)
@@ -185,6 +186,14 @@ class RLStep:
             self._finish_minibatch(batch, stats, timings, with_reward=index == 0)
         return stats.means()
 
+    def _reward_model_only(self, batch: RolloutBatch, timings: dict[str, float]) -> dict[str, Tensor]:
+        """A step whose policy is frozen (:meth:`TokenRewardModel.freezes_policy`, e.g. the flow's warm-up): the
+        scoring pass ran, the reward model's online loss is backpropagated and only its group moves (every rank
+        alike: the step index decides)."""
+        stats = StepStats()
+        self._finish_minibatch(batch, stats, timings, with_reward=True, policy_groups=())
+        return stats.means()
+
     def _rows_with_gradient(self, mini: RolloutBatch, outcome: Tensor, fused: bool) -> Tensor | None:
         """``skip_zero_advantage_rows``: the rows whose advantages are not all 0 (None: every row runs). The policy
         loss of a token is proportional to its advantage, so such a row adds nothing — unless a KL, value or entropy
@@ -217,9 +226,9 @@ class RLStep:
         return [index[run] for run in runs] + [None] * (count - len(runs))
 
     def _finish_minibatch(self, batch: RolloutBatch, stats: StepStats, timings: dict[str, float],
-                          with_reward: bool) -> None:
+                          with_reward: bool, policy_groups: Collection[str] = ("policy", "value")) -> None:
         """The reward model's online loss (first minibatch only, piece by piece), then the optimizer step."""
-        groups = {"policy", "value"}
+        groups = set(policy_groups)
         if with_reward and self.reward_model is not None:
             start = time.perf_counter()
             pieces = self.reward_model.end_step(batch)
