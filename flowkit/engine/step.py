@@ -171,7 +171,7 @@ class RLStep:
 
     def _truncated(self, batch: RolloutBatch) -> Tensor:
         """B bool: responses without an EOS token (cut at ``max_new_tokens``; without an EOS id: that long)."""
-        eos = getattr(getattr(self.rollout, "tokenizer", None), "eos_token_id", None)
+        eos = self.rollout.tokenizer.eos_token_id
         if eos is None:
             return batch.response_lengths >= self.actor.options.max_new_tokens
         return ~((batch.input_ids == eos) & batch.response_mask.bool()).any(-1)
