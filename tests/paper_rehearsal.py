@@ -52,7 +52,7 @@ OVERRIDES: dict[str, list[str]] = {
         "--model.init_args.rollout_batch_size", "8",
         "--model.init_args.lm_head_chunk_size", "8",
         "--model.init_args.vllm_max_model_len", "128",
-        "--model.init_args.reward_model.init_args.max_rows_per_call", "48",
+        "--model.init_args.reward_model.init_args.max_rows_per_call", "24",  # 8 tokens per call: rows of 1-4 calls
         "--model.init_args.reward_model.init_args.max_rows_per_piece", "48",  # several flow-loss pieces per step
         "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
         "--data.init_args.eval_paths", "{heldout: bundled:arithmetic/val.jsonl}",
