@@ -64,7 +64,8 @@ class SamplingControls:
 
     @property
     def active(self) -> bool:
-        return self.dynamic_sampling_max_draws is not None or self.mask_truncated or self.overlong_buffer_length is not None
+        return (self.dynamic_sampling_max_draws is not None or self.mask_truncated
+                or self.overlong_buffer_length is not None)
 
     @classmethod
     def from_groups(cls, owner: str, dynamic_sampling: dict | None, mask_truncated: bool,

@@ -290,7 +290,8 @@ class PolicyModule(L.LightningModule):
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
         self.rl_step = RLStep(self.actor, self.engine, reward_model, self.grade_rollouts, self.advantage, self.update,
                               num_samples, backward=lambda loss: manual_backward(self, loss),
-                              step_optimizer=self.step_optimizer, controls=self.controls, draw_prompts=self.draw_prompts)
+                              step_optimizer=self.step_optimizer, controls=self.controls,
+                              draw_prompts=self.draw_prompts)
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.sft_losses: list[float] = []

@@ -348,9 +348,11 @@ class FlowReward(TokenRewardModel):
                 if candidate.entropy is None:
                     tokens = scored.float()
                 else:
-                    tokens = entropy_quantile_weights(candidate.entropy, scored, self.entropy_quantile, self.soft_weight)
+                    tokens = entropy_quantile_weights(candidate.entropy, scored, self.entropy_quantile,
+                                                      self.soft_weight)
                     kept_fracs.append(float(tokens.sum() / scored.sum().clamp(min=1)))
-                share = float(row_weights[candidate.row]) / micro_totals[candidate.micro_batch] / len(self._micro_batches)
+                share = (float(row_weights[candidate.row]) / micro_totals[candidate.micro_batch]
+                         / len(self._micro_batches))
                 token_weights.append(tokens * (share / float(tokens.sum())) if tokens.sum() > 0 else tokens)
             if kept_fracs:
                 self._metrics["flow/token_weight_frac"] = sum(kept_fracs) / len(kept_fracs)

@@ -48,7 +48,8 @@ class StubRollout:
                 ids[row, length] = EOS
         return RolloutBatch(input_ids=ids, attention_mask=(mask + (torch.arange(1 + MAX_NEW) == 0)).clamp(max=1),
                             response_mask=mask, group_ids=torch.arange(len(prompts)).repeat_interleave(n),
-                            prompts=[p for p in prompts for _ in range(n)], answers=[a for a in answers for _ in range(n)])
+                            prompts=[p for p in prompts for _ in range(n)],
+                            answers=[a for a in answers for _ in range(n)])
 
 
 def stub_step(rollout: StubRollout, controls: SamplingControls, extra: list[list[str]]) -> RLStep:

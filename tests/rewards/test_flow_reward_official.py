@@ -67,7 +67,8 @@ def scored_in_micro_batches(reward: FlowReward, batch: RolloutBatch, size: int) 
         reward.score(batch.select(rows), rows)
 
 
-def per_token_flow_loss(batch: RolloutBatch, rows: list[int], condition: str = "previous") -> dict[tuple[int, int], float]:
+def per_token_flow_loss(batch: RolloutBatch, rows: list[int],
+                        condition: str = "previous") -> dict[tuple[int, int], float]:
     """(row, position) → the token's flow loss with v = 0, for the rows the update packs (in order, each cut after
     its last response token): the noise of the k-th packed scored token is ``flow_noise`` counter k."""
     tokens = []
