@@ -274,8 +274,9 @@ class FlowReward(TokenRewardModel):
 
     def _keep_candidates(self, batch: RolloutBatch, first_row: int, micro_batch: int) -> None:
         """Keep, on CPU, the latents (up to the last response token) of the rows the online update may use
-        (:meth:`_candidate_rows`); everything else is dropped with the micro-batch. Two host syncs per micro-batch
-        whatever its rows: one for the rows and lengths, one copy of their latents (and masks, entropies)."""
+        (:meth:`_candidate_rows`); everything else is dropped with the micro-batch. A fixed number of host syncs per
+        micro-batch whatever its rows: one for the rows and lengths, then one copy each of their latents, masks (and
+        token entropies); the per-row cuts happen on the CPU."""
         if not self.online_update:
             return
         mask = batch.response_mask
