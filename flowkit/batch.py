@@ -38,6 +38,7 @@ class RolloutBatch:
     policy_versions: Tensor | None = None  # B long, the policy version (optimizer steps) whose weights sampled each row
     ref_logprobs: Tensor | None = None  # B×S float, same under the frozen reference (KL only)
     entropy: Tensor | None = None  # B float, mean token entropy of the response
+    token_entropy: Tensor | None = None  # B×S float, token entropies (a micro-batch's, for token-level flow metrics)
     latents: Tensor | None = None  # P×B×S×d, detached hidden states at the tapped layers
     old_values: Tensor | None = None  # B×S float, value-head estimates V(state before token s) at rollout (PPO + GAE)
     returns: Tensor | None = None  # B×S float, the value targets A + V (PPO + GAE)

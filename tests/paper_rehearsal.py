@@ -45,6 +45,23 @@ OVERRIDES: dict[str, list[str]] = {
         "--data.init_args.batch_size", "4",                 # 2 prompts × 8 samples per rank
         "--data.init_args.val_batch_size", "4",
     ],
+    # the official online protocol: micro-batches of 1 row (16 per rank and step), 8 minibatches of 2 rows
+    "rlfr_qwen_official.yaml": [
+        "--model.init_args.backbone", "bundled:tiny_adder",
+        "--model.init_args.max_new_tokens", "28",
+        "--model.init_args.rollout_batch_size", "8",
+        "--model.init_args.lm_head_chunk_size", "8",
+        "--model.init_args.vllm_max_model_len", "128",
+        "--model.init_args.reward_model.init_args.max_rows_per_call", "24",  # 8 tokens per call: rows of 1-4 calls
+        "--model.init_args.reward_model.init_args.max_rows_per_piece", "48",  # several flow-loss pieces per step
+        "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
+        "--data.init_args.eval_paths", "{heldout: bundled:arithmetic/val.jsonl}",
+        "--data.init_args.max_val_examples", "8",
+        "--data.init_args.prompt_key", "prompt",
+        "--data.init_args.prompt_template", "{prompt}",
+        "--data.init_args.batch_size", "4",
+        "--data.init_args.val_batch_size", "4",
+    ],
     "rlfr_qwen_offline.yaml": [
         "--model.init_args.backbone", "bundled:tiny_adder",
         "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several pieces per batch and rank

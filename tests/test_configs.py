@@ -17,6 +17,10 @@ OFFLINE_OVERRIDES = {
                                        "--model.init_args.dtype", "float32",
                                        "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"]
                       + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout_engine", "hf"]),
+    "rlfr_qwen_official.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
+                                                "--model.init_args.dtype", "float32",
+                                                "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"]
+                               + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout_engine", "hf"]),
     "rlfr_qwen_offline.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                                "--model.init_args.dtype", "float32"],
     "explain_llama.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:explain_tiny/policy",
@@ -29,7 +33,7 @@ OFFLINE_OVERRIDES = {
 
 def test_there_are_configs():
     names = {p.name for p in CONFIGS}
-    assert {"rlfr_tiny.yaml", "rlfr_qwen.yaml", "rlfr_qwen_offline.yaml"} <= names
+    assert {"rlfr_tiny.yaml", "rlfr_qwen.yaml", "rlfr_qwen_official.yaml", "rlfr_qwen_offline.yaml"} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)

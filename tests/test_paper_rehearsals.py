@@ -63,6 +63,25 @@ def test_rlfr_qwen_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
     assert (version / "export" / "flow.safetensors").is_file() and (version / "export" / "hf_policy").is_dir()
 
 
+def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_path):
+    """rlfr_qwen_official.yaml as shipped (the official per-micro-batch flow update, 8 minibatches) on 2 ZeRO-3 ranks,
+    with DAPO's controls on: ranks accept different numbers of rows and keep different numbers of groups, and still
+    run as many flow pieces, draws and micro-batches. 2 RL steps of 8 optimizer steps."""
+    paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 16, "--model.init_args.rollout_engine", "hf",
+                        "--model.init_args.dynamic_sampling", "{max_draws: 3}", "--model.init_args.mask_truncated", "true",
+                        "--model.init_args.overlong_buffer", "{length: 8, penalty: 0.5}", *probed(tmp_path))
+    assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
+    for site in ("lm_head", "flow_scoring", "flow_pieces"):
+        assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
+    steps = metrics(next((tmp_path / "run").glob("version_*")))
+    assert sorted(steps) == [0, 1]
+    for step in steps.values():
+        assert float(step["flow/loss"]) > 0  # the official cadence: a flow step in every RL step
+        drawn, kept = float(step["train/groups_drawn"]), float(step["train/groups_kept"])
+        assert 2 <= drawn <= 6 and kept <= 2  # 2 prompts per rank and draw, at most 3 draws
+        assert 0 <= float(step["train/truncated_frac"]) <= 1
+
+
 def test_rlfr_qwen_switches_users_flip(tmp_path):
     """The same rehearsal with LoRA, PPO epochs × minibatches, a KL to the initial policy and a κ no step reaches:
     2 RL steps of 2 × 2 optimizer steps (``max_steps`` counts optimizer steps)."""

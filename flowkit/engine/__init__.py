@@ -2,9 +2,9 @@
 drive it (:class:`~flowkit.modules.PolicyModule`) and supply what depends on the training strategy as callables."""
 
 from flowkit.engine.actor import Actor, ActorOutput, KLReference
-from flowkit.engine.options import AdvantageOptions, LossOptions, SamplingOptions, UpdateOptions
+from flowkit.engine.options import AdvantageOptions, LossOptions, SamplingControls, SamplingOptions, UpdateOptions
 from flowkit.engine.stats import StepStats
 from flowkit.engine.step import NonFiniteStep, RLStep
 
 __all__ = ["Actor", "ActorOutput", "AdvantageOptions", "KLReference", "LossOptions", "NonFiniteStep", "RLStep",
-           "SamplingOptions", "StepStats", "UpdateOptions"]
+           "SamplingControls", "SamplingOptions", "StepStats", "UpdateOptions"]

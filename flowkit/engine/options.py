@@ -45,6 +45,49 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class SamplingControls:
+    """DAPO's sampling controls (Yu et al. 2025, §3.2 and §3.4; verl ``algorithm.filter_groups`` and
+    ``reward_model.overlong_buffer``, TRL ``mask_truncated_completions``), all off by default.
+
+    ``dynamic_sampling_max_draws``: drop the groups whose *raw* verifier outcomes (the grader's and reward
+    functions' rewards, before any shaping such as the overlong penalty) are all equal — their GRPO advantage is 0
+    — and generate for more prompts until as many groups as prompts are kept, at most that many generations per
+    step (the first included); short of it, the step trains on the groups it kept. ``mask_truncated``: completions
+    that end without EOS (cut at ``max_new_tokens``) take no part in the policy loss or its normalisation (their
+    group's advantages still count them). ``overlong_buffer_length`` L_c, ``overlong_penalty`` p: DAPO eq. 13's soft
+    overlong punishment added to the outcome reward, −p·(|y| − (L_max − L_c))/L_c for L_max − L_c < |y| ≤ L_max
+    (−p at L_max, where generation stops), 0 below."""
+
+    dynamic_sampling_max_draws: int | None = None
+    mask_truncated: bool = False
+    overlong_buffer_length: int | None = None
+    overlong_penalty: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        return (self.dynamic_sampling_max_draws is not None or self.mask_truncated
+                or self.overlong_buffer_length is not None)
+
+    @classmethod
+    def from_groups(cls, owner: str, dynamic_sampling: dict | None, mask_truncated: bool,
+                    overlong_buffer: dict | None) -> SamplingControls:
+        """From the module's ``dynamic_sampling: {max_draws}`` and ``overlong_buffer: {length, penalty}`` groups."""
+        for name, group, required, allowed in (("dynamic_sampling", dynamic_sampling, {"max_draws"}, {"max_draws"}),
+                                               ("overlong_buffer", overlong_buffer, {"length"}, {"length", "penalty"})):
+            if group is not None and not (isinstance(group, dict) and required <= set(group) <= allowed):
+                raise ConfigError(f"{owner}.{name} must be null or a mapping of {', '.join(sorted(allowed))} "
+                                  f"({', '.join(sorted(required))} required), got {group!r}")
+        overlong = overlong_buffer or {}
+        return cls(None if dynamic_sampling is None else dynamic_sampling["max_draws"], mask_truncated,
+                   overlong.get("length"), overlong.get("penalty", 1.0))
+
+    def check(self, owner: str, max_new_tokens: int) -> None:
+        check_range(owner, "dynamic_sampling.max_draws", self.dynamic_sampling_max_draws, 1)
+        check_range(owner, "overlong_buffer.length", self.overlong_buffer_length, 1, max_new_tokens)
+        check_range(owner, "overlong_buffer.penalty", self.overlong_penalty, 0)
+
+
+@dataclass(frozen=True)
 class AdvantageOptions:
     """``estimator``: ``grpo`` (RLFR eq. 9), ``gae`` (value head, whitened; PPO as TRL) or ``reinforce`` (whitened
     reward-to-go); ``gamma``, ``lam``: discount and GAE λ; ``scale_rewards``: GRPO's std (``group`` | ``batch`` |

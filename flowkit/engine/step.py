@@ -15,6 +15,7 @@ padding micro-batches, and ranks decide to skip a step together.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Collection
 
@@ -26,7 +27,7 @@ from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.distributed import all_reduce_int
 from flowkit.engine.actor import Actor, ActorOutput
 from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, sequence_lengths
-from flowkit.engine.options import AdvantageOptions, UpdateOptions
+from flowkit.engine.options import AdvantageOptions, SamplingControls, UpdateOptions
 from flowkit.engine.stats import StepStats
 from flowkit.llm.engines import RolloutEngine
 from flowkit.rewards.base import TokenRewardModel
@@ -54,15 +55,20 @@ class RLStep:
         grade: fills ``outcome_rewards`` and ``correct`` of a generated batch.
         advantage, update: option groups; ``num_samples``: responses per prompt.
         backward, step_optimizer: see the module docstring.
+        controls: DAPO's sampling controls (:class:`~flowkit.engine.options.SamplingControls`).
+        draw_prompts: ``draw_prompts(step, draw)`` → (prompts, answers, columns) of dynamic sampling's extra draw
+            ``draw`` ≥ 1 of step ``step`` (a pure function of both, so a resumed run draws the same).
     """
 
     def __init__(self, actor: Actor, rollout: RolloutEngine, reward_model: TokenRewardModel | None,
                  grade: Callable[[RolloutBatch], RolloutBatch], advantage: AdvantageOptions, update: UpdateOptions,
                  num_samples: int, backward: Callable[[Tensor], None],
-                 step_optimizer: Callable[[Collection[str]], None]):
+                 step_optimizer: Callable[[Collection[str]], None], controls: SamplingControls = SamplingControls(),
+                 draw_prompts: Callable[[int, int], tuple[list[str], list[str], dict[str, list]]] | None = None):
         self.actor, self.rollout, self.reward_model, self.grade = actor, rollout, reward_model, grade
         self.advantage, self.update, self.num_samples = advantage, update, num_samples
         self.backward, self.step_optimizer = backward, step_optimizer
+        self.controls, self.draw_prompts = controls, draw_prompts
         self.estimator = ESTIMATORS[advantage.estimator]
 
     def __call__(self, prompts: list[str], answers: list[str], step: int,
@@ -71,17 +77,17 @@ class RLStep:
         which the reward model reads from ``RolloutBatch.columns``); returns the batch (with rewards, token rewards,
         entropies; longest row first under ``micro_batch_tokens``) and the step's statistics and timings. Raises
         :class:`NonFiniteStep`."""
-        start = time.perf_counter()
-        batch = self.rollout.generate(prompts, self.num_samples, answers)
-        batch.columns = {key: [value for value in values for _ in range(self.num_samples)]  # rows are prompt-major
-                         for key, values in (columns or {}).items()}
-        timings = {"time/generate_s": time.perf_counter() - start}
-        _raise_if_nonfinite(["generation logits"] if self.rollout.saw_nonfinite_logits else [])
-        batch = self.grade(batch)
+        timings = {"time/generate_s": 0.0}
+        batch = self._generated(prompts, answers, columns, timings)
+        control_stats: dict[str, float] = {}
+        if self.controls.dynamic_sampling_max_draws is not None:
+            batch = self._dynamic_sampling(batch, step, timings, control_stats)
+        in_loss = self._apply_length_controls(batch, control_stats)
         order = None  # the generated row at each position of the batch, when reordered
         if self.update.micro_batch_tokens is not None:  # every micro-batch a run of consecutive rows (a reward model's)
             order = longest_first(sequence_lengths(batch.attention_mask))
             batch = batch.select(order)
+            in_loss = None if in_loss is None else in_loss[order]
         if self.estimator.normalized_outcome:
             outcome = group_normalized_advantage(batch.outcome_rewards, batch.group_ids,
                                                  scale_rewards=self.advantage.scale_rewards)
@@ -90,15 +96,84 @@ class RLStep:
         if self.reward_model is not None:
             self.reward_model.begin_step(step, batch)
         batch.entropy = torch.full((batch.batch_size,), float("nan"), device=batch.input_ids.device)  # NaN: not run
-        fused = self._fused()
+        frozen = self.reward_model is not None and self.reward_model.freezes_policy(step)
+        fused = self._fused() and not frozen
         if not fused:
             score_start = time.perf_counter()
             self._score(batch, outcome)
             timings["time/score_s"] = time.perf_counter() - score_start
         update_start = time.perf_counter()
-        stats = self._update(batch, outcome, fused, timings, order)
+        stats = (self._reward_model_only(batch, timings) if frozen
+                 else self._update(batch, outcome, fused, timings, order, in_loss))
         timings["time/update_s"] = time.perf_counter() - update_start - timings.get("time/flow_s", 0.0)
-        return batch, {**timings, **stats}
+        return batch, {**timings, **control_stats, **stats}
+
+    # ------------------------------------------------------------------------------------------ sampling controls
+    def _generated(self, prompts: list[str], answers: list[str], columns: dict[str, list] | None,
+                   timings: dict[str, float]) -> RolloutBatch:
+        """``num_samples`` responses per prompt, graded (the generation time added to ``timings``)."""
+        start = time.perf_counter()
+        batch = self.rollout.generate(prompts, self.num_samples, answers)
+        batch.columns = {key: [value for value in values for _ in range(self.num_samples)]  # rows are prompt-major
+                         for key, values in (columns or {}).items()}
+        timings["time/generate_s"] += time.perf_counter() - start
+        _raise_if_nonfinite(["generation logits"] if self.rollout.saw_nonfinite_logits else [])
+        return self.grade(batch)
+
+    def _dynamic_sampling(self, batch: RolloutBatch, step: int, timings: dict[str, float],
+                          stats: dict[str, float]) -> RolloutBatch:
+        """DAPO's dynamic sampling: keep the groups whose raw outcomes differ, draw more prompts until as many groups
+        as the step's prompts are kept on every rank (or ``max_draws`` generations ran: every rank draws as often,
+        each draw being a collective under ZeRO-3), then keep the first that many. A rank that kept no group trains
+        on its first draw as it came (all its outcome advantages are 0)."""
+        if self.draw_prompts is None:
+            raise ValueError("dynamic sampling needs RLStep.draw_prompts (a source of extra prompt batches)")
+        target = int(batch.group_ids.unique().numel())
+        first, parts, drawn, kept, draws = batch, [], 0, 0, 0
+        while True:
+            parts.append(batch.select(_informative_rows(batch)))
+            drawn += int(batch.group_ids.unique().numel())
+            kept += int(parts[-1].group_ids.unique().numel())
+            draws += 1
+            if draws >= self.controls.dynamic_sampling_max_draws or all_reduce_int(kept, ReduceOp.MIN) >= target:
+                break
+            next_id = int(batch.group_ids.max()) + 1
+            batch = self._generated(*self.draw_prompts(step, draws), timings)
+            batch.group_ids = batch.group_ids + next_id  # groups of every draw stay apart
+        stats.update({"train/groups_drawn": float(drawn), "train/groups_kept": float(min(kept, target)),
+                      "train/sampling_draws": float(draws), "train/zero_advantage_group_frac": 1.0 - kept / drawn})
+        if kept == 0:
+            return first
+        batch = RolloutBatch.cat([part for part in parts if part.batch_size])
+        if kept > target:  # the first ``target`` kept groups, in the order they were drawn (rows are prompt-major)
+            batch = batch.select(torch.isin(batch.group_ids, torch.unique_consecutive(batch.group_ids)[:target]))
+        return batch
+
+    def _apply_length_controls(self, batch: RolloutBatch, stats: dict[str, float]) -> Tensor | None:
+        """``overlong_buffer``: DAPO eq. 13's penalty added to the outcome rewards (after dynamic sampling read
+        the raw ones); ``mask_truncated``: the B float rows that stay in the policy loss (None: all). Logs the
+        truncated fraction when any control is on."""
+        controls = self.controls
+        if not controls.active:
+            return None
+        truncated = self._truncated(batch)
+        stats["train/truncated_frac"] = float(truncated.float().mean())
+        if "train/zero_advantage_group_frac" not in stats:
+            drawn = int(batch.group_ids.unique().numel())
+            kept = int(batch.group_ids[_informative_rows(batch)].unique().numel())
+            stats["train/zero_advantage_group_frac"] = 1.0 - kept / max(1, drawn)
+        if controls.overlong_buffer_length is not None:
+            batch.outcome_rewards = batch.outcome_rewards.float() + overlong_penalty(
+                batch.response_lengths, self.actor.options.max_new_tokens, controls.overlong_buffer_length,
+                controls.overlong_penalty)
+        return (~truncated).float() if controls.mask_truncated else None
+
+    def _truncated(self, batch: RolloutBatch) -> Tensor:
+        """B bool: responses without an EOS token (cut at ``max_new_tokens``; without an EOS id: that long)."""
+        eos = self.rollout.tokenizer.eos_token_id
+        if eos is None:
+            return batch.response_lengths >= self.actor.options.max_new_tokens
+        return ~((batch.input_ids == eos) & batch.response_mask.bool()).any(-1)
 
     def _fused(self) -> bool:
         """On-policy (one update) with nothing computed over the whole batch first: the training forward is also the
@@ -116,7 +191,7 @@ class RLStep:
         if self.actor.reference is not None:
             micro.ref_logprobs = self.actor.reference_logprobs(micro)
         if self.reward_model is not None:
-            micro.latents = out.latents
+            micro.latents, micro.token_entropy = out.latents, out.entropy.detach()
             micro.token_rewards = self.reward_model.score(micro, rows)
             micro.latents = None
             if batch.token_rewards is None:  # the step's batch keeps them (completion logs read them)
@@ -156,10 +231,11 @@ class RLStep:
 
     # ------------------------------------------------------------------------------------------ update
     def _update(self, batch: RolloutBatch, outcome: Tensor, fused: bool, timings: dict[str, float],
-                order: Tensor | None) -> dict[str, Tensor]:
+                order: Tensor | None, in_loss: Tensor | None = None) -> dict[str, Tensor]:
         """``ppo_epochs`` passes × ``num_minibatches`` minibatches, each micro-batched and ended by one optimizer step;
         ``fused``: one pass whose forward also scores (old log-probs = its own, detached: ρ = 1 with gradient ∇logπ).
-        A minibatch holds the same generated rows whatever ``order`` the batch is in."""
+        A minibatch holds the same generated rows whatever ``order`` the batch is in. ``in_loss`` (B float): rows
+        outside the policy loss and its normalisation (``mask_truncated``) are 0."""
         stats = StepStats()
         position = torch.arange(batch.batch_size) if order is None else torch.argsort(order)
         minibatches = [position[rows].sort().values for _ in range(self.update.ppo_epochs)
@@ -167,8 +243,10 @@ class RLStep:
         for index, minibatch_rows in enumerate(minibatches):
             mini = batch if fused else batch.select(minibatch_rows)
             options = self.actor.options
-            denominator = aggregation_denominator(mini.response_mask, options.aggregation, options.max_new_tokens)
-            tokens = mini.response_mask.sum().clamp(min=1)
+            mini_in_loss = None if in_loss is None else in_loss if fused else in_loss[minibatch_rows]
+            loss_mask = mini.response_mask if mini_in_loss is None else mini.response_mask * mini_in_loss[:, None]
+            denominator = aggregation_denominator(loss_mask, options.aggregation, options.max_new_tokens)
+            tokens = loss_mask.sum().clamp(min=1)
             for rows in self._micro_batches(mini, self._rows_with_gradient(mini, outcome, fused)):
                 if rows is None:
                     if fused:
@@ -180,8 +258,18 @@ class RLStep:
                 if fused:
                     self._fill(micro, rows, out, outcome, batch)
                     _raise_if_nonfinite(_nonfinite(micro))
+                if mini_in_loss is not None:
+                    micro = dataclasses.replace(micro, response_mask=micro.response_mask * mini_in_loss[rows, None])
                 self.backward(self.actor.loss(micro, out, denominator, tokens, stats))
             self._finish_minibatch(batch, stats, timings, with_reward=index == 0)
+        return stats.means()
+
+    def _reward_model_only(self, batch: RolloutBatch, timings: dict[str, float]) -> dict[str, Tensor]:
+        """A step whose policy is frozen (:meth:`TokenRewardModel.freezes_policy`, e.g. the flow's warm-up): the
+        scoring pass ran, the reward model's online loss is backpropagated and only its group moves (every rank
+        alike: the step index decides)."""
+        stats = StepStats()
+        self._finish_minibatch(batch, stats, timings, with_reward=True, policy_groups=())
         return stats.means()
 
     def _rows_with_gradient(self, mini: RolloutBatch, outcome: Tensor, fused: bool) -> Tensor | None:
@@ -216,9 +304,9 @@ class RLStep:
         return [index[run] for run in runs] + [None] * (count - len(runs))
 
     def _finish_minibatch(self, batch: RolloutBatch, stats: StepStats, timings: dict[str, float],
-                          with_reward: bool) -> None:
+                          with_reward: bool, policy_groups: Collection[str] = ("policy", "value")) -> None:
         """The reward model's online loss (first minibatch only, piece by piece), then the optimizer step."""
-        groups = {"policy", "value"}
+        groups = set(policy_groups)
         if with_reward and self.reward_model is not None:
             start = time.perf_counter()
             pieces = self.reward_model.end_step(batch)
@@ -229,6 +317,23 @@ class RLStep:
             timings["time/flow_s"] = time.perf_counter() - start
         stats.close_minibatch()
         self.step_optimizer(groups)  # the reward model only moves on the minibatch that carried its loss
+
+
+def _informative_rows(batch: RolloutBatch) -> Tensor:
+    """B bool: rows of the groups whose raw outcome rewards are not all equal (a nonzero GRPO advantage)."""
+    _, group = batch.group_ids.unique(return_inverse=True)
+    rewards = batch.outcome_rewards.float()
+    count = int(group.max()) + 1 if len(group) else 0
+    high = rewards.new_full((count,), float("-inf")).scatter_reduce(0, group, rewards, "amax")
+    low = rewards.new_full((count,), float("inf")).scatter_reduce(0, group, rewards, "amin")
+    return (high > low)[group]
+
+
+def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO eq. 13 times ``penalty`` (verl ``overlong_buffer.penalty_factor``): 0 for |y| ≤ L_max − L_c,
+    −penalty·(|y| − (L_max − L_c))/L_c inside the buffer, −penalty from L_max on."""
+    excess = (lengths.float() - (max_length - buffer)).clamp(min=0, max=buffer)
+    return -penalty * excess / buffer
 
 
 def _nonfinite(micro: RolloutBatch) -> list[str]:

@@ -286,6 +286,15 @@ class RolloutDataModule(L.LightningDataModule):
         stream.start_index = self.next_index
         return DataLoader(stream, batch_size=None)
 
+    def extra_batch(self, index: int, draw: int) -> dict[str, Any]:
+        """Extra draw ``draw`` ≥ 1 of step ``index`` (dynamic sampling): this rank's batch ``index`` of the training
+        stream reshuffled with its own seed per draw — a pure function of (seed, index, draw), so a resumed run draws
+        the same, and the main stream is not advanced (verl draws on from its one dataloader instead)."""
+        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        stream = PromptStream(self.train_records, self.per_rank_batch_size(world_size), self.seed + 7919 * draw, rank,
+                              world_size)
+        return stream.batch(index)
+
     def per_rank_batch_size(self, world_size: int) -> int:
         """Prompts each rank draws per step: ``batch_size`` is the global batch of all ``world_size`` ranks."""
         if self.batch_size % world_size:

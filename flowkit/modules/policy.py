@@ -14,7 +14,8 @@ from torchmetrics import MeanMetric
 
 from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.engine import (
-    Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingOptions, UpdateOptions,
+    Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
+    UpdateOptions,
 )
 from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, check_range
@@ -158,6 +159,14 @@ class PolicyModule(L.LightningModule):
             are put longest first and cut into runs (with ``micro_batch_size`` also set, at most that many rows
             each); ranks agree on the count. Gradients are those of the whole minibatch; a reward model's noise is
             keyed by the rows' new positions. None: ``micro_batch_size`` rows per micro-batch.
+        dynamic_sampling: DAPO's dynamic sampling, ``{max_draws: N}``: groups whose raw outcomes are all equal are
+            dropped and more prompts generated until the batch is full, at most N generations per step
+            (:class:`~flowkit.engine.options.SamplingControls`; the extra prompts: ``RolloutDataModule.extra_batch``).
+            None is off. Logged: ``train/groups_kept``, ``train/groups_drawn``, ``train/sampling_draws``.
+        mask_truncated: completions without EOS take no part in the policy loss (TRL ``mask_truncated_completions``).
+        overlong_buffer: DAPO's soft overlong punishment ``{length: L_c, penalty: p}`` on the outcome reward
+            (verl ``overlong_buffer``). With any of the three on, ``train/truncated_frac`` and
+            ``train/zero_advantage_group_frac`` are logged.
         peak_flops: the device's peak FLOP/s for ``perf/mfu`` (6·N·tokens / step time / peak); None: the dense bf16
             peak of the CUDA device from :data:`flowkit.engine.throughput.DEVICE_PEAK_FLOPS` (vendor datasheets),
             and no ``perf/mfu`` on a CPU or an unknown GPU.
@@ -222,6 +231,9 @@ class PolicyModule(L.LightningModule):
         entropy_coef: float = 0.0,
         micro_batch_tokens: int | None = None,
         peak_flops: float | None = None,
+        dynamic_sampling: dict[str, int] | None = None,
+        mask_truncated: bool = False,
+        overlong_buffer: dict[str, float] | None = None,
     ):
         super().__init__()
         owner = "PolicyModule"
@@ -234,6 +246,8 @@ class PolicyModule(L.LightningModule):
                                         entropy_coef)
         self.update = UpdateOptions(ppo_epochs, num_minibatches, micro_batch_size, lm_head_chunk_size, temperature,
                                     skip_zero_advantage_rows, micro_batch_tokens)
+        self.controls = SamplingControls.from_groups(owner, dynamic_sampling, mask_truncated, overlong_buffer)
+        self.controls.check(owner, max_new_tokens)
         check_range(owner, "peak_flops", peak_flops, 0, open_low=True)
         for group in (self.sampling, self.advantage, self.loss_options, self.update):
             group.check(owner)
@@ -274,7 +288,8 @@ class PolicyModule(L.LightningModule):
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
         self.rl_step = RLStep(self.actor, self.engine, reward_model, self.grade_rollouts, self.advantage, self.update,
                               num_samples, backward=lambda loss: manual_backward(self, loss),
-                              step_optimizer=self.step_optimizer)
+                              step_optimizer=self.step_optimizer, controls=self.controls,
+                              draw_prompts=self.draw_prompts)
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.sft_losses: list[float] = []
@@ -332,6 +347,16 @@ class PolicyModule(L.LightningModule):
         self.log("reward", batch.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
         self.log("acc", batch.correct.float().mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
         return {"rollouts": batch}  # on_train_batch_end's outputs, for callbacks (flowkit.modules.CompletionLogs)
+
+    def draw_prompts(self, step: int, draw: int) -> tuple[list[str], list[str], dict[str, list]]:
+        """Dynamic sampling's extra draw ``draw`` of RL step ``step``, from the datamodule's ``extra_batch``."""
+        extra_batch = getattr(self.trainer.datamodule, "extra_batch", None)
+        if extra_batch is None:
+            raise ConfigError(f"PolicyModule.dynamic_sampling draws more prompts from the datamodule's extra_batch "
+                              f"(RolloutDataModule), which {type(self.trainer.datamodule).__name__} lacks")
+        prompts = extra_batch(step, draw)
+        columns = {key: value for key, value in prompts.items() if key not in ("prompt", "answer", "index")}
+        return prompts["prompt"], prompts["answer"], columns
 
     def _throughput(self, tokens: float, seconds: float) -> dict[str, float]:
         """verl's ``perf/throughput``: this rank's prompt + response tokens per second of the step; ``perf/mfu``:

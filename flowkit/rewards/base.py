@@ -42,6 +42,11 @@ class TokenRewardModel(nn.Module):
     def begin_step(self, step: int, batch: RolloutBatch) -> None:
         """A new RL step (``step`` counts from 0) over ``batch``: rollouts graded, nothing scored yet."""
 
+    def freezes_policy(self, step: int) -> bool:
+        """Whether RL step ``step`` trains only this model (the policy frozen: no policy backward or optimizer step),
+        e.g. a reward model's warm-up on the policy's own rollouts."""
+        return False
+
     def score(self, micro: RolloutBatch, rows: Tensor) -> Tensor:
         """Token rewards (b×S, on response tokens) of ``micro``, rows ``rows`` of the step's batch."""
         raise NotImplementedError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import SafetensorError
@@ -17,11 +18,18 @@ from flowkit.errors import ConfigError, check_nonempty, check_range
 from flowkit.flow import (
     VelocityField, flow_matching_loss_pieces, padding_velocity, pretraining_loss_pieces, velocity_deviation_scores,
 )
-from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, LossPiece, scored_token_mask
+from flowkit import kernels
+from flowkit.flow.matching import (
+    DEFAULT_MAX_ROWS, Condition, LossPiece, _gather_tokens, scored_token_mask, stacked_deviation,
+)
 from flowkit.rewards.base import TokenRewardModel
-from flowkit.rl.rejection import Metric, RolloutLatentBuffer, accept_rollouts
+from flowkit.rl.rejection import (
+    METRICS, TOKEN_METRICS, Metric, RolloutLatentBuffer, accept_rollouts, entropy_quantile_weights,
+)
 from flowkit.rl.rewards import NORMALIZATIONS, Normalization, flow_token_rewards
 from flowkit.seeding import run_seed
+
+FlowUpdate = Literal["buffer", "micro_batch"]
 
 
 def _check_rewarding_timestep(t: float) -> None:
@@ -63,12 +71,37 @@ class FlowReward(TokenRewardModel):
         seed: base seed of the reward noise (step s uses ``seed + 1000·s`` so rewards are reproducible) and of
             the field's initialisation, which runs on its own RNG so it never shifts the policy's sampling.
             ``None`` (default): the run's global seed (``seed_everything``); an int pins it.
-        rejection_metric: which rollouts train the flow online (correct | entropy | both).
+        rejection_metric: which rollouts train the flow online (:mod:`flowkit.rl.rejection`): ``correct``
+            (official ``batch_correct``), ``entropy`` (mean entropy above the batch median), ``both``; with
+            ``flow_update: micro_batch`` also ``token_entropy`` (official ``trajectory_entropy``: every row, its
+            tokens selected by ``entropy_quantile``) and ``correct+token_entropy`` (official
+            ``batch_correct+trajectory_entropy``).
         kappa: a flow update happens once at least κ accepted rollouts are buffered; it uses all of them
-            (the paper's Alg. 1).
+            (the paper's Alg. 1; ``flow_update: buffer``).
         update_every_step: update the flow on every RL step that accepted any rollout, on that step's accepted
             rollouts, ignoring κ (the official code's cadence). Under several ranks a step is taken when every
-            rank accepted at least one.
+            rank accepted at least one (``flow_update: buffer``).
+        flow_update: how the online flow loss is formed. ``buffer`` (default) reproduces the paper's Alg. 1: the
+            accepted rollouts are buffered until κ are there, then eq. 4 is the plain mean over all their scored
+            tokens. ``micro_batch`` reproduces the official trainer (``ppo_trainer.py`` L488-520): every step, per
+            micro-batch of the scoring pass, a masked mean — per row over its tokens weighted a_j (1, or by
+            ``entropy_quantile``), then over the micro-batch's rows weighted b_r (1 if accepted, else
+            ``soft_weight``) — and the step's loss is the mean of these over the rank's micro-batches (DeepSpeed's
+            gradient accumulation). flowkit skips the flow step when no rank has a weighted row, where the official
+            steps its optimizer on a zero gradient (Adam's momentum alone moves it), and scores a row whose token
+            weights are all 0 as 0 where the official divides by 0.
+        soft_weight: weight b_r of a rejected row, and a_j of a token below the entropy quantile, in the
+            ``micro_batch`` loss (official ``--soft_flow``, default 0: rejected rollouts do not train the flow).
+        entropy_quantile: q of the token-level selection (official ``--metrics_entropy_quantile``): in each row,
+            tokens whose entropy is ≥ the row's q-quantile (linear interpolation, over its scored tokens; the
+            official takes it over the padded row) weigh 1, the others ``soft_weight``. Needs a ``token_entropy``
+            metric.
+        score_power: γ of the official ``--flow_gamma``: the normalised scores r̂ are raised to γ before the
+            threshold η (sign-preserving, sign(r̂)·|r̂|^γ, for the two-sided normalisations, where the official's
+            ``pow`` of a negative score is NaN for fractional γ). 1 is off.
+        flow_warmup_steps: for the first N RL steps the policy is frozen (no policy backward, no policy optimizer
+            step) and only the flow trains, on the policy's own rollouts (official
+            ``--freezing_actor_steps_for_flow N``: its steps 1…N).
         online_update: set False to freeze the flow during RL (ablation).
         pretrain_timesteps: offline pretraining copies of every token, each with its own logit-normal t and
             noise (the official ``flow_batch_mul``: 4 for Qwen2.5-1.5B, 2 for 7B).
@@ -99,6 +132,11 @@ class FlowReward(TokenRewardModel):
         kappa: int = 32,
         update_every_step: bool = False,
         online_update: bool = True,
+        flow_update: FlowUpdate = "buffer",
+        soft_weight: float = 0.0,
+        entropy_quantile: float | None = None,
+        score_power: float = 1.0,
+        flow_warmup_steps: int = 0,
         pretrain_timesteps: int = 4,
         pretrain_logit_mean: float = 0.0,
         weights: str | None = None,
@@ -122,6 +160,8 @@ class FlowReward(TokenRewardModel):
         check_range("FlowReward", "kappa", kappa, 1)
         check_range("FlowReward", "pretrain_timesteps", pretrain_timesteps, 1)
         check_range("FlowReward", "pretrain_logit_mean", pretrain_logit_mean, -5.0, 5.0)  # beyond, t is all 0 or 1
+        _check_online_protocol(rejection_metric, flow_update, soft_weight, entropy_quantile, score_power,
+                               flow_warmup_steps, update_every_step, online_update)
         if weights is not None and not Path(weights).is_file():
             raise ConfigError(f"FlowReward.weights {weights!r} is not a file")
         self.percentiles = tuple(percentiles)
@@ -137,14 +177,18 @@ class FlowReward(TokenRewardModel):
         self.max_rows_per_call, self.max_rows_per_piece = max_rows_per_call, max_rows_per_piece
         self.rejection_metric: Metric = rejection_metric
         self.kappa, self.update_every_step, self.online_update = kappa, update_every_step, online_update
+        self.flow_update: FlowUpdate = flow_update
+        self.soft_weight, self.entropy_quantile, self.score_power = soft_weight, entropy_quantile, score_power
+        self.flow_warmup_steps = flow_warmup_steps
         self.pretrain_timesteps, self.pretrain_logit_mean = pretrain_timesteps, pretrain_logit_mean
         self.weights = weights
         self.field: VelocityField | None = None
         self.layer_positions: tuple[float, ...] = ()
         self.buffer = RolloutLatentBuffer()
-        self._candidates: list[tuple[int, Tensor, Tensor]] = []  # (step row, latents P×S×d on CPU, mask S)
+        self._candidates: list[_Candidate] = []
+        self._micro_batches: list[tuple[int, int]] = []  # (first row, rows) of each scored micro-batch of the step
         self._step, self._token_offsets = 0, [0]
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, Tensor] = {}
         self._metrics: dict[str, float] = {}
 
     def bind(self, backbone: torch.nn.Module, layer_positions: Sequence[float], tokenizer=None) -> None:
@@ -186,7 +230,11 @@ class FlowReward(TokenRewardModel):
         self._step = step
         counts = self.scored_token_counts(batch.response_mask).long().cpu()
         self._token_offsets = [0, *torch.cumsum(counts, 0).tolist()]
-        self._candidates = []
+        self._candidates, self._micro_batches = [], []
+
+    def freezes_policy(self, step: int) -> bool:
+        """``flow_warmup_steps``: the first N RL steps train the flow only."""
+        return step < self.flow_warmup_steps
 
     @torch.no_grad()
     def score(self, micro: RolloutBatch, rows: Tensor) -> Tensor:
@@ -197,44 +245,74 @@ class FlowReward(TokenRewardModel):
         if rows.numel() != int(rows[-1]) - first + 1:
             raise ValueError("FlowReward.score needs contiguous rows of the step's batch")
         rewards = self.token_rewards(micro, self._step, self._token_offsets[first])
-        self._keep_candidates(micro, first)
+        self._keep_candidates(micro, first, len(self._micro_batches))
+        self._micro_batches.append((first, rows.numel()))
         return rewards
 
     @torch.no_grad()
     def token_rewards(self, batch: RolloutBatch, step: int, token_offset: int = 0) -> Tensor:
         """Eq. 10 rewards of ``batch``'s rows at step ``step``, whose first scored token is noise slot
-        ``token_offset``."""
+        ``token_offset``. The logged sums stay on the device (float64, as Python floats add) until
+        :meth:`step_metrics`: no host sync per micro-batch."""
         scores = self.deviation_scores(batch.latents, batch.response_mask, self.seed + 1000 * step, token_offset)
         scored = scored_token_mask(batch.response_mask, self.condition)
-        rewards = flow_token_rewards(scores, scored, self.eta, self.beta, self.top_k, self.normalization)
+        rewards = flow_token_rewards(scores, scored, self.eta, self.beta, self.top_k, self.normalization,
+                                     self.score_power)
         for key, value in {"deviation": scores[scored].sum(), "reward": rewards[scored].sum(),
                            "nonzero": (rewards[scored] != 0).sum(), "scored": scored.sum()}.items():
-            self._sums[key] = self._sums.get(key, 0.0) + float(value)
+            value = value.double()
+            self._sums[key] = self._sums[key] + value if key in self._sums else value
         return rewards
 
-    def _keep_candidates(self, batch: RolloutBatch, first_row: int) -> None:
-        """Keep, on CPU, the latents of the rows the rejection metric may accept: the correct ones for
-        ``correct`` / ``both``; every row for ``entropy`` (its batch median is known only after the last
-        micro-batch). Everything else is dropped with the micro-batch."""
+    def _candidate_rows(self, batch: RolloutBatch) -> Tensor:
+        """B bool: the rows the online update may weigh — the correct ones when only correct rows can (``correct``,
+        ``both``, ``correct+token_entropy`` with ``soft_weight`` 0), else every row (an entropy metric's batch
+        median is known only after the last micro-batch; a soft weight weighs rejected rows too)."""
+        if self.rejection_metric in ("correct", "both", "correct+token_entropy") and self.soft_weight == 0:
+            return batch.correct.bool()
+        return torch.ones_like(batch.correct, dtype=torch.bool)
+
+    def _keep_candidates(self, batch: RolloutBatch, first_row: int, micro_batch: int) -> None:
+        """Keep, on CPU, the latents (up to the last response token) of the rows the online update may use
+        (:meth:`_candidate_rows`); everything else is dropped with the micro-batch. A fixed number of host syncs per
+        micro-batch whatever its rows: one for the rows and lengths, then one copy each of their latents, masks (and
+        token entropies); the per-row cuts happen on the CPU."""
         if not self.online_update:
             return
-        candidates = torch.ones_like(batch.correct, dtype=torch.bool) if self.rejection_metric == "entropy" else batch.correct.bool()
-        for row in candidates.nonzero().flatten().tolist():
-            mask = batch.response_mask[row]
-            length = int(mask.nonzero().max()) + 1 if mask.any() else 0
-            if length:
-                self._candidates.append((first_row + row, batch.latents[:, row, :length].cpu(), mask[:length].cpu()))
+        mask = batch.response_mask
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        lengths = torch.where(mask.bool(), positions, 0).amax(-1)  # 0: no response token
+        keep = self._candidate_rows(batch) & (lengths > 0)
+        keep_host, lengths_host = torch.stack([keep.long(), lengths]).cpu()
+        index = keep_host.nonzero().flatten()
+        if not len(index):
+            return
+        on_device = index.to(mask.device)
+        latents = batch.latents[:, on_device].cpu()
+        masks = mask[on_device].cpu()
+        entropies = None
+        if self.rejection_metric in TOKEN_METRICS:
+            if batch.token_entropy is None:
+                raise ValueError(f"FlowReward.rejection_metric {self.rejection_metric!r} needs the rows' token "
+                                 "entropies (RolloutBatch.token_entropy)")
+            entropies = batch.token_entropy[on_device].float().cpu()
+        for i, (row, length) in enumerate(zip(index.tolist(), lengths_host[index].tolist())):
+            self._candidates.append(_Candidate(
+                first_row + row, micro_batch, latents[:, i, :length].clone(), masks[i, :length].clone(),
+                None if entropies is None else entropies[i, :length].clone()))
 
     def end_step(self, batch: RolloutBatch) -> list[LossPiece]:
-        """Alg. 1: buffer the accepted rollouts; once ≥ κ are buffered (or, with ``update_every_step``, ≥ 1),
-        the flow loss (eq. 4) on all of them, in pieces of at most ``max_rows_per_piece`` field rows that sum to it."""
+        """The online flow loss of ``flow_update`` (see the class docstring) as pieces of at most
+        ``max_rows_per_piece`` field rows that sum to it; as many on every rank (:meth:`_agreed_over_ranks`)."""
         candidates, self._candidates = self._candidates, []
         if not self.online_update:
             return []
+        if self.flow_update == "micro_batch":
+            return self._micro_batch_loss(batch, candidates)
         accepted = accept_rollouts(self.rejection_metric, batch.correct, batch.entropy).tolist()
-        for row, latents, mask in candidates:
-            if accepted[row]:
-                self.buffer.add_one(latents, mask)
+        for candidate in candidates:
+            if accepted[candidate.row]:
+                self.buffer.add_one(candidate.latents, candidate.mask)
         self._metrics["flow/accepted_frac"] = sum(accepted) / max(1, len(accepted))
         # Under DDP / ZeRO the flow step runs collectives and ranks accept different numbers of rollouts (e.g. by
         # correctness): the smallest buffer over all ranks decides, so every rank takes or skips the step together.
@@ -248,6 +326,45 @@ class FlowReward(TokenRewardModel):
         pieces = flow_matching_loss_pieces(self._require_field(), latents, mask, self.layer_positions,
                                            torch.tensor(self.timesteps), self.seed + 1000 * self._step + 1, self.condition,
                                            self.max_rows_per_piece)
+        return self._agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
+
+    def _micro_batch_loss(self, batch: RolloutBatch, candidates: list[_Candidate]) -> list[LossPiece]:
+        """The official per-micro-batch masked mean (``ppo_trainer.py`` L491-505), summed over the step's micro-batches
+        and divided by their number: token j of row r in micro-batch m weighs
+        a_rj / Σ_j a_rj · b_r / Σ_{r∈m} b_r / M (each 0/0 read as 0)."""
+        accepted = accept_rollouts(self.rejection_metric, batch.correct, batch.entropy)
+        row_weights = torch.where(accepted, 1.0, self.soft_weight).float().cpu()
+        self._metrics["flow/accepted_frac"] = float(accepted.float().mean()) if len(accepted) else 0.0
+        micro_totals = [float(row_weights[first:first + count].sum()) for first, count in self._micro_batches]
+        weighted = [c for c in candidates if row_weights[c.row] > 0]
+        if all_reduce_int(len(weighted), ReduceOp.MAX) == 0:  # no rank has a weighted row: no flow step
+            return []
+        pieces: list[LossPiece] = []
+        if weighted:
+            packing = RolloutLatentBuffer()
+            token_weights, kept_fracs = [], []
+            for candidate in weighted:
+                packing.add_one(candidate.latents, candidate.mask)
+                scored = scored_token_mask(candidate.mask[None], self.condition)[0]
+                if candidate.entropy is None:
+                    tokens = scored.float()
+                else:
+                    tokens = entropy_quantile_weights(candidate.entropy, scored, self.entropy_quantile,
+                                                      self.soft_weight)
+                    kept_fracs.append(float(tokens.sum() / scored.sum().clamp(min=1)))
+                share = (float(row_weights[candidate.row]) / micro_totals[candidate.micro_batch]
+                         / len(self._micro_batches))
+                token_weights.append(tokens * (share / float(tokens.sum())) if tokens.sum() > 0 else tokens)
+            if kept_fracs:
+                self._metrics["flow/token_weight_frac"] = sum(kept_fracs) / len(kept_fracs)
+            latents, mask = packing.pop(len(packing))
+            weights = torch.zeros(mask.shape)
+            for i, tokens in enumerate(token_weights):
+                weights[i, :len(tokens)] = tokens
+            pieces = weighted_flow_loss_pieces(self._require_field(), latents, mask, weights, self.layer_positions,
+                                               torch.tensor(self.timesteps), self.seed + 1000 * self._step + 1,
+                                               self.condition, self.max_rows_per_piece)
+        self._metrics["flow/loss"] = 0.0
         return self._agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
 
     def pretrain_losses(self, latents: Tensor, response_mask: Tensor, generator: torch.Generator) -> list[LossPiece]:
@@ -274,7 +391,8 @@ class FlowReward(TokenRewardModel):
         return loss
 
     def step_metrics(self) -> dict[str, float]:
-        sums, self._sums = self._sums, {}
+        sums = {key: float(value) for key, value in self._sums.items()}  # the step's one host sync for them
+        self._sums = {}
         scored = max(1.0, sums.get("scored", 0.0))
         metrics = {"flow/deviation_mean": sums.get("deviation", 0.0) / scored,
                    "flow/reward_mean": sums.get("reward", 0.0) / scored,
@@ -310,3 +428,64 @@ class FlowReward(TokenRewardModel):
 
     def set_extra_state(self, state: dict) -> None:
         self.buffer.load_state_dict(state["buffer"])
+
+
+class _Candidate:
+    """A row the online update may use: its step row and micro-batch, latents P×S_i×d, mask S_i and token
+    entropies S_i (token-level metrics), on CPU."""
+
+    __slots__ = ("row", "micro_batch", "latents", "mask", "entropy")
+
+    def __init__(self, row: int, micro_batch: int, latents: Tensor, mask: Tensor, entropy: Tensor | None):
+        self.row, self.micro_batch, self.latents, self.mask, self.entropy = row, micro_batch, latents, mask, entropy
+
+
+def weighted_flow_loss_pieces(field: VelocityField, latents: Tensor, response_mask: Tensor, token_weights: Tensor,
+                              layer_positions: Sequence[float], timesteps: Tensor, seed: int, condition: Condition,
+                              max_rows: int | None) -> list[LossPiece]:
+    """Σ_j w_j · mean_{t∈T, ℓ, d} (v − (x1 − ε))² over the scored tokens j, with ``token_weights`` w (B×S) — eq. 4's
+    per-token term, as :func:`~flowkit.flow.flow_matching_loss_pieces` (whose weights are all 1/N) — as pieces of at
+    most ``max_rows`` field rows that sum to it; the latents may stay on the CPU."""
+    scored = scored_token_mask(response_mask, condition)
+    rows, cols = scored.nonzero(as_tuple=True)
+    weights = token_weights[rows, cols]
+    device = next(field.parameters()).device
+    timesteps = timesteps.to(device, torch.float32)
+    unit = torch.ones_like(timesteps)
+
+    def piece(tokens: slice) -> LossPiece:
+        def loss() -> Tensor:
+            x1, cond = _gather_tokens(latents, (rows[tokens], cols[tokens]), condition)
+            x1, cond = x1.to(device), None if cond is None else cond.to(device)
+            deviation = stacked_deviation(field, x1, cond, layer_positions, timesteps, unit, seed,
+                                          token_offset=tokens.start)
+            return (deviation * weights[tokens].to(device)).sum()
+        return loss
+
+    return [piece(tokens) for tokens in kernels.token_chunks(len(rows), latents.shape[0] * len(timesteps), max_rows)]
+
+
+def _check_online_protocol(metric: str, flow_update: str, soft_weight: float, entropy_quantile: float | None,
+                           score_power: float, flow_warmup_steps: int, update_every_step: bool,
+                           online_update: bool) -> None:
+    """One-line ConfigErrors for the official online protocol's options (see :class:`FlowReward`)."""
+    if metric not in METRICS:
+        raise ConfigError(f"FlowReward.rejection_metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    if flow_update not in ("buffer", "micro_batch"):
+        raise ConfigError(f"FlowReward.flow_update must be buffer or micro_batch, got {flow_update!r}")
+    check_range("FlowReward", "soft_weight", soft_weight, 0.0, 1.0)
+    check_range("FlowReward", "entropy_quantile", entropy_quantile, 0.0, 1.0)
+    check_range("FlowReward", "score_power", score_power, 0.0, open_low=True)
+    check_range("FlowReward", "flow_warmup_steps", flow_warmup_steps, 0)
+    if flow_update == "buffer" and (soft_weight > 0 or metric in TOKEN_METRICS):
+        raise ConfigError("FlowReward.soft_weight > 0 and the token_entropy metrics weigh tokens of the official "
+                          "per-micro-batch update: set flow_update: micro_batch")
+    if (metric in TOKEN_METRICS) != (entropy_quantile is not None):
+        raise ConfigError(f"FlowReward.entropy_quantile is the quantile of the token_entropy metrics: set both or "
+                          f"neither (rejection_metric {metric!r}, entropy_quantile {entropy_quantile!r})")
+    if flow_update == "micro_batch" and update_every_step:
+        raise ConfigError("FlowReward.update_every_step is the buffer's cadence; flow_update: micro_batch updates "
+                          "on every step already: set update_every_step false")
+    if flow_warmup_steps > 0 and not online_update:
+        raise ConfigError("FlowReward.flow_warmup_steps trains the flow with the policy frozen: it needs "
+                          "online_update true")

@@ -1,13 +1,18 @@
-"""Online rejection sampling of rollouts for the flow update (RLFR Alg. 1)."""
+"""Online rejection sampling of rollouts for the flow update (RLFR Alg. 1), and the official code's token-level
+selection (``trajectory_entropy``)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-Metric = Literal["correct", "entropy", "both"]
+Metric = Literal["correct", "entropy", "both", "token_entropy", "correct+token_entropy"]
+METRICS: tuple[str, ...] = get_args(Metric)
+# Metrics that weigh tokens within a row by their entropy (official ``trajectory_entropy``); their row-level part is
+# every row (``token_entropy``) or the correct rows (``correct+token_entropy``, official ``batch_correct+…``).
+TOKEN_METRICS = ("token_entropy", "correct+token_entropy")
 
 
 # Entropies closer than this (relative) to the batch median count as ties, not "above": identical responses (common in
@@ -16,16 +21,29 @@ ENTROPY_TIE_TOLERANCE = 1e-5
 
 
 def accept_rollouts(metric: Metric, correct: Tensor, entropy: Tensor) -> Tensor:
-    """B bool: correct answers; mean entropy above the batch median (ties with it are not above); or both."""
+    """B bool: correct answers; mean entropy above the batch median (ties with it are not above); or both. The token
+    metrics accept at the row level every row (``token_entropy``) or the correct ones (``correct+token_entropy``)."""
+    if metric in ("correct", "correct+token_entropy"):
+        return correct.bool()
+    if metric == "token_entropy":
+        return torch.ones_like(correct, dtype=torch.bool)
     median = entropy.median()
     high_entropy = entropy - median > ENTROPY_TIE_TOLERANCE * median.abs().clamp(min=1.0)
-    if metric == "correct":
-        return correct.bool()
     if metric == "entropy":
         return high_entropy
     if metric == "both":
         return correct.bool() & high_entropy
-    raise ValueError(f"rejection metric must be 'correct', 'entropy' or 'both', got {metric!r}")
+    raise ValueError(f"rejection metric must be one of {', '.join(METRICS)}, got {metric!r}")
+
+
+def entropy_quantile_weights(entropy: Tensor, scored: Tensor, quantile: float, soft_weight: float) -> Tensor:
+    """One row's token weights (S float, 0 off ``scored``): 1 where the token's entropy is ≥ the q-quantile of the
+    row's scored tokens' entropies (``torch.quantile``, linear interpolation), ``soft_weight`` elsewhere — the
+    official ``trajectory_entropy`` (``ppo_trainer.py`` L498-502), whose quantile also counts the padded positions."""
+    if not scored.any():
+        return torch.zeros(scored.shape)
+    threshold = torch.quantile(entropy[scored].float(), quantile)
+    return torch.where(entropy >= threshold, 1.0, soft_weight) * scored.float()
 
 
 class RolloutLatentBuffer:

@@ -91,11 +91,17 @@ def flow_token_rewards(
     beta: float = 0.01,
     top_k: int | None = None,
     normalization: Normalization = "minmax",
+    power: float = 1.0,
 ) -> Tensor:
     """r_k = −β · 𝕀[r̂_k passes η] · r̂_k with r̂ the row-normalised R_CFM over scored tokens (eq. 10).
 
     High deviation from the reference flow means off-distribution latents, hence a penalty; with ``bilateral``
     or ``mean`` normalisation, tokens with r̂ < −η (far below the row's typical deviation) get a bonus.
+    ``power`` γ ≠ 1 (official ``--flow_gamma``, ``models/utils.py`` L131-132) replaces r̂ by sign(r̂)·|r̂|^γ before
+    the threshold: r̂^γ on ``minmax``'s [0, 1] as the official; sign-preserving on the two-sided normalisations,
+    where the official ``pow`` of a negative r̂ is NaN for a fractional γ.
     """
     normalized = normalize_scores(scores, mask, normalization)
+    if power != 1:
+        normalized = normalized.sign() * normalized.abs().pow(power)
     return -beta * keep_substantial(normalized, eta, top_k, two_sided=normalization != "minmax")

@@ -145,6 +145,10 @@ def test_nan_weights_skip_in_generation_then_fail_after_max_consecutive_skips(tm
     ("rollout_correction", {"mode": "icepop", "floor": 6.0}, r"rollout_correction.floor \(6.0\) must be below cap \(5.0\)"),
     ("rollout_correction", {"mode": "token_tis", "bypass": True}, "rollout_correction.bypass takes the rollout's"),
     ("max_consecutive_skips", 0, "max_consecutive_skips must be >= 1"),
+    ("dynamic_sampling", {"max_draws": 0}, r"dynamic_sampling.max_draws must be >= 1"),
+    ("dynamic_sampling", 3, "dynamic_sampling must be null or a mapping of max_draws"),
+    ("overlong_buffer", {"length": 2000}, r"overlong_buffer.length must be in \[1, 1024\]"),
+    ("overlong_buffer", {"length": 8, "penalty": -1.0}, "overlong_buffer.penalty must be >= 0"),
 ])
 def test_rl_step_options_are_checked_before_the_backbone_loads(monkeypatch, option, value, message):
     from flowkit.errors import ConfigError

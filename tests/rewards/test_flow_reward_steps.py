@@ -81,8 +81,8 @@ def test_only_the_accepted_rollouts_latents_are_kept_on_cpu():
     batch = scored_batch(6, torch.Generator().manual_seed(1))
     reward = bound_reward(kappa=100, rejection_metric="correct")
     in_micro_batches(reward, batch, 2)
-    assert [row for row, _, _ in reward._candidates] == [0, 2, 4]
-    assert all(latents.device.type == "cpu" for _, latents, _ in reward._candidates)
+    assert [candidate.row for candidate in reward._candidates] == [0, 2, 4]
+    assert all(candidate.latents.device.type == "cpu" for candidate in reward._candidates)
     assert reward.end_step(batch) == []
     assert len(reward.buffer) == 3 and not reward._candidates
 

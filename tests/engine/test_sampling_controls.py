@@ -1,0 +1,152 @@
+"""DAPO's sampling controls in the RL step: dynamic sampling on the raw outcomes (by hand, and 2 gloo ranks that keep
+different numbers of groups), the overlong penalty of DAPO eq. 13 and truncation by hand.
+
+Facts re-stated (not copied): DAPO (Yu et al. 2025) eq. 13, R_length(y) = 0 for |y| ≤ L_max − L_cache,
+((L_max − L_cache) − |y|)/L_cache inside the buffer, −1 beyond L_max; verl ``recipe/dapo`` / ``DAPORewardManager``
+adds min(−(|y| − (L_max − L_c))/L_c · penalty_factor, 0) to the score, and its ``filter_groups`` keeps the groups
+whose metric's std is > 0, generating further batches up to ``max_num_gen_batches``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flowkit.batch import RolloutBatch
+from flowkit.engine import AdvantageOptions, RLStep, SamplingControls, UpdateOptions
+from flowkit.engine.step import _informative_rows, overlong_penalty
+from flowkit.errors import ConfigError
+
+EOS, MAX_NEW = 9, 6
+
+
+class StubRollout:
+    """Prompt p's samples get the raw outcomes OUTCOMES[p] and the response lengths LENGTHS[p] (EOS last unless
+    the response is MAX_NEW tokens long)."""
+
+    tokenizer = SimpleNamespace(eos_token_id=EOS)
+    saw_nonfinite_logits = False
+
+    def __init__(self, outcomes: dict[str, list[float]], lengths: dict[str, list[int]] | None = None):
+        self.outcomes, self.lengths, self.calls = outcomes, lengths or {}, []
+
+    def generate(self, prompts: list[str], n: int, answers: list[str]) -> RolloutBatch:
+        self.calls.append(list(prompts))
+        lengths = [length for p in prompts for length in self.lengths.get(p, [3] * n)]
+        ids = torch.ones(len(lengths), 1 + MAX_NEW, dtype=torch.long)
+        mask = torch.zeros(len(lengths), 1 + MAX_NEW)
+        for row, length in enumerate(lengths):
+            mask[row, 1:1 + length] = 1
+            if length < MAX_NEW:
+                ids[row, length] = EOS
+        return RolloutBatch(input_ids=ids, attention_mask=(mask + (torch.arange(1 + MAX_NEW) == 0)).clamp(max=1),
+                            response_mask=mask, group_ids=torch.arange(len(prompts)).repeat_interleave(n),
+                            prompts=[p for p in prompts for _ in range(n)],
+                            answers=[a for a in answers for _ in range(n)])
+
+
+def stub_step(rollout: StubRollout, controls: SamplingControls, extra: list[list[str]]) -> RLStep:
+    def grade(batch: RolloutBatch) -> RolloutBatch:
+        rewards = [value for p in dict.fromkeys(batch.prompts) for value in rollout.outcomes[p]]
+        batch.outcome_rewards = torch.tensor(rewards)
+        batch.correct = batch.outcome_rewards >= 1
+        return batch
+
+    def draw(step: int, index: int):
+        return extra[index - 1], [""] * len(extra[index - 1]), {}
+    actor = SimpleNamespace(options=SimpleNamespace(max_new_tokens=MAX_NEW))
+    return RLStep(actor, rollout, None, grade, AdvantageOptions(), UpdateOptions(), 2, None, None, controls, draw)
+
+
+def sampled(step: RLStep, prompts: list[str]) -> tuple[RolloutBatch, dict[str, float]]:
+    timings, stats = {"time/generate_s": 0.0}, {}
+    batch = step._generated(prompts, [""] * len(prompts), None, timings)
+    batch = step._dynamic_sampling(batch, 0, timings, stats)
+    return batch, stats
+
+
+def test_overlong_penalty_by_hand():
+    # L_max 10, L_c 4: the buffer is (6, 10]; −p·(|y| − 6)/4 inside, −p at 10
+    lengths = torch.tensor([3, 6, 7, 8, 10])
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4, 0.5), torch.tensor([0, 0, -0.125, -0.25, -0.5]))
+
+
+def test_informative_rows_by_hand():
+    batch = SimpleNamespace(group_ids=torch.tensor([0, 0, 1, 1, 2, 2]),
+                            outcome_rewards=torch.tensor([1.0, 1.0, 0.0, 0.5, 0.0, 0.0]))
+    assert _informative_rows(batch).tolist() == [False, False, True, True, False, False]
+
+
+def test_dynamic_sampling_draws_until_full_and_keeps_the_first_groups():
+    """Draw 1 keeps b only (a: all 1, c: all 0); draw 2 keeps d and e: 3 kept ≥ 3 prompts — the first 3 in drawn
+    order are b, d, e; f (draw 3) is never generated."""
+    outcomes = {"a": [1, 1], "b": [0, 1], "c": [0, 0], "d": [1, 0], "e": [0.5, 0], "g": [0, 0], "f": [1, 0]}
+    rollout = StubRollout(outcomes)
+    step = stub_step(rollout, SamplingControls(dynamic_sampling_max_draws=5), [["d", "e", "g"], ["f", "a", "b"]])
+    batch, stats = sampled(step, ["a", "b", "c"])
+    assert rollout.calls == [["a", "b", "c"], ["d", "e", "g"]]
+    assert list(dict.fromkeys(batch.prompts)) == ["b", "d", "e"]
+    assert len(set(batch.group_ids.tolist())) == 3 and batch.batch_size == 6
+    assert stats == {"train/groups_drawn": 6.0, "train/groups_kept": 3.0, "train/sampling_draws": 2.0,
+                     "train/zero_advantage_group_frac": 0.5}
+
+
+def test_dynamic_sampling_stops_at_max_draws_with_the_groups_it_kept():
+    outcomes = {"a": [1, 1], "b": [0, 1], "c": [0, 0], "d": [0, 0]}
+    step = stub_step(StubRollout(outcomes), SamplingControls(dynamic_sampling_max_draws=2), [["c", "d"]])
+    batch, stats = sampled(step, ["a", "b"])
+    assert list(dict.fromkeys(batch.prompts)) == ["b"]
+    assert stats["train/groups_kept"] == 1.0 and stats["train/sampling_draws"] == 2.0
+
+
+def test_dynamic_sampling_filters_on_the_raw_outcome_not_the_shaped_reward():
+    """Group a's raw outcomes are equal (1, 1) but its lengths differ, so the overlong penalty would make its shaped
+    rewards differ (the NeMo-RL #2431 bug keeps it): it is dropped; the penalty then shapes the kept group."""
+    outcomes = {"a": [1, 1], "b": [0, 1]}
+    lengths = {"a": [2, MAX_NEW], "b": [5, MAX_NEW]}
+    controls = SamplingControls(dynamic_sampling_max_draws=1, mask_truncated=True, overlong_buffer_length=2,
+                                overlong_penalty=1.0)
+    step = stub_step(StubRollout(outcomes, lengths), controls, [])
+    batch, stats = sampled(step, ["a", "b"])
+    assert list(dict.fromkeys(batch.prompts)) == ["b"]
+    in_loss = step._apply_length_controls(batch, stats)
+    # b: lengths 5 (EOS, in the buffer (4, 6]: −0.5) and 6 (no EOS: truncated, −1)
+    torch.testing.assert_close(batch.outcome_rewards, torch.tensor([-0.5, 0.0]))
+    assert in_loss.tolist() == [1.0, 0.0] and stats["train/truncated_frac"] == 0.5
+
+
+def test_sampling_control_groups_are_checked():
+    with pytest.raises(ConfigError, match="dynamic_sampling must be null or a mapping"):
+        SamplingControls.from_groups("PolicyModule", {"draws": 3}, False, None)
+    with pytest.raises(ConfigError, match="overlong_buffer must be null or a mapping"):
+        SamplingControls.from_groups("PolicyModule", None, False, {"penalty": 1.0})
+    with pytest.raises(ConfigError, match=r"overlong_buffer.length must be in \[1, 6\]"):
+        SamplingControls.from_groups("PolicyModule", None, False, {"length": 7}).check("PolicyModule", 6)
+
+
+def uneven_worker(rank: int, store: str, out: str) -> None:
+    """Rank 0's first draw is all informative; rank 1 keeps one group per draw: both must draw until rank 1 is full."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    outcomes = {"a": [0, 1], "b": [1, 0], "c": [1, 1], "d": [0, 1], "e": [0, 0], "f": [1, 0], "g": [0, 0]}
+    first, extra = (["a", "b"], [["d", "f"], ["b", "a"]]) if rank == 0 else (["c", "d"], [["e", "f"], ["g", "g"]])
+    rollout = StubRollout(outcomes)
+    batch, stats = sampled(stub_step(rollout, SamplingControls(dynamic_sampling_max_draws=3), extra), first)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"calls": rollout.calls, "stats": stats,
+                                                          "kept": list(dict.fromkeys(batch.prompts))}))
+    dist.destroy_process_group()
+
+
+def test_ranks_draw_equally_often_while_keeping_different_groups(tmp_path):
+    mp.spawn(uneven_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert len(rank0["calls"]) == len(rank1["calls"]) == 2  # rank 0 was full after 1 draw, rank 1 after 2
+    assert rank0["kept"] == ["a", "b"] and rank1["kept"] == ["d", "f"]
+    assert rank0["stats"]["train/groups_drawn"] == rank1["stats"]["train/groups_drawn"] == 4.0

@@ -1,0 +1,256 @@
+"""FlowReward's options for the official online protocol, against hand-computed values and the official formulas.
+
+The official code is Jinghaoleven/RLFR (OpenRLHF-based); its formulas are re-stated here in plain terms with their
+file and line, never copied:
+
+- ``openrlhf/openrlhf/models/utils.py`` L210-216, ``masked_mean(x, m, dim)``: Σ(x·m)/Σm along ``dim``, except that
+  when the whole mask sums to 0 it returns Σ(x·m) (i.e. 0).
+- ``openrlhf/openrlhf/trainer/ppo_trainer.py`` L491-505 (``experience_sampling``, once per micro-batch): the batch
+  mask b_r is 1 where the reward is ≥ 1 (``batch_correct``), else ``--soft_flow``; ``trajectory_entropy`` sets
+  the token mask a_rj to 1 where the token entropy is ≥ ``torch.quantile(entropy, q, dim=1)``, else
+  ``--soft_flow``, times the action mask; the micro-batch's flow loss is masked_mean(masked_mean(L, a, -1), b, 0).
+  L520 backpropagates it through DeepSpeed, whose gradient accumulation averages the micro-batches' losses.
+- ``ppo_trainer.py`` L485 / L523 / L547: the actor's backward and optimizer step run only when
+  ``global_steps > --freezing_actor_steps_for_flow``; the flow's step (L551) always runs.
+- ``models/utils.py`` L131-132: with ``--flow_gamma`` γ ≠ 1 the normalised scores (on the action mask) are raised to
+  γ; the threshold of ``postprocess_flow_score`` (L89-96) comes after.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowkit import kernels
+from flowkit.batch import RolloutBatch
+from flowkit.errors import ConfigError
+from flowkit.flow.matching import scored_token_mask
+from flowkit.rewards import FlowReward
+from flowkit.rl.rejection import entropy_quantile_weights
+from flowkit.rl.rewards import flow_token_rewards
+from backbone_stub import backbone_stub
+
+P, D, SEED, STEP = 2, 8, 5, 3
+
+
+def scored_batch(rows: int, generator: torch.Generator) -> RolloutBatch:
+    """Rows with random latents, token entropies and responses of different lengths; every other row is correct."""
+    length = 7
+    mask = torch.zeros(rows, length)
+    for r in range(rows):
+        mask[r, 2:2 + 2 + r % 4] = 1.0
+    batch = RolloutBatch(input_ids=torch.zeros(rows, length, dtype=torch.long), attention_mask=torch.ones(rows, length),
+                         response_mask=mask, group_ids=torch.arange(rows))
+    batch.latents = torch.randn(P, rows, length, D, generator=generator)
+    batch.correct = torch.arange(rows) % 2 == 0
+    batch.entropy = torch.rand(rows, generator=generator)
+    batch.token_entropy = torch.rand(rows, length, generator=generator)
+    return batch
+
+
+def bound_reward(**options) -> FlowReward:
+    """A fresh field: its output projection is zero-initialised, so v = 0 and a token's flow loss is
+    mean_{ℓ,t,d} (x1 − ε)², computable by hand from the seeded noise."""
+    reward = FlowReward(percentiles=(0.25, 0.5), depth=1, seed=SEED, **options)
+    reward.bind(backbone_stub(D), [0.25, 0.5])
+    return reward
+
+
+def scored_in_micro_batches(reward: FlowReward, batch: RolloutBatch, size: int) -> None:
+    reward.begin_step(STEP, batch)
+    for start in range(0, batch.batch_size, size):
+        rows = torch.arange(start, min(start + size, batch.batch_size))
+        reward.score(batch.select(rows), rows)
+
+
+def per_token_flow_loss(batch: RolloutBatch, rows: list[int],
+                        condition: str = "previous") -> dict[tuple[int, int], float]:
+    """(row, position) → the token's flow loss with v = 0, for the rows the update packs (in order, each cut after
+    its last response token): the noise of the k-th packed scored token is ``flow_noise`` counter k."""
+    tokens = []
+    for r in rows:
+        scored = scored_token_mask(batch.response_mask[r:r + 1], condition)[0]
+        tokens += [(r, int(j)) for j in scored.nonzero().flatten()]
+    eps = kernels.flow_noise((len(tokens), P, 1, D), seed=SEED + 1000 * STEP + 1)  # (token, layer, t, d)
+    x1 = torch.stack([batch.latents[:, r, j] for r, j in tokens])  # token × layer × d
+    per = ((x1[:, :, None] - eps) ** 2).mean(dim=(1, 2, 3))
+    return {token: float(value) for token, value in zip(tokens, per)}
+
+
+def official_masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
+    """models/utils.py L210-216, re-stated."""
+    if mask.sum() == 0:
+        return (x * mask).sum(dim)
+    return (x * mask).sum(dim) / mask.sum(dim)
+
+
+def official_micro_batch_losses(batch: RolloutBatch, size: int, soft: float, quantile: float | None,
+                                batch_correct: bool, losses: dict[tuple[int, int], float]) -> float:
+    """ppo_trainer.py L491-505 per micro-batch of ``size`` rows, averaged over the micro-batches (DeepSpeed's
+    gradient accumulation). The quantile is over the row's scored tokens (flowkit; the official's spans the
+    padded row)."""
+    micro = []
+    for start in range(0, batch.batch_size, size):
+        rows = range(start, min(start + size, batch.batch_size))
+        action = torch.stack([scored_token_mask(batch.response_mask[r:r + 1], "previous")[0] for r in rows]).float()
+        loss = torch.tensor([[losses.get((r, j), 0.0) for j in range(action.shape[1])] for r in rows])
+        token_mask = action
+        if quantile is not None:
+            entropy = batch.token_entropy[list(rows)]
+            threshold = torch.stack([torch.quantile(entropy[i][action[i].bool()], quantile) for i in range(len(rows))])
+            token_mask = torch.where(entropy >= threshold[:, None], 1.0, soft) * action
+        batch_mask = torch.where(batch.correct[list(rows)], 1.0, soft) if batch_correct else torch.ones(len(rows))
+        micro.append(official_masked_mean(official_masked_mean(loss, token_mask, -1), batch_mask, 0))
+    return float(torch.stack(micro).mean())
+
+
+@pytest.mark.parametrize("metric, soft, quantile, size", [
+    ("correct", 0.0, None, 1),                     # the official scripts: batch_correct, micro_train_batch_size 1
+    ("correct", 0.25, None, 2),                    # a soft weight on the wrong rollouts
+    ("token_entropy", 0.0, 0.5, 3),                # trajectory_entropy alone
+    ("correct+token_entropy", 0.25, 0.75, 2),      # batch_correct+trajectory_entropy
+])
+def test_micro_batch_update_is_the_official_masked_mean(metric, soft, quantile, size):
+    batch = scored_batch(6, torch.Generator().manual_seed(0))
+    reward = bound_reward(flow_update="micro_batch", rejection_metric=metric, soft_weight=soft,
+                          entropy_quantile=quantile, max_rows_per_piece=6)
+    scored_in_micro_batches(reward, batch, size)
+    pieces = reward.end_step(batch)
+    assert len(pieces) > 1  # several pieces (6 field rows each) sum to the loss
+    loss = float(sum(piece() for piece in pieces))
+    weighted_rows = [r for r in range(6) if soft > 0 or metric == "token_entropy" or bool(batch.correct[r])]
+    expected = official_micro_batch_losses(batch, size, soft, quantile, metric.startswith("correct"),
+                                           per_token_flow_loss(batch, weighted_rows))
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert reward.step_metrics()["flow/loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_micro_batch_update_of_correct_rows_by_hand():
+    """Micro-batches of one row (the official scripts' micro_train_batch_size 1), soft weight 0: the loss is
+    (1/M)·Σ over correct rows of the row's mean token loss; M = 6 micro-batches, rows 0, 2, 4 correct."""
+    batch = scored_batch(6, torch.Generator().manual_seed(1))
+    reward = bound_reward(flow_update="micro_batch")
+    scored_in_micro_batches(reward, batch, 1)
+    loss = float(sum(piece() for piece in reward.end_step(batch)))
+    losses = per_token_flow_loss(batch, [0, 2, 4])
+    row_means = [sum(v for (r, _), v in losses.items() if r == row) / sum(1 for r, _ in losses if r == row)
+                 for row in (0, 2, 4)]
+    assert loss == pytest.approx(sum(row_means) / 6, rel=1e-5)
+    assert reward.step_metrics()["flow/accepted_frac"] == 0.5
+
+
+def test_micro_batch_update_skips_a_step_without_weighted_rows():
+    batch = scored_batch(4, torch.Generator().manual_seed(2))
+    batch.correct[:] = False
+    reward = bound_reward(flow_update="micro_batch")
+    scored_in_micro_batches(reward, batch, 2)
+    assert reward.end_step(batch) == [] and not reward._candidates  # no wrong row's latents were even kept
+
+
+def test_entropy_quantile_weights_by_hand():
+    entropy = torch.tensor([0.1, 0.5, 0.3, 0.9, 7.0])
+    scored = torch.tensor([True, True, True, True, False])  # the unscored 7.0 takes no part in the quantile
+    # q = 0.5 over [0.1, 0.3, 0.5, 0.9]: (0.3 + 0.5) / 2 = 0.4 → tokens 0.5 and 0.9 weigh 1, the others s
+    torch.testing.assert_close(entropy_quantile_weights(entropy, scored, 0.5, 0.2), torch.tensor([0.2, 1, 0.2, 1, 0]))
+    # q = 0.75: 0.5 + 0.25·(0.9 − 0.5) = 0.6 → only 0.9
+    torch.testing.assert_close(entropy_quantile_weights(entropy, scored, 0.75, 0.0), torch.tensor([0.0, 0, 0, 1, 0]))
+    assert torch.equal(entropy_quantile_weights(entropy, torch.zeros(5, dtype=torch.bool), 0.5, 0.2), torch.zeros(5))
+
+
+def test_score_power_by_hand():
+    """official flow_gamma: r̂ ← r̂^γ before the threshold (minmax); sign(r̂)·|r̂|^γ two-sided."""
+    scores, mask = torch.tensor([[0.0, 1.0, 2.0, 4.0]]), torch.ones(1, 4)
+    # minmax r̂ = [0, .25, .5, 1]; γ = 2 → [0, .0625, .25, 1]; η = 0.2 keeps .25 and 1
+    rewards = flow_token_rewards(scores, mask, eta=0.2, beta=0.1, normalization="minmax", power=2.0)
+    torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, -0.025, -0.1]]))
+    # without γ, η = 0.2 keeps .25 too
+    torch.testing.assert_close(flow_token_rewards(scores, mask, eta=0.2, beta=0.1),
+                               torch.tensor([[0.0, -0.025, -0.05, -0.1]]))
+    # bilateral r̂ = [−1, −.5, 0, 1]; γ = 0.5 → [−1, −.7071, 0, 1]; |r̂| > 0.6 keeps all but 0: bonuses stay bonuses
+    rewards = flow_token_rewards(scores, mask, eta=0.6, beta=0.1, normalization="bilateral", power=0.5)
+    torch.testing.assert_close(rewards, torch.tensor([[0.1, 0.5 ** 0.5 * 0.1, 0.0, -0.1]]))
+
+
+def test_score_power_reaches_the_rewards():
+    batch = scored_batch(4, torch.Generator().manual_seed(3))
+    plain, powered = bound_reward(), bound_reward(score_power=3.0)
+    for reward in (plain, powered):
+        reward.begin_step(0, batch)
+    a = plain.score(batch, torch.arange(4))
+    b = powered.score(batch, torch.arange(4))
+    assert not torch.equal(a, b)
+    assert ((b != 0) <= (a != 0)).all()  # r̂³ ≤ r̂ on [0, 1]: no token passes η that did not before
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"soft_weight": 0.5}, "flow_update: micro_batch"),
+    ({"rejection_metric": "token_entropy", "entropy_quantile": 0.5}, "flow_update: micro_batch"),
+    ({"flow_update": "micro_batch", "rejection_metric": "token_entropy"}, "set both or neither"),
+    ({"flow_update": "micro_batch", "entropy_quantile": 0.5}, "set both or neither"),
+    ({"flow_update": "micro_batch", "update_every_step": True}, "update_every_step"),
+    ({"flow_update": "steps"}, "flow_update"),
+    ({"rejection_metric": "trajectory_entropy"}, "rejection_metric"),
+    ({"soft_weight": 1.5, "flow_update": "micro_batch"}, "soft_weight"),
+    ({"score_power": 0.0}, "score_power"),
+    ({"flow_warmup_steps": 2, "online_update": False}, "online_update"),
+])
+def test_online_protocol_options_are_checked(options, message):
+    with pytest.raises(ConfigError, match=message):
+        FlowReward(**options)
+
+
+def test_reward_loop_host_syncs_do_not_grow_with_rows(monkeypatch):
+    """issue 35 item 8: scoring a micro-batch syncs with the host a fixed number of times, however many rows it
+    keeps for the online update (before: one ``nonzero().max()`` and one ``.cpu()`` per kept row, four ``float()``
+    per micro-batch). Every Tensor method that hands a value to the host is counted."""
+    counted = ["cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"]
+    calls = {"n": 0}
+    for name in counted:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            calls["n"] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def syncs(rows: int, metric: str) -> int:
+        batch = scored_batch(rows, torch.Generator().manual_seed(4))
+        reward = bound_reward(rejection_metric=metric)
+        reward.begin_step(0, batch)
+        calls["n"] = 0
+        reward.score(batch, torch.arange(rows))
+        return calls["n"]
+
+    few, many = syncs(2, "entropy"), syncs(16, "entropy")  # every row is kept for the entropy metric
+    assert few == many, (few, many)
+    assert syncs(16, "correct") == many
+
+
+def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatch):
+    """Two RL steps of the tiny job, both inside flow_warmup_steps: the exported policy is the initial one, bit for
+    bit, and the flow moved (lr 5e-5 would move every policy weight in two steps)."""
+    from flowkit.cli import FlowkitCLI
+    from flowkit.llm.backbone import load_backbone
+
+    monkeypatch.chdir(tmp_path)
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "rlfr_tiny.yaml")
+    FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", "2", "--model.init_args.flow_pretrain_steps", "0",
+                     "--model.init_args.reward_model.init_args.flow_update", "micro_batch",
+                     "--model.init_args.reward_model.init_args.kappa", "1",
+                     "--model.init_args.reward_model.init_args.flow_warmup_steps", "2"])
+    run_dir = next(tmp_path.glob("runs/rlfr_tiny/version_*"))
+    initial, _ = load_backbone("bundled:tiny_adder", "float32")
+    trained, _ = load_backbone(str(run_dir / "export" / "hf_policy"), "float32")
+    for (name, want), got in zip(initial.state_dict().items(), trained.state_dict().values()):
+        assert torch.equal(want, got), name
+    with open(run_dir / "metrics.csv") as f:
+        losses = [float(r["flow/loss"]) for r in csv.DictReader(f) if r.get("flow/loss")]
+    assert any(loss == loss and loss > 0 for loss in losses)  # a flow loss was backpropagated (not NaN)
+    reward = FlowReward(percentiles=(0.25,), depth=2, timesteps=(0.9,), seed=0)
+    reward.bind(initial, [0.25])
+    flow = load_file(str(run_dir / "export" / "flow.safetensors"))
+    assert any(not torch.equal(value, flow[name]) for name, value in reward.field.state_dict().items())
