@@ -98,7 +98,7 @@ class RLStep:
             timings["time/score_s"] = time.perf_counter() - score_start
         update_start = time.perf_counter()
         stats = self._update(batch, outcome, fused, timings, order)
-        timings["time/update_s"] = time.perf_counter() - update_start - timings.get("time/flow_s", 0.0)
+        timings["time/update_s"] = time.perf_counter() - update_start - timings.get("time/reward_model_s", 0.0)
         return batch, {**timings, **stats}
 
     def _fused(self) -> bool:
@@ -227,7 +227,7 @@ class RLStep:
                 self.backward(piece())
             if pieces:
                 groups.add("reward")
-            timings["time/flow_s"] = time.perf_counter() - start
+            timings["time/reward_model_s"] = time.perf_counter() - start
         stats.close_minibatch()
         self.step_optimizer(groups)  # the reward model only moves on the minibatch that carried its loss
 
