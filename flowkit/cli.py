@@ -328,7 +328,7 @@ def _parser_error_line(report: str) -> str:
 def _class_problem(class_path: str, message: str) -> str:
     """A problem jsonargparse reports for ``class_path``, with the name the user probably meant."""
     if re.match(r"(module '.+' has no attribute|No module named|Import path .+ does not)", message):
-        module, _, name = class_path.rpartition(".")
+        module = class_path.rpartition(".")[0]
         try:
             choices = [f"{module}.{n}" for n in dir(importlib.import_module(module)) if not n.startswith("_")]
         except Exception:  # noqa: BLE001  (the module itself does not import: nothing to suggest)

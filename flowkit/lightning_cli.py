@@ -278,6 +278,10 @@ def run(args: list[str] | None, checkpoint: str) -> None:
     warnings.filterwarnings("ignore", message=r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is "
                                               r"deprecated")
     rank_zero_module.log.addFilter(_without_lightning_noise)
+    if not sys.stderr.isatty():  # a bar redrawn in place is a stack of lines in a log ("Writing model shards")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     # Every checkpoint this command loads (Lightning's, DeepSpeed's under any strategy) is loaded tensors-only.
     with tensors_only_loading(checkpoint):
         # The parser raises instead of printing its usage and a nested error report: main() prints one line.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import textwrap
 
 import cli_errors
@@ -15,10 +16,16 @@ def test_the_correctness_probe_example_trains_and_its_metrics_are_plotted(tmp_pa
     run_dir = tmp_path / "probe"
     result = flowkit(ROOT, "fit", "--config", str(CONFIG), *ONE_STEP, "--trainer.max_steps", "2",
                      "--trainer.default_root_dir", str(run_dir),
-                     "--model.init_args.reward_model", "examples.correctness_probe_reward.CorrectnessProbe")
+                     "--model.init_args.reward_model", "examples.correctness_probe_reward.CorrectnessProbe",
+                     "--trainer.callbacks", "[{class_path: flowkit.modules.CompletionLogs, "
+                                            "init_args: {every_n_steps: 1, rows: 2}}]")
     assert result.returncode == 0, result.stderr[-3000:]
     with open(run_dir / "version_0" / "metrics.csv") as f:
         rows = [row for row in csv.DictReader(f)]
+    assert sorted({int(row["step"]) for row in rows}) == [1, 2]  # RL steps from 1, as the bar and summary count
+    logged_completions = [json.loads(line) for line in (run_dir / "version_0" / "completions.jsonl").open()]
+    for step in (1, 2):  # 2 rows of a step of 2 prompts × 2 samples: one of each prompt's group
+        assert sorted(row["group"] for row in logged_completions if row["step"] == step) == [0, 1]
     logged = {key for row in rows for key, value in row.items() if value}
     assert {"reward_model/probe_loss", "reward_model/probe_accuracy", "train/token_reward/mean",
             "train/token_reward/nonzero_frac", "time/reward_model_s"} <= logged, sorted(logged)

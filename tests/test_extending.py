@@ -5,7 +5,9 @@ one-line errors for typical mistakes."""
 from __future__ import annotations
 
 import csv
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -100,8 +102,12 @@ def test_project_code_imports_from_the_working_directory_and_from_a_file(tmp_pat
                  '{function: "rewards/length.py:length", weight: 0.0}]')
     with_validation_data = [arg for arg in ONE_STEP if arg not in ("--data.init_args.val_path", "null")]
     result = flowkit(tmp_path, "fit", "--config", str(CONFIG), *with_validation_data, "--trainer.default_root_dir",
-                     "runs/own", "--model.init_args.reward_functions", functions)
+                     "runs/own", "--model.init_args.reward_functions", functions,
+                     "--trainer.callbacks", "[{class_path: flowkit.modules.ExportArtifacts}]")
     assert result.returncode == 0, result.stderr[-3000:]
+    # the export and the summary on one stream (stdout); no HF bar ("Writing model shards") in a log
+    assert "fit summary: 1 step (0 → 1)" in result.stdout and "exported policy: " in result.stdout, result.stdout
+    assert "exported" not in result.stderr and "Writing model shards" not in result.stderr
     # the config validates every 60 steps; this fit of 1 step says that it will not
     assert ("note: no validation in this fit: trainer.val_check_interval is 60 steps and trainer.max_steps 1; set "
             "--trainer.val_check_interval 1 to validate at the end") in result.stderr.splitlines()
@@ -147,3 +153,15 @@ def test_typical_mistakes_are_one_line_with_the_nearest_name(tmp_path):
     }
     for extra, expected in cases.items():
         assert cli_errors.one_line_error(flowkit(tmp_path, *run, *extra)) == expected, extra
+
+
+def test_the_bundled_chat_model_and_conversational_data_run_offline(tmp_path):
+    result = flowkit(tmp_path, "fit", "--config", str(CONFIG), *ONE_STEP, "--trainer.default_root_dir", "runs/chat",
+                     "--model.init_args.backbone", "bundled:tiny_chat",
+                     "--data.init_args.train_path", "bundled:arithmetic_chat/train.jsonl",
+                     "--data.init_args.prompt_format", "chat",
+                     "--trainer.callbacks", "[{class_path: flowkit.modules.CompletionLogs, init_args: {every_n_steps: 1}}]")
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = [json.loads(line) for line in (tmp_path / "runs/chat/version_0/completions.jsonl").open()]
+    # the template renders the user turn alone (system turns dropped): the tiny model's own prompt format
+    assert logged and all(re.fullmatch(r"\d+\+\d+=", row["prompt"]) for row in logged), logged[0]["prompt"]
