@@ -21,6 +21,7 @@ from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
 from flowkit.cli import did_you_mean
@@ -30,7 +31,7 @@ from flowkit.modules.completions import CompletionLogs
 from flowkit.modules.summary import ParameterSummary, RunSummary
 from flowkit.registry import STANDALONE, SUBCOMMANDS
 
-__all__ = ["FlowkitCLI", "FlowkitTrainer", "place_run"]
+__all__ = ["FlowkitCLI", "FlowkitTrainer", "RunCSVLogger", "place_run"]
 
 
 def _trainer_method(fn: Callable) -> Callable:
@@ -174,7 +175,7 @@ def place_run(config, fresh_fit: bool) -> None:
     unless it names its own, :class:`~flowkit.modules.summary.ParameterSummary` is the model summary and
     :class:`~flowkit.modules.summary.RunSummary` prints the run's result at the end of ``fit``; unless it names its
     own, :class:`~flowkit.modules.completions.CompletionLogs` writes a few completions every 10 RL steps.
-    Unless the config names its own logger, the run logs to ``<run dir>/version_N`` (a CSVLogger: ``metrics.csv``,
+    Unless the config names its own logger, the run logs to ``<run dir>/version_N`` (a :class:`RunCSVLogger`: ``metrics.csv``, steps from 1,
     the resolved ``config.yaml``, ``export/``); every ModelCheckpoint without a ``dirpath`` writes to
     ``<run dir>/checkpoints``, shared by the run's versions so ``--ckpt_path last`` resumes this run and no other.
     A fresh ``fit`` (no ``--ckpt_path``) into a run directory that already holds checkpoints is refused: two
@@ -183,7 +184,7 @@ def place_run(config, fresh_fit: bool) -> None:
     trainer = config.trainer
     run_dir = Path(trainer.default_root_dir or os.getcwd())
     if trainer.get("logger") in (None, True):
-        trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
+        trainer.logger = Namespace(class_path="flowkit.lightning_cli.RunCSVLogger",
                                    init_args=Namespace(save_dir=str(run_dir), name=""))
     callbacks = trainer.get("callbacks") or []
     if trainer.get("enable_progress_bar") is not False and not any(
@@ -208,6 +209,14 @@ def place_run(config, fresh_fit: bool) -> None:
         if existing:
             raise ConfigError(f"{run_dir} already holds a run ({existing[0]}): resume it with --ckpt_path last, "
                               "or start a new run with --trainer.default_root_dir runs/NEW_NAME")
+
+
+class RunCSVLogger(CSVLogger):
+    """Lightning's CSVLogger with the steps of ``metrics.csv`` counted from 1, as the progress bar, the summary and
+    the completion logs count them: Lightning logs the N-th training batch, and the validation after it, at N − 1."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        super().log_metrics(metrics, None if step is None else step + 1)
 
 
 def _note_unreached_validation(config) -> None:

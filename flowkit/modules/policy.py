@@ -333,9 +333,6 @@ class PolicyModule(L.LightningModule):
             # the model's own scalars; a key without a prefix gets one (flowkit plot draws reward_model/*)
             metrics.update({key if "/" in key else f"reward_model/{key}": value
                             for key, value in self.reward_model.step_metrics().items()})
-        # `step` is the loggers' x-axis (Lightning reads it from the logged metrics): the RL step from 1, as the
-        # progress bar, the summary and the completion logs number it, and validation after step N logs at N.
-        metrics["step"] = int(prompts["index"]) + 1
         self.log_dict({k: float(v) for k, v in metrics.items()}, batch_size=batch.batch_size)
         self.log("reward", batch.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
         self.log("acc", batch.correct.float().mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
