@@ -42,6 +42,7 @@ from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
 
 PLUGIN_GROUP = "flowkit.subcommands"
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 LAZY_ATTRIBUTES = ("FlowkitCLI", "FlowkitTrainer", "place_run")
 
 
@@ -69,8 +70,11 @@ def load_plugins() -> list[str]:
     Returns the warnings (also printed to stderr).
     """
     warnings_printed = []
+    taken = {*LIGHTNING_COMMANDS, *SUBCOMMANDS, *STANDALONE}  # flowkit's own commands (loaded before plugins)
     for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
         try:
+            if entry.name in taken:
+                raise ValueError(f"'{entry.name}' is a command of flowkit itself; choose another name")
             loaded = entry.load()
             already = any(loaded is fn for fn in (*SUBCOMMANDS.values(), *STANDALONE.values()))
             if callable(loaded) and not inspect.ismodule(loaded) and not already:

@@ -72,7 +72,8 @@ def test_plugin_subcommand_is_listed_and_runs_with_the_config(tmp_path):
 
 def test_a_broken_plugin_is_one_warning_and_flowkit_still_runs(tmp_path):
     site = tmp_path / "site"
-    install_plugin(site, "[flowkit.subcommands]\nbroken = my_project.broken\ncount-params = my_project.commands:count_params\n",
+    install_plugin(site, "[flowkit.subcommands]\nbroken = my_project.broken\ncount-params = my_project.commands:count_params\n"
+                         "fit = my_project.commands:count_params\n",  # a name flowkit's own command has
                    {"my_project/__init__.py": "", "my_project/commands.py": COUNT_PARAMS,
                     "my_project/broken.py": "import a_module_nobody_installed\n"})
     for attempt in range(2):  # the second answer comes from the help cache and repeats the warning
@@ -80,8 +81,12 @@ def test_a_broken_plugin_is_one_warning_and_flowkit_still_runs(tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
         warnings = [line for line in result.stderr.splitlines() if "plugin" in line]
         assert warnings == ["warning: flowkit plugin 'broken' (my_project.broken) failed to load and is left out: "
-                            "ModuleNotFoundError: No module named 'a_module_nobody_installed'"], result.stderr
+                            "ModuleNotFoundError: No module named 'a_module_nobody_installed'",
+                            "warning: flowkit plugin 'fit' (my_project.commands:count_params) failed to load and is left "
+                            "out: ValueError: 'fit' is a command of flowkit itself; choose another name"], result.stderr
         assert "count-params" in result.stdout and "Traceback" not in result.stderr
+    fit_help = flowkit(tmp_path, "fit", "--help", extra_path=site)  # flowkit's fit, not the plugin's
+    assert fit_help.returncode == 0 and "--trainer.max_steps" in fit_help.stdout, fit_help.stderr[-2000:]
 
 
 PROJECT_REWARDS = '''
