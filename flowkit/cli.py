@@ -43,6 +43,7 @@ __all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
 
 PLUGIN_GROUP = "flowkit.subcommands"
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+PLUGIN_WARNINGS: list[str] = []  # the last load_plugins() warnings
 LAZY_ATTRIBUTES = ("FlowkitCLI", "FlowkitTrainer", "place_run")
 
 
@@ -67,9 +68,10 @@ def load_plugins() -> list[str]:
     :func:`subcommand` / :func:`~flowkit.registry.standalone` decorators) or a function (``count-params =
     my_project.commands:count_params``: registered as ``flowkit count-params`` unless a decorator already registered
     it). A plugin that fails to load is left out with a one-line warning naming it; flowkit itself still runs.
-    Returns the warnings (also printed to stderr).
+    Returns the warnings (printed to stderr, and kept in :data:`PLUGIN_WARNINGS` for the help cache).
     """
-    warnings_printed = []
+    warnings_printed = PLUGIN_WARNINGS
+    warnings_printed.clear()
     taken = {*LIGHTNING_COMMANDS, *SUBCOMMANDS, *STANDALONE}  # flowkit's own commands (loaded before plugins)
     for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
         try:
@@ -107,13 +109,13 @@ def main(args: list[str] | None = None) -> None:
     _run(args, argv)
 
 
-def _run(args: list[str] | None, argv: list[str]) -> list[str]:
-    """Register every subcommand, then run the command ``argv``; returns the plugins' load warnings."""
+def _run(args: list[str] | None, argv: list[str]) -> None:
+    """Register every subcommand (flowkit's, then the plugins'), then run the command ``argv``."""
     _load_builtin_subcommands()
-    plugin_warnings = load_plugins()
+    load_plugins()
     if argv and argv[0] in STANDALONE:  # e.g. `flowkit plot RUN_DIR`: no config, model or trainer
         STANDALONE[argv[0]](argv[1:])
-        return plugin_warnings
+        return
     try:
         _check_config_files(argv)
         from flowkit.lightning_cli import run
@@ -125,7 +127,6 @@ def _run(args: list[str] | None, argv: list[str]) -> list[str]:
             raise
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
-    return plugin_warnings
 
 
 # --------------------------------------------------------------------------------------------- help cache
@@ -158,10 +159,9 @@ def cached_help(argv: list[str], build) -> None:
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged entry is rebuilt
     captured = io.StringIO()
-    warnings_printed: list[str] = []
     with contextlib.redirect_stdout(_Tee(sys.stdout, captured)):
         try:
-            warnings_printed = build()
+            build()
         except SystemExit as exit:  # argparse ends a help request with exit 0
             if exit.code not in (0, None):
                 raise
@@ -169,7 +169,7 @@ def cached_help(argv: list[str], build) -> None:
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            temporary.write_text(json.dumps({"text": captured.getvalue(), "warnings": warnings_printed or []}))
+            temporary.write_text(json.dumps({"text": captured.getvalue(), "warnings": PLUGIN_WARNINGS}))
             temporary.replace(path)
 
 
