@@ -1,9 +1,9 @@
-"""`flowkit` command line: LightningCLI with flowkit's own subcommands.
+"""`flowkit` command line: LightningCLI (:mod:`flowkit.lightning_cli`) with flowkit's own subcommands and users'.
 
-Every run lives in its run directory, ``trainer.default_root_dir`` (:func:`place_run`). Users add a subcommand
-with :func:`subcommand` (from :mod:`flowkit.registry`, re-exported here): a function
-``fn(trainer, model, datamodule, **options)``
-whose extra keyword arguments (typed, with defaults) become the subcommand's options::
+Every run lives in its run directory, ``trainer.default_root_dir`` (:func:`~flowkit.lightning_cli.place_run`).
+Users add a subcommand with :func:`subcommand` (from :mod:`flowkit.registry`, re-exported here): a function
+``fn(trainer, model, datamodule, **options)`` whose extra keyword arguments (typed, with defaults) become the
+subcommand's options::
 
     from flowkit.cli import subcommand
 
@@ -12,185 +12,48 @@ whose extra keyword arguments (typed, with defaults) become the subcommand's opt
         \"\"\"Write a report.\"\"\"
         ...
 
-then import that module before :func:`main` runs (e.g. in a ``my_package/__main__.py`` that calls
-``flowkit.cli.main()``).
+and make it a plugin: an installed package names it in the entry-point group ``flowkit.subcommands`` (see
+:func:`load_plugins`), and ``flowkit my-report --config ...`` runs it with the same config machinery as ``fit``.
+
+This module imports neither torch nor Lightning at its top (they take seconds): ``--help`` is answered from a cache
+(:func:`cached_help`), and :mod:`flowkit.lightning_cli` is imported only when a command runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import hashlib
 import importlib
+import importlib.metadata
+import importlib.util
 import inspect
-import logging
+import io
+import json
 import os
 import re
+import shutil
 import sys
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 
-from jsonargparse import Namespace
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_module
-
-from flowkit.checkpointing import RunDirectoryLock, fault_tolerance_defaults, lock_run_directory, tensors_only_loading
 from flowkit.errors import ConfigError, RunError
-from flowkit.modules.completions import CompletionLogs
-from flowkit.modules.summary import ParameterSummary, RunSummary
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
 
-
-def _trainer_method(fn: Callable) -> Callable:
-    """``fn(trainer, model, datamodule, **options)`` as a method of the Trainer, which is how LightningCLI runs
-    a subcommand; jsonargparse reads the options from the method's signature."""
-
-    def method(self, model: LightningModule, datamodule: LightningDataModule | None = None, **options):
-        return fn(self, model, datamodule, **options)
-
-    params = list(inspect.signature(fn).parameters.values())
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    method.__signature__ = inspect.Signature([self_param, *params[1:]])
-    method.__doc__ = fn.__doc__
-    method.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != "trainer"}
-    return method
+PLUGIN_GROUP = "flowkit.subcommands"
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+PLUGIN_WARNINGS: list[str] = []  # the last load_plugins() warnings
+LAZY_ATTRIBUTES = ("FlowkitCLI", "FlowkitTrainer", "place_run")
 
 
-class FlowkitTrainer(Trainer):
-    """Lightning's Trainer; :class:`FlowkitCLI` attaches the registered subcommands to it as methods."""
+def __getattr__(name: str):
+    """``flowkit.cli.FlowkitCLI`` (and the other names of :mod:`flowkit.lightning_cli`), imported on first use."""
+    if name in LAZY_ATTRIBUTES:
+        from flowkit import lightning_cli
 
-
-class FlowkitCLI(LightningCLI):
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("trainer_class", FlowkitTrainer)
-        kwargs.setdefault("subclass_mode_model", True)
-        kwargs.setdefault("subclass_mode_data", True)
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("trainer_defaults", fault_tolerance_defaults())
-        for name, fn in SUBCOMMANDS.items():
-            setattr(FlowkitTrainer, name, _trainer_method(fn))
-        if STANDALONE:  # `flowkit --help` names the commands that LightningCLI's parser does not know
-            others = "; ".join(f"flowkit {name}: {(fn.__doc__ or '').strip().splitlines()[0]}"
-                               for name, fn in STANDALONE.items())
-            kwargs["parser_kwargs"] = {"epilog": f"other commands (each has --help): {others}",
-                                       **(kwargs.get("parser_kwargs") or {})}
-        self._run_lock: RunDirectoryLock | None = None
-        try:
-            super().__init__(*args, **kwargs)
-        finally:
-            if self._run_lock is not None:
-                self._run_lock.release()
-
-    def _parse_ckpt_path(self) -> None:
-        """Keep the configuration the YAML files and the command line gave: a checkpoint supplies state only.
-
-        LightningCLI would merge ``--ckpt_path``'s saved ``hyper_parameters`` over the parsed model config,
-        which lets a checkpoint file override options the user typed (``--model.init_args.val_temperature 0``)
-        and decide what code runs (``trust_remote_code: true`` with a ``backbone`` carrying custom code).
-        """
-
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        commands = dict(LightningCLI.subcommands())
-        for name in SUBCOMMANDS:
-            commands[name] = {"model", "datamodule"}
-        return commands
-
-    def parse_arguments(self, parser, args) -> None:
-        # With `args` given (`flowkit.cli.main([...])`, tests), sys.argv belongs to the caller (e.g. pytest).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
-            super().parse_arguments(parser, args)
-
-    def before_instantiate_classes(self) -> None:
-        self._config_as_given = self.config.clone()
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        if self.subcommand == "fit":  # one run at a time in a run directory, until this command ends
-            self._run_lock = lock_run_directory(config.trainer.default_root_dir or os.getcwd())
-        place_run(config, fresh_fit=self.subcommand == "fit" and config.get("ckpt_path") is None)
-
-    def instantiate_trainer(self, **kwargs):
-        self._load_data_early()
-        # The run's saved config.yaml is the configuration as given, without the paths place_run filled in, so
-        # `fit --config runs/a/version_0/config.yaml --trainer.default_root_dir runs/b` starts a run of its own.
-        placed, self.config = self.config, self._config_as_given
-        try:
-            return super().instantiate_trainer(**kwargs)
-        finally:
-            self.config = placed
-
-
-    def _load_data_early(self) -> None:
-        """Load and check the data of fit / validate / test now, before the Trainer prints its start-up lines and
-        sets up the run: a bad record or a prompt too long for the model is one line, before any work."""
-        stage = {"fit": "fit", "validate": "validate", "test": "test"}.get(self.subcommand)
-        use_module = getattr(self.datamodule, "use_module", None)
-        if stage is not None and use_module is not None:
-            use_module(self.model)
-            self.datamodule.setup(stage)
-
-
-def place_run(config, fresh_fit: bool) -> None:
-    """One run, one directory: ``trainer.default_root_dir`` (the run directory) holds everything of the run.
-
-    Unless the config names its own progress bar, :class:`~flowkit.modules.progress.RLProgressBar` shows the run;
-    unless it names its own, :class:`~flowkit.modules.summary.ParameterSummary` is the model summary and
-    :class:`~flowkit.modules.summary.RunSummary` prints the run's result at the end of ``fit``; unless it names its
-    own, :class:`~flowkit.modules.completions.CompletionLogs` writes a few completions every 10 RL steps.
-    Unless the config names its own logger, the run logs to ``<run dir>/version_N`` (a CSVLogger: ``metrics.csv``,
-    the resolved ``config.yaml``, ``export/``); every ModelCheckpoint without a ``dirpath`` writes to
-    ``<run dir>/checkpoints``, shared by the run's versions so ``--ckpt_path last`` resumes this run and no other.
-    A fresh ``fit`` (no ``--ckpt_path``) into a run directory that already holds checkpoints is refused: two
-    runs never share a checkpoint.
-    """
-    trainer = config.trainer
-    run_dir = Path(trainer.default_root_dir or os.getcwd())
-    if trainer.get("logger") in (None, True):
-        trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
-                                   init_args=Namespace(save_dir=str(run_dir), name=""))
-    callbacks = trainer.get("callbacks") or []
-    if trainer.get("enable_progress_bar") is not False and not any(
-            isinstance(c, Namespace) and _is_subclass(c.get("class_path"), ProgressBar) for c in callbacks):
-        trainer.callbacks = [*callbacks, Namespace(class_path="flowkit.modules.progress.RLProgressBar",
-                                                   init_args=Namespace())]
-    if trainer.get("enable_model_summary") is not False:
-        _add_callback_unless_present(trainer, ModelSummary, ParameterSummary)
-    _add_callback_unless_present(trainer, RunSummary, RunSummary)
-    _add_callback_unless_present(trainer, CompletionLogs, CompletionLogs)
-    checkpoint_dirs = []
-    for callback in trainer.get("callbacks") or []:
-        if not isinstance(callback, Namespace) or not _is_subclass(callback.get("class_path"), ModelCheckpoint):
-            continue
-        if callback.init_args.get("dirpath") is None:
-            callback.init_args.dirpath = str(run_dir / "checkpoints")
-        checkpoint_dirs.append(Path(callback.init_args.dirpath))
-    if not fresh_fit:
-        return
-    for directory in checkpoint_dirs or [run_dir / "checkpoints"]:
-        existing = sorted(directory.glob("*.ckpt")) if directory.is_dir() else []
-        if existing:
-            raise ConfigError(f"{run_dir} already holds a run ({existing[0]}): resume it with --ckpt_path last, "
-                              "or start a new run with --trainer.default_root_dir runs/NEW_NAME")
-
-
-def _add_callback_unless_present(trainer, present: type, added: type) -> None:
-    """Append an ``added`` callback (default arguments) to the trainer's unless the config names a ``present``."""
-    callbacks = trainer.get("callbacks") or []
-    if not any(isinstance(c, Namespace) and _is_subclass(c.get("class_path"), present) for c in callbacks):
-        trainer.callbacks = [*callbacks, Namespace(class_path=f"{added.__module__}.{added.__qualname__}",
-                                                   init_args=Namespace())]
-
-
-def _is_subclass(class_path: str | None, base: type) -> bool:
-    if not class_path:
-        return False
-    module, _, name = class_path.rpartition(".")
-    try:
-        return issubclass(getattr(importlib.import_module(module), name), base)
-    except (ImportError, AttributeError, TypeError):
-        return False
+        return getattr(lightning_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _load_builtin_subcommands() -> None:
@@ -198,30 +61,66 @@ def _load_builtin_subcommands() -> None:
     import flowkit.strategies  # noqa: F401  (registers the deepspeed_cpu* strategy names)
 
 
+def load_plugins() -> list[str]:
+    """Load the subcommands installed packages declare in the entry-point group ``flowkit.subcommands``.
+
+    An entry point names a module (``count-params = my_project.commands``: importing it runs its
+    :func:`subcommand` / :func:`~flowkit.registry.standalone` decorators) or a function (``count-params =
+    my_project.commands:count_params``: registered as ``flowkit count-params`` unless a decorator already registered
+    it). A plugin that fails to load is left out with a one-line warning naming it; flowkit itself still runs.
+    Returns the warnings (printed to stderr, and kept in :data:`PLUGIN_WARNINGS` for the help cache).
+    """
+    warnings_printed = PLUGIN_WARNINGS
+    warnings_printed.clear()
+    taken = {*LIGHTNING_COMMANDS, *SUBCOMMANDS, *STANDALONE}  # flowkit's own commands (loaded before plugins)
+    for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        try:
+            if entry.name in taken:
+                raise ValueError(f"'{entry.name}' is a command of flowkit itself; choose another name")
+            loaded = entry.load()
+            already = any(loaded is fn for fn in (*SUBCOMMANDS.values(), *STANDALONE.values()))
+            if callable(loaded) and not inspect.ismodule(loaded) and not already:
+                subcommand(entry.name)(loaded)
+        except Exception as err:  # noqa: BLE001  (whatever a plugin raises, flowkit runs without it)
+            reason = " ".join(f"{type(err).__name__}: {err}".split())
+            line = (f"warning: flowkit plugin {entry.name!r} ({entry.value}) failed to load and is left out: "
+                    f"{reason}")
+            print(line, file=sys.stderr)
+            warnings_printed.append(line)
+    return warnings_printed
+
+
+def _put_working_directory_on_path() -> None:
+    """Class paths and reward functions of the user's project import from the working directory, as under
+    ``python -m`` (a console script's ``sys.path`` starts with the script's own directory instead)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(args: list[str] | None = None) -> None:
     """Run the CLI; bad input (see :func:`_input_error`) prints ``error: <one line>`` and exits with code 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Lightning 2.6 on a newer torch: a deprecation inside Lightning's own pytree helper, nothing a user can act on.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    # flowkit checkpoints the state after each RL step's optimizer steps on purpose: resume continues from there.
-    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-    # Frozen models (proxies, evaluators, KL references) are in eval mode on purpose.
-    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-    # DeepSpeed calls torch's collectives by their deprecated names on every ZeRO gather: not the user's to act on.
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is "
-                                              r"deprecated")
-    rank_zero_module.log.addFilter(_without_lightning_noise)
-    _load_builtin_subcommands()
+    _put_working_directory_on_path()
     argv = sys.argv[1:] if args is None else list(args)
+    if args is None and _is_help_request(argv):  # a console `--help` (callers passing `args` get argparse's exit)
+        cached_help(argv, lambda: _run(args, argv))
+        return
+    _run(args, argv)
+
+
+def _run(args: list[str] | None, argv: list[str]) -> None:
+    """Register every subcommand (flowkit's, then the plugins'), then run the command ``argv``."""
+    _load_builtin_subcommands()
+    load_plugins()
     if argv and argv[0] in STANDALONE:  # e.g. `flowkit plot RUN_DIR`: no config, model or trainer
         STANDALONE[argv[0]](argv[1:])
         return
     try:
         _check_config_files(argv)
-        # Every checkpoint this command loads (Lightning's, DeepSpeed's under any strategy) is loaded tensors-only.
-        with tensors_only_loading(_checkpoint_argument(argv)):
-            # The parser raises instead of printing its usage and a nested error report: main() prints one line.
-            FlowkitCLI(args=args, parser_kwargs={"exit_on_error": False})
+        from flowkit.lightning_cli import run
+
+        run(args, _checkpoint_argument(argv))
     except Exception as err:
         message = _input_error(err)
         if message is None:
@@ -230,14 +129,99 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-# Lightning's info lines that tell a flowkit user nothing: the advertisement for its cloud logger at every start,
-# and that a configured model summary (flowkit's ParameterSummary) replaces the default one.
-LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary` callback")
+# --------------------------------------------------------------------------------------------- help cache
+HELP_FLAGS = ("-h", "--help")
 
 
-def _without_lightning_noise(record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    return not any(noise in message for noise in LIGHTNING_NOISE)
+def _is_help_request(argv: list[str]) -> bool:
+    """``flowkit --help`` or ``flowkit COMMAND --help``: text that depends only on the installed code."""
+    return (len(argv) == 1 and argv[0] in HELP_FLAGS) or (
+        len(argv) == 2 and argv[1] in HELP_FLAGS and not argv[0].startswith("-"))
+
+
+def cached_help(argv: list[str], build) -> None:
+    """Print the help text of ``argv`` from the cache, or build it (``build()`` prints it) and cache it.
+
+    Building needs Lightning's parser, whose import alone takes seconds; the text changes only with the code, so
+    it is cached under a key of everything it is made from: ``argv``, the terminal width, flowkit's source files,
+    the versions of Lightning, jsonargparse and torch, the subcommands registered before :func:`main` ran (a
+    launcher's) and the installed plugins (their entry points and source files). The plugins' load warnings are kept with the text and printed again. The cache lives in
+    ``$FLOWKIT_CACHE_DIR`` (default ``~/.cache/flowkit``); a cache that cannot be written is skipped.
+    """
+    path = _help_cache_file(argv)
+    if path is not None and path.is_file():
+        try:
+            cached = json.loads(path.read_text(encoding="utf-8"))
+            for line in cached["warnings"]:
+                print(line, file=sys.stderr)
+            sys.stdout.write(cached["text"])
+            return
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged entry is rebuilt
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, captured)):
+        try:
+            build()
+        except SystemExit as exit:  # argparse ends a help request with exit 0
+            if exit.code not in (0, None):
+                raise
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            temporary.write_text(json.dumps({"text": captured.getvalue(), "warnings": PLUGIN_WARNINGS}))
+            temporary.replace(path)
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+def _help_cache_file(argv: list[str]) -> Path | None:
+    root = os.environ.get("FLOWKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flowkit")
+    key = hashlib.sha256()
+    key.update(json.dumps([argv, shutil.get_terminal_size().columns, sys.version]).encode())
+    for name in ("lightning", "jsonargparse", "torch"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            key.update(f"{name}=={importlib.metadata.version(name)}".encode())
+    _hash_sources(key, Path(__file__).resolve().parent)
+    for name, fn in sorted({**SUBCOMMANDS, **STANDALONE}.items()):  # registered before main(), e.g. by a launcher
+        key.update(name.encode())
+        with contextlib.suppress(TypeError, OSError):
+            _hash_file(key, Path(inspect.getsourcefile(fn)))
+    for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        key.update(f"{entry.name}={entry.value}".encode())
+        top = entry.value.split(":")[0].split(".")[0]
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+        except (ImportError, ValueError):
+            spec = None
+        origin = spec.origin if spec is not None else None
+        if origin and origin.endswith(".py"):
+            source = Path(origin)
+            _hash_sources(key, source.parent) if source.name == "__init__.py" else _hash_file(key, source)
+    return Path(root) / "help" / f"{key.hexdigest()[:32]}.json"
+
+
+def _hash_sources(key, directory: Path) -> None:
+    for path in sorted(directory.rglob("*.py")):
+        _hash_file(key, path)
+
+
+def _hash_file(key, path: Path) -> None:
+    with contextlib.suppress(OSError):
+        stat = path.stat()
+        key.update(f"{path}:{stat.st_mtime_ns}:{stat.st_size}".encode())
 
 
 def _check_config_files(argv: list[str]) -> None:
@@ -316,10 +300,11 @@ def _parser_error_line(report: str) -> str:
     """jsonargparse's nested report (one block per Union alternative) → ``key.path: innermost message``.
 
     The innermost message is the most indented line that is not part of the report's scaffolding; the key
-    path is the chain of ``Parser key`` lines above it (``init_args`` where it descends into a class).
+    path is the chain of ``Parser key`` lines above it (``init_args`` where it descends into a class). A class that
+    does not import is reported under ``class_path``, and an option the class does not take with the nearest one.
     """
-    path: list[tuple[int, str]] = []  # (indent, key) of the enclosing "Parser key" / class_path lines
-    best: tuple[int, str, list[str]] | None = None
+    path: list[tuple[int, str, str | None]] = []  # (indent, key, class path) of the enclosing key / class lines
+    best: tuple[int, str, list[tuple[str, str | None]]] | None = None
     for line in report.splitlines():
         text, indent = line.strip(), len(line) - len(line.lstrip())
         if not text or text.startswith(_PARSER_REPORT_NOISE):
@@ -327,11 +312,44 @@ def _parser_error_line(report: str) -> str:
         while path and path[-1][0] >= indent:
             path.pop()
         key = re.fullmatch(r'Parser key "(.+)":', text)
-        if key or text.startswith("- Problem with given class_path"):
-            path.append((indent, key.group(1) if key else "init_args"))
+        class_path = re.fullmatch(r"- Problem with given class_path '(.+)':", text)
+        if key or class_path:
+            path.append((indent, key.group(1) if key else "init_args", class_path.group(1) if class_path else None))
         elif best is None or indent > best[0]:
-            best = (indent, text.removeprefix("- "), [k for _, k in path])
+            best = (indent, text.removeprefix("- "), [(k, c) for _, k, c in path])
     if best is None:
         return " ".join(report.split())
     _, message, keys = best
-    return f"{'.'.join(keys)}: {message}" if keys else message
+    owner = keys[-1][1] if keys else None
+    names = [k for k, _ in keys]
+    if owner is not None:
+        message = _class_problem(owner, message)
+        if message.startswith("cannot import"):
+            names[-1] = "class_path"
+    return f"{'.'.join(names)}: {message}" if names else message
+
+
+def _class_problem(class_path: str, message: str) -> str:
+    """A problem jsonargparse reports for ``class_path``, with the name the user probably meant."""
+    if re.match(r"(module '.+' has no attribute|No module named|Import path .+ does not)", message):
+        module = class_path.rpartition(".")[0]
+        try:
+            choices = [f"{module}.{n}" for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+        except Exception:  # noqa: BLE001  (the module itself does not import: nothing to suggest)
+            choices = []
+        return f"cannot import {class_path!r} ({message}){did_you_mean(class_path, choices)}"
+    option = re.fullmatch(r"Option '(.+)' is not accepted", message)
+    if option:
+        module, _, name = class_path.rpartition(".")
+        try:
+            choices = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+        except Exception:  # noqa: BLE001
+            choices = []
+        return f"{class_path} has no option {option.group(1)!r}{did_you_mean(option.group(1), choices)}"
+    return message
+
+
+def did_you_mean(word: str, choices) -> str:
+    """``"; did you mean 'X'?"`` for the choice nearest to ``word``, or ``""`` when none is near."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""

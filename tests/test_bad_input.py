@@ -532,4 +532,4 @@ def test_expert_solutions_on_some_records_only_pretrain_on_those(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{data}: offline flow pretraining uses the 7 of 8 records that have a 'solution' field" in result.stderr
     # The RL step ran on a batch of all 8 records, the first of which (in the seed-0 order) has a solution.
-    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [0]
+    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [1]

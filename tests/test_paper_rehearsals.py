@@ -58,8 +58,8 @@ def test_rlfr_qwen_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
         assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
     version = next((tmp_path / "run").glob("version_*"))
     steps = metrics(version)
-    assert sorted(steps) == [0, 1, 2] and float(steps[0]["flow/loss"]) > 0  # κ 2: a flow step in step 1
-    assert "val/heldout/pass@1" in steps[2]
+    assert sorted(steps) == [1, 2, 3] and float(steps[1]["flow/loss"]) > 0  # κ 2: a flow step in step 1
+    assert "val/heldout/pass@1" in steps[3]
     assert (version / "export" / "flow.safetensors").is_file() and (version / "export" / "hf_policy").is_dir()
 
 
@@ -95,7 +95,7 @@ def test_rlfr_qwen_switches_users_flip(tmp_path):
                for k in weights if k.startswith("start/reward_model."))  # κ not reached: the flow never stepped
     assert padded(tmp_path, "lm_head") and padded(tmp_path, "flow_scoring")
     steps = metrics(next((tmp_path / "run").glob("version_*")))
-    assert sorted(steps) == [0, 1] and "train/kl" in steps[1]  # logged once per RL step
+    assert sorted(steps) == [1, 2] and "train/kl" in steps[2]  # logged once per RL step
 
 
 def test_rlfr_qwen_offline_as_shipped_pads_pretraining_pieces(tmp_path):

@@ -91,7 +91,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     straight_metrics = rlfr_run.metrics(rlfr_run.version_dirs(straight)[-1])
     resumed_metrics = rlfr_run.metrics(rlfr_run.version_dirs(killed)[-1])
     resumed_steps = sorted(resumed_metrics)
-    assert resumed_steps == list(range(KILL_AFTER, STEPS))
+    assert resumed_steps == list(range(KILL_AFTER + 1, STEPS + 1))  # metrics.csv counts from 1
     assert any("flow/loss" in straight_metrics[step] for step in resumed_steps)  # the restored buffer is used
     for step in resumed_steps:
         for key in COMPARED:
@@ -135,7 +135,7 @@ def test_a_truncated_last_checkpoint_resumes_from_the_one_before_it(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (f"{last} cannot be read (PytorchStreamReader failed reading zip archive: failed finding central "
             f"directory): resuming from the checkpoint before it, {previous} (step 1)\n") in resumed.stderr
-    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [1, 2]  # steps 2 and 3 ran again
+    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [2, 3]  # steps 2 and 3 ran again
     assert torch.load(last, weights_only=True)["global_step"] == 3
     assert torch.load(previous, weights_only=True)["global_step"] == 2  # the truncated file was never kept
 

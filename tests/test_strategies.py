@@ -229,7 +229,7 @@ def test_rlfr_trains_saves_and_resumes_under_zero_in_one_process(tmp_path, stage
     assert_exported(version / "export", snapshot)  # the ExportArtifacts callback at the end of fit
     # `--ckpt_path last` finds the (sharded) DeepSpeed checkpoint and continues at step 2.
     rlfr_run.run(tmp_path, 3, *deepspeed_args(tmp_path, stage), "--ckpt_path", "last")
-    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [2]
+    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])) == [3]
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """`flowkit plot RUN_DIR`: a run's training curves from its ``metrics.csv`` as one PNG.
 
-Six panels: outcome reward (and each reward function's mean), accuracy (training and held-out pass@k), flow
-metrics (nonzero fraction and accepted fraction; flow-reward mean on the right axis), loss (policy; flow on the
+Six panels: outcome reward (and each reward function's mean), accuracy (training and held-out pass@k), reward
+model (the flow's nonzero and accepted fractions and any reward model's ``reward_model/*`` metrics; the flow-reward
+and token-reward means on the right axis), loss (policy; flow on the
 right axis), entropy, response length.
 ``RUN_DIR`` is a run directory (``trainer.default_root_dir``: its ``version_*`` directories are read in order, a
 resumed version's rows replacing the steps it replayed) or one version directory. Needs matplotlib
@@ -28,7 +29,8 @@ from flowkit.registry import standalone
 PANELS: list[tuple[str, list[str], list[str]]] = [
     ("outcome reward", ["train/outcome_reward", "train/reward/*"], []),
     ("accuracy", ["train/accuracy", "val/*/pass@*"], []),
-    ("flow metrics", ["flow/reward_nonzero_frac", "flow/accepted_frac"], ["flow/reward_mean"]),
+    ("reward model", ["flow/reward_nonzero_frac", "flow/accepted_frac", "reward_model/*"],
+     ["flow/reward_mean", "train/token_reward/mean"]),
     ("loss", ["train/policy_loss"], ["flow/loss"]),
     ("entropy", ["train/entropy"], []),
     ("response length", ["train/response_length"], []),

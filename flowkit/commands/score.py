@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ def score(
         load_trained_weights(model, checkpoint)
     model.eval()
     rows = []
-    for start in tqdm(range(0, len(records), batch_size), desc="scoring"):
+    for start in tqdm(range(0, len(records), batch_size), desc="scoring", disable=not sys.stderr.isatty()):
         chunk = records[start:start + batch_size]
         batch = encode_pairs(model.tokenizer, [r["prompt"] for r in chunk], [r["response"] for r in chunk])
         batch = model.score_rollouts(batch.to(model.device))

@@ -105,7 +105,7 @@ class RLStep:
         update_start = time.perf_counter()
         stats = (self._reward_model_only(batch, timings) if frozen
                  else self._update(batch, outcome, fused, timings, order, in_loss))
-        timings["time/update_s"] = time.perf_counter() - update_start - timings.get("time/flow_s", 0.0)
+        timings["time/update_s"] = time.perf_counter() - update_start - timings.get("time/reward_model_s", 0.0)
         return batch, {**timings, **control_stats, **stats}
 
     # ------------------------------------------------------------------------------------------ sampling controls
@@ -314,7 +314,7 @@ class RLStep:
                 self.backward(piece())
             if pieces:
                 groups.add("reward")
-            timings["time/flow_s"] = time.perf_counter() - start
+            timings["time/reward_model_s"] = time.perf_counter() - start
         stats.close_minibatch()
         self.step_optimizer(groups)  # the reward model only moves on the minibatch that carried its loss
 

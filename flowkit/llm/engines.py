@@ -29,6 +29,7 @@ from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
 class RolloutEngine(Protocol):
     """What :class:`flowkit.engine.RLStep` and the policy module need of a rollout engine."""
 
+    tokenizer: Any  # the policy's tokenizer, which the engine encodes prompts and decodes responses with
     saw_nonfinite_logits: bool  # after generate: a next-token score was NaN or inf (the step is skipped or fails)
     policy_version: int  # the optimizer steps behind the weights it samples from
 

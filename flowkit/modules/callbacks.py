@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_info
 
 from flowkit.checkpointing import replaced_directory
 from flowkit.strategies import full_parameters
@@ -46,4 +45,4 @@ class ExportArtifacts(L.Callback):
             with replaced_directory(directory) as staging:
                 paths = pl_module.export_artifacts(staging)
         for name, path in paths.items():
-            rank_zero_info(f"exported {name}: {directory / path.relative_to(staging)}")
+            print(f"exported {name}: {directory / path.relative_to(staging)}", flush=True)  # on stdout, as the summary

@@ -45,9 +45,10 @@ def _row_html(row: dict, lowest: float) -> str:
 
 
 def completion_rows(batch: RolloutBatch, tokenizer, count: int, step: int) -> list[dict[str, Any]]:
-    """The first ``count`` rollouts of ``batch`` in prompt order (a group's samples together): prompt, completion,
+    """``count`` rollouts of ``batch`` spread over its prompts: the first sample of every group, then the second of
+    every group, ... (so 8 rows of a step of 16 prompts show 8 prompts, not one prompt's group): prompt, completion,
     outcome reward, correctness, response tokens and their dense rewards (``None`` without a reward model)."""
-    order = torch.argsort(batch.group_ids.cpu(), stable=True)[:count].tolist()
+    order = spread_over_groups(batch.group_ids.cpu())[:count].tolist()
     rows = []
     for i in order:
         positions = batch.response_mask[i].nonzero().flatten().tolist()
@@ -65,6 +66,15 @@ def completion_rows(batch: RolloutBatch, tokenizer, count: int, step: int) -> li
     return rows
 
 
+def spread_over_groups(group_ids: torch.Tensor) -> torch.Tensor:
+    """Row indices in round-robin order over the groups: each group's first row (groups in ascending order), then
+    each group's second row, ..."""
+    by_group = torch.argsort(group_ids, stable=True)
+    sorted_ids = group_ids[by_group]
+    rank_in_group = torch.arange(len(by_group)) - torch.searchsorted(sorted_ids, sorted_ids)
+    return by_group[torch.argsort(rank_in_group, stable=True)]  # stable: groups stay in ascending order
+
+
 class CompletionLogs(L.Callback):
     """Every ``every_n_steps`` RL steps, rank 0 logs ``rows`` rollouts of the step (prompt, completion, outcome reward,
     correctness, the per-token dense rewards of the reward model, e.g. RLFR's flow rewards):
@@ -80,7 +90,7 @@ class CompletionLogs(L.Callback):
 
     Args:
         every_n_steps: log on steps N, 2N, ...; 0 is off.
-        rows: rollouts per logged step, the first in prompt order (a group's samples together).
+        rows: rollouts per logged step, spread over the step's prompts (:func:`spread_over_groups`).
     """
 
     def __init__(self, every_n_steps: int = 10, rows: int = 8):

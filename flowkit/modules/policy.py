@@ -26,7 +26,7 @@ from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.modules.optim import LR_DECAYS, LrDecay, require_fp32_master_weights, step_groups
 from flowkit.modules.pretraining import pretrain_flow_reward
 from flowkit.modules.sft import supervised_start
-from flowkit.rewards.base import TokenRewardModel
+from flowkit.rewards.base import TokenRewardModel, check_reward_model
 from flowkit.rewards.functions import build_reward_functions, outcome_rewards
 from flowkit.rewards.grader import grade
 from flowkit.rl.advantages import AdvantageName, ScaleRewards
@@ -279,6 +279,7 @@ class PolicyModule(L.LightningModule):
         if reward_model is not None and reward_model.percentiles:
             self.tap = LatentTap(self.policy, reward_model.percentiles)
         if reward_model is not None:
+            check_reward_model(reward_model)
             reward_model.bind(self.policy, self.tap.layer_positions if self.tap is not None else [], self.tokenizer)
         self.engine: RolloutEngine = ROLLOUT_ENGINES[rollout_engine].build(EngineSetup(
             self.policy, self.tokenizer, backbone, max_new_tokens, temperature, top_p, self.hparams,
@@ -342,7 +343,10 @@ class PolicyModule(L.LightningModule):
             **stats,
         }
         if self.reward_model is not None:
-            metrics.update(self.reward_model.step_metrics())
+            metrics.update(_token_reward_statistics(batch))
+            # the model's own scalars; a key without a prefix gets one (flowkit plot draws reward_model/*)
+            metrics.update({key if "/" in key else f"reward_model/{key}": value
+                            for key, value in self.reward_model.step_metrics().items()})
         self.log_dict({k: float(v) for k, v in metrics.items()}, batch_size=batch.batch_size)
         self.log("reward", batch.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
         self.log("acc", batch.correct.float().mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
@@ -393,6 +397,9 @@ class PolicyModule(L.LightningModule):
 
     def _skip(self, bad: list[str]) -> None:
         """The ``nonfinite`` policy: fail, or drop the step (no optimizer step; gradients so far are discarded)."""
+        if self.reward_model is not None:  # name the method that produced them
+            bad = [f"{what} (from {type(self.reward_model).__name__}.score)" if what == "token rewards" else what
+                   for what in bad]
         message = f"non-finite {', '.join(bad)} at step {self.global_step}"
         if self.hparams.nonfinite == "fail":
             raise FloatingPointError(message)
@@ -487,6 +494,16 @@ class PolicyModule(L.LightningModule):
             paths["flow"] = directory / "flow.safetensors"
             self.reward_model.save_field(paths["flow"])
         return paths
+
+
+def _token_reward_statistics(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """Mean, std, min, max and the nonzero fraction of the reward model's token rewards on response tokens."""
+    if batch.token_rewards is None or not batch.response_mask.any():
+        return {}
+    values = batch.token_rewards[batch.response_mask.bool()].float()
+    return {"train/token_reward/mean": values.mean(), "train/token_reward/std": values.std(unbiased=False),
+            "train/token_reward/min": values.min(), "train/token_reward/max": values.max(),
+            "train/token_reward/nonzero_frac": (values != 0).float().mean()}
 
 
 def _check_module_options(owner: str, reward_model: TokenRewardModel | None, outcome_reward: str, lr: float,

@@ -98,7 +98,8 @@ class RunSummary(L.Callback):
 
     def summary_lines(self, trainer: L.Trainer) -> list[str]:
         start = trainer.global_step if self._start_step is None else self._start_step  # None: nothing left to train
-        lines = [f"fit summary: {trainer.global_step - start} steps ({start} → {trainer.global_step}) "
+        steps = trainer.global_step - start
+        lines = [f"fit summary: {steps} step{'' if steps == 1 else 's'} ({start} → {trainer.global_step}) "
                  f"in {time.monotonic() - self._start_time:.0f} s"]
         lines += [f"  {group}: {values}" for group, values in _held_out(trainer.callback_metrics).items()]
         if self._rewards:

@@ -15,14 +15,23 @@ In a config, ``PolicyModule.reward_functions`` lists them with weights::
 
 The rollout's outcome reward is the math grader's reward (``outcome_reward``; ``none`` turns it off) plus
 Σ_i weight_i · f_i.
+
+``function`` and ``class_path`` are dotted paths (``my_project.rewards.short_answer``: installed, or a module under
+the directory ``flowkit`` runs in, which the CLI puts on ``sys.path`` as ``python -m`` does) or a file and a name
+(``path/to/rewards.py:short_answer``, relative to that directory).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import math
+import numbers
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +39,10 @@ from torch import Tensor
 
 from flowkit.errors import ConfigError
 from flowkit.rewards.grader import extract_boxed, grade, outcome_reward
+
+class RewardFunctionError(ConfigError):
+    """A configured reward function returned something that is not one number per completion (one line)."""
+
 
 RewardFunction = Callable[..., Sequence[float | None]]
 SPEC_KEYS = {"function", "class_path", "init_args", "weight", "name"}
@@ -97,25 +110,80 @@ def weighted_rewards(functions: Sequence[WeightedReward], prompts: Sequence[str]
     total = torch.zeros(rows, dtype=torch.float32)
     values: dict[str, Tensor] = {}
     for reward in functions:
-        out = list(reward.function(prompts=list(prompts), completions=list(completions), **columns))
-        if len(out) != rows:
-            raise ValueError(f"reward function {reward.name!r} returned {len(out)} values for {rows} completions")
-        try:
-            row = torch.tensor([math.nan if v is None else float(v) for v in out], dtype=torch.float32)
-        except (TypeError, ValueError):
-            raise ValueError(f"reward function {reward.name!r} must return floats or None, got {out[:3]!r}") from None
+        row = _checked_values(reward.function(prompts=list(prompts), completions=list(completions), **columns),
+                              rows, reward.name)
         values[reward.name] = row
         # None adds nothing; an inf stays, for the module's nonfinite check.
         total += reward.weight * torch.where(row.isnan(), 0.0, row)
     return total, values
 
 
+def _checked_values(out: Any, rows: int, name: str) -> Tensor:
+    """A reward function's return as float32 (NaN for ``None``): a list / tuple of numbers or ``None``, or a 1-D tensor
+    or array of numbers, ``rows`` long. Anything else (a dict, whose keys ``list()`` would read as rewards; a string;
+    a scalar; text values) is a :class:`RewardFunctionError` naming the function."""
+    expected = f"a list or 1-D tensor of {rows} numbers (None where it does not apply), one per completion"
+    if isinstance(out, Tensor) or type(out).__module__ == "numpy":
+        shape = tuple(out.shape)
+        numeric = not out.is_complex() if isinstance(out, Tensor) else out.dtype.kind in "biuf"
+        if shape != (rows,) or not numeric:
+            raise RewardFunctionError(f"reward function {name!r} must return {expected}; it returned a "
+                                      f"{type(out).__name__} of shape {shape} and dtype {out.dtype}")
+        return torch.as_tensor(out).detach().to("cpu", torch.float32)
+    if not isinstance(out, (list, tuple)):
+        raise RewardFunctionError(f"reward function {name!r} must return {expected}; it returned a "
+                                  f"{type(out).__name__}")
+    if len(out) != rows:
+        raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {rows} completions; "
+                                  f"it must return {expected}")
+    bad = next((v for v in out if v is not None and not _is_number(v)), None)
+    if bad is not None:
+        raise RewardFunctionError(f"reward function {name!r} must return {expected}; one value is "
+                                  f"{type(bad).__name__} {repr(bad)[:40]}")
+    return torch.tensor([math.nan if v is None else float(v) for v in out], dtype=torch.float32)
+
+
+def _is_number(value: Any) -> bool:
+    """A real number: Python's or NumPy's, or a 0-d tensor of one (``torch.tensor(1.0)`` in a list)."""
+    if isinstance(value, Tensor):
+        return value.ndim == 0 and not value.is_complex()
+    return isinstance(value, numbers.Real)
+
+
 def _import(dotted: Any, where: str) -> Any:
-    module, _, attr = str(dotted).rpartition(".")
+    """``package.module.name`` (importable: installed, or under the working directory, which the flowkit CLI puts on
+    ``sys.path`` as ``python -m`` does) or ``path/to/file.py:name`` (a file, relative to the working directory)."""
+    text = str(dotted)
+    if ":" in text:
+        return _import_from_file(text, where)
+    module, _, attr = text.rpartition(".")
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(f"{where}: cannot import {dotted!r} ({err})") from None
+        raise ConfigError(f"{where}: cannot import {dotted!r} ({err}); a module of your project imports from the "
+                          "directory flowkit runs in, or name a file: path/to/file.py:function") from None
+
+
+def _import_from_file(spec: str, where: str) -> Any:
+    """``path/to/file.py:name`` → that file's ``name``; the file is loaded once, as module ``flowkit_user.<stem>``."""
+    file, _, attr = spec.rpartition(":")
+    path = Path(file).expanduser().resolve()
+    if not file.endswith(".py") or not attr or not path.is_file():
+        raise ConfigError(f"{where}: {spec!r} is not path/to/file.py:name of an existing .py file")
+    name = f"flowkit_user.{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    module = sys.modules.get(name)
+    if module is None:
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module  # before running it: pickling and dataclasses look the module up by name
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as err:
+            del sys.modules[name]
+            raise ConfigError(f"{where}: {path} fails to load ({type(err).__name__}: {err})") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"{where}: {path} has no {attr!r}")
+    return getattr(module, attr)
 
 
 def outcome_rewards(responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str], scheme: str,

@@ -58,12 +58,12 @@ def test_figure_has_the_six_panels_and_says_what_was_not_logged(run_dir):
     figure = draw_curves(series, smooth=3)
     titled = [ax for ax in figure.axes if ax.get_title()]
     assert [ax.get_title() for ax in titled] == [title for title, _, _ in PANELS] == [
-        "outcome reward", "accuracy", "flow metrics", "loss", "entropy", "response length"]
+        "outcome reward", "accuracy", "reward model", "loss", "entropy", "response length"]
     labels = {ax.get_title(): [line.get_label() for line in ax.get_legend().get_lines()] if ax.get_legend() else []
               for ax in titled}
     assert labels["outcome reward"] == ["train/outcome_reward", "train/reward/boxed_format_reward"]
     assert labels["accuracy"] == ["train/accuracy", "val/heldout/pass@1"]
-    assert labels["flow metrics"] == ["flow/reward_nonzero_frac", "flow/reward_mean"]  # the mean on a right axis
+    assert labels["reward model"] == ["flow/reward_nonzero_frac", "flow/reward_mean"]  # the mean on a right axis
     assert labels["loss"] == ["train/policy_loss", "flow/loss"]
     entropy = titled[4]
     assert not entropy.lines and [t.get_text() for t in entropy.texts] == ["not logged"]
