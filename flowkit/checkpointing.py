@@ -303,7 +303,15 @@ class PreemptionCheckpoint(L.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._validation_pending = bool(state_dict.get(VALIDATION_INTERRUPTED_KEY, False))
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Strategies other than DeepSpeed restored the weights and this state already; a fit whose checkpoint met
+        # max_steps skips the training loop, and with it on_train_start.
+        self._validate_if_pending(trainer)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._validate_if_pending(trainer)  # DeepSpeed restores after on_fit_start
+
+    def _validate_if_pending(self, trainer: L.Trainer) -> None:
         if not self._validation_pending:
             return
         self._validation_pending = False
@@ -425,27 +433,26 @@ def checkpoint_metadata(path: Path) -> dict[str, Any] | None:
     """A Lightning checkpoint's contents without its weights' data (memory-mapped), for checks before a resume;
     None when the file cannot be read (the resume itself then falls back to the checkpoint before it).
 
-    A DeepSpeed checkpoint directory: its client state (``mp_rank_00_model_states.pt``, which Lightning fills with
-    everything but the sharded weights and optimizer), plus ``zero_world_size``, the number of ranks that saved it.
+    A DeepSpeed checkpoint directory: its client state (rank 0's ``*model_states.pt``, which Lightning fills with
+    everything but the sharded weights and optimizer).
     Raises :class:`~flowkit.errors.ConfigError` for a file that is no Lightning checkpoint.
     """
     if path.is_dir():
         tag = (path / "latest").read_text().strip() if (path / "latest").is_file() else None
-        states = path / tag / "mp_rank_00_model_states.pt" if tag else None
-        if states is None or not states.is_file():
+        # mp_rank_00_model_states.pt (ZeRO-2), or rank 0's zero_pp_rank_0_mp_rank_00_model_states.pt (ZeRO-3)
+        states = next(iter(sorted((path / tag).glob("*model_states.pt"))), None) if tag else None
+        if states is None:
             raise ConfigError(f"--ckpt_path {path} is a directory but no DeepSpeed checkpoint (no 'latest' file "
                               "naming its model states)")
-        metadata = torch.load(states, map_location="cpu", weights_only=True, mmap=True)
-        metadata["zero_world_size"] = len(list((path / tag).glob("*optim_states.pt")))
-        return metadata
+        return torch.load(states, map_location="cpu", weights_only=True, mmap=True)
+    if path.is_file() and _is_safetensors(path):  # torch.load reads these too, as a plain dict of tensors
+        raise ConfigError(f"--ckpt_path {path} is a safetensors file (weights only), not a Lightning checkpoint; "
+                          "resume from the run's checkpoints/last.ckpt")
     try:
         metadata = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         if unreadable_checkpoint(err) is None:
             raise
-        if _is_safetensors(path):
-            raise ConfigError(f"--ckpt_path {path} is a safetensors file (weights only), not a Lightning checkpoint; "
-                              "resume from the run's checkpoints/last.ckpt") from None
         return None
     if not isinstance(metadata, dict) or "pytorch-lightning_version" not in metadata:
         what = ("the state of an offline flow pretraining, which a fit without --ckpt_path continues"

@@ -159,23 +159,29 @@ class FlowkitCLI(LightningCLI):
         check = getattr(self.model, "check_resume", None)
         if callable(check):
             check(checkpoint, str(path))
-        if self._nothing_left(checkpoint):
+        if self._nothing_left(checkpoint, Path(path)):
             step = checkpoint.get("global_step")
             print(f"nothing left to do: {path} is at step {step} of --trainer.max_steps {self.trainer.max_steps}, "
                   "and its fit ended (validated, exported); raise --trainer.max_steps to train further", flush=True)
             sys.exit(0)
 
-    def _nothing_left(self, checkpoint: dict) -> bool:
-        """The checkpoint met ``max_steps``, no validation of it was interrupted, and its export (if the run exports)
-        was written before it was saved."""
+    def _nothing_left(self, checkpoint: dict, path: Path) -> bool:
+        """The checkpoint met ``max_steps``, no validation of it was interrupted, and the run (if it exports) wrote
+        its export: before the checkpoint was saved (recorded in it) or after."""
         max_steps = self.trainer.max_steps
         if max_steps < 0 or int(checkpoint.get("global_step", -1)) < max_steps:
             return False
         states = checkpoint.get("callbacks") or {}
         if any(isinstance(state, dict) and state.get(VALIDATION_INTERRUPTED_KEY) for state in states.values()):
             return False
-        exports = any(isinstance(callback, ExportArtifacts) for callback in self.trainer.callbacks)
-        return not exports or bool(checkpoint.get(EXPORTED_KEY))
+        if checkpoint.get(EXPORTED_KEY) or not any(isinstance(c, ExportArtifacts) for c in self.trainer.callbacks):
+            return True
+        # The final checkpoint is usually saved at the end of the last step, before the export: then an export
+        # written after it is this checkpoint's.
+        saved_at = (path / "latest" if path.is_dir() else path).stat().st_mtime_ns
+        run_dir = Path(self.trainer.default_root_dir)
+        return any(export.stat().st_mtime_ns >= saved_at for callback in self.trainer.callbacks
+                   if isinstance(callback, ExportArtifacts) for export in run_dir.glob(f"version_*/{callback.subdir}"))
 
     def instantiate_trainer(self, **kwargs):
         self._load_data_early()
