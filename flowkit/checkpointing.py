@@ -296,12 +296,14 @@ class PreemptionCheckpoint(L.Callback):
     def __init__(self):
         self._validation_interrupted = False
         self._validation_pending = False
+        self._step = 0  # of the checkpoint; the trainer's global_step is restored only later
 
     def state_dict(self) -> dict[str, Any]:
-        return {VALIDATION_INTERRUPTED_KEY: self._validation_interrupted}
+        return {VALIDATION_INTERRUPTED_KEY: self._validation_interrupted, "step": self._step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._validation_pending = bool(state_dict.get(VALIDATION_INTERRUPTED_KEY, False))
+        self._step = int(state_dict.get("step", 0))
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Strategies other than DeepSpeed restored the weights and this state already; a fit whose checkpoint met
@@ -316,7 +318,7 @@ class PreemptionCheckpoint(L.Callback):
             return
         self._validation_pending = False
         log.warning("the checkpoint was saved in a validation that SIGTERM stopped: validating step %d again",
-                    trainer.global_step)
+                    self._step)
         trainer.validating = True  # what the training loop does around its own validations
         trainer.fit_loop.epoch_loop.val_loop.run()
         trainer.training = True
@@ -326,7 +328,7 @@ class PreemptionCheckpoint(L.Callback):
             return
         if isinstance(exception, PretrainingPreempted):
             return  # stopped before training began; the pretraining saved its own state
-        self._validation_interrupted = trainer.validating
+        self._validation_interrupted, self._step = trainer.validating, trainer.global_step
         path = self.last_checkpoint_path(trainer)
         callback = trainer.checkpoint_callback
         if isinstance(callback, ModelCheckpoint) and callback.dirpath:

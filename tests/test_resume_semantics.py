@@ -170,7 +170,7 @@ def test_sigterm_in_the_final_validation_leaves_a_run_whose_resume_validates(tmp
         "--trainer.callbacks.step", "1"))
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
-    assert load(last)["callbacks"]["PreemptionCheckpoint"] == {"validation_interrupted": True}
+    assert load(last)["callbacks"]["PreemptionCheckpoint"] == {"validation_interrupted": True, "step": 1}
     assert not (run_dir(tmp_path) / "version_0" / "export").exists()
 
     resumed = cli_errors.run_flowkit(tmp_path, rlfr_run.command(tmp_path, 1, *every_step(tmp_path), *VALIDATION,
