@@ -25,13 +25,19 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
 from flowkit.cli import did_you_mean
-from flowkit.checkpointing import RunDirectoryLock, fault_tolerance_defaults, lock_run_directory, tensors_only_loading
+from flowkit.checkpointing import (
+    EXPORTED_KEY, HPC_CHECKPOINT_GLOB, VALIDATION_INTERRUPTED_KEY, RunDirectoryLock, checkpoint_metadata,
+    fault_tolerance_defaults, lock_run_directory, newest_checkpoint, requeued_slurm_job, tensors_only_loading,
+)
 from flowkit.errors import ConfigError
+from flowkit.modules.callbacks import ExportArtifacts
 from flowkit.modules.completions import CompletionLogs
 from flowkit.modules.summary import ParameterSummary, RunSummary
 from flowkit.registry import STANDALONE, SUBCOMMANDS
 
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "RunCSVLogger", "place_run"]
+
+log = logging.getLogger(__name__)
 
 
 def _trainer_method(fn: Callable) -> Callable:
@@ -50,7 +56,18 @@ def _trainer_method(fn: Callable) -> Callable:
 
 
 class FlowkitTrainer(Trainer):
-    """Lightning's Trainer; :class:`FlowkitCLI` attaches the registered subcommands to it as methods."""
+    """Lightning's Trainer; :class:`FlowkitCLI` attaches the registered subcommands to it as methods.
+
+    ``requested_ckpt_path`` is the checkpoint ``fit`` resumes, known from the start of the fit
+    (:func:`~flowkit.checkpointing.resume_checkpoint`; Lightning's ``ckpt_path`` is set only when it restores it).
+    """
+
+    requested_ckpt_path: str | None = None
+
+    def fit(self, *args, ckpt_path=None, **kwargs):
+        # The CLI passes a resolved path; Lightning's keywords ("last", "hpc", ...) may resolve to no checkpoint.
+        self.requested_ckpt_path = None if ckpt_path in (None, "last", "hpc", "best", "registry") else str(ckpt_path)
+        return super().fit(*args, ckpt_path=ckpt_path, **kwargs)
 
 
 def _command_description(command: str) -> str:
@@ -143,9 +160,64 @@ class FlowkitCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if self.subcommand == "fit":  # one run at a time in a run directory, until this command ends
             self._run_lock = lock_run_directory(config.trainer.default_root_dir or os.getcwd())
-        place_run(config, fresh_fit=self.subcommand == "fit" and config.get("ckpt_path") is None)
+        self._checkpoint_dirs = place_run(config, fresh_fit=self.subcommand == "fit" and config.get("ckpt_path") is None
+                                          and not self._requeued(config))
         if self.subcommand == "fit":
             _note_unreached_validation(config)
+
+    def _requeued(self, config) -> bool:
+        """A requeued SLURM job (the same command again) resumes its run from the newest checkpoint, as Lightning's
+        SLURM requeue expects, instead of being refused as a second run."""
+        if self.subcommand != "fit" or config.get("ckpt_path") is not None or not requeued_slurm_job():
+            return False
+        config.ckpt_path = "last"
+        return True
+
+    def before_fit(self) -> None:
+        """Before any work of a resume: ``last`` is the newest of ``last*.ckpt`` and ``hpc_ckpt_N.ckpt``; a file that
+        is no Lightning checkpoint, or one the model's config does not fit (``check_resume``), is one line; a run
+        with nothing left to do (``max_steps`` reached, validated, exported) says so and ends, writing nothing."""
+        config = self.config_init[self.subcommand]
+        path = config.get("ckpt_path")
+        run_dir = Path(self.trainer.default_root_dir)
+        if path == "last":
+            path = newest_checkpoint(run_dir, self._checkpoint_dirs)
+            if path is None:
+                log.warning("--ckpt_path last: %s holds no checkpoint yet; starting the run", run_dir)
+            else:
+                log.warning("resuming from the newest checkpoint, %s", path)
+            config.ckpt_path = None if path is None else str(path)
+        if path is None or path in ("hpc", "best", "registry"):
+            return
+        checkpoint = checkpoint_metadata(Path(path))
+        if checkpoint is None:  # unreadable: the resume falls back to the checkpoint kept before it
+            return
+        check = getattr(self.model, "check_resume", None)
+        if callable(check):
+            check(checkpoint, str(path))
+        if self._nothing_left(checkpoint, Path(path)):
+            step = checkpoint.get("global_step")
+            print(f"nothing left to do: {path} is at step {step} of --trainer.max_steps {self.trainer.max_steps}, "
+                  "and its fit ended (validated, exported); raise --trainer.max_steps to train further", flush=True)
+            sys.exit(0)
+
+    def _nothing_left(self, checkpoint: dict, path: Path) -> bool:
+        """The checkpoint met ``max_steps``, no validation of it was interrupted, and the run (if it exports) wrote
+        its export: before the checkpoint was saved (recorded in it) or after."""
+        max_steps = self.trainer.max_steps
+        if max_steps < 0 or int(checkpoint.get("global_step", -1)) < max_steps:
+            return False
+        states = checkpoint.get("callbacks") or {}
+        if any(isinstance(state, dict) and state.get(VALIDATION_INTERRUPTED_KEY) for state in states.values()):
+            return False
+        if checkpoint.get(EXPORTED_KEY) or not any(isinstance(c, ExportArtifacts) for c in self.trainer.callbacks):
+            return True
+        # The final checkpoint is usually saved at the end of the last step, before the export: then an export
+        # written after it is this checkpoint's.
+        saved_at = (path / "latest" if path.is_dir() else path).stat().st_mtime_ns
+        run_dir = Path(self.trainer.default_root_dir)
+        return any(export.stat().st_mtime_ns >= saved_at for callback in self.trainer.callbacks
+                   if isinstance(callback, ExportArtifacts) for export in run_dir.glob(f"version_*/{callback.subdir}"))
 
     def instantiate_trainer(self, **kwargs):
         self._load_data_early()
@@ -168,7 +240,7 @@ class FlowkitCLI(LightningCLI):
             self.datamodule.setup(stage)
 
 
-def place_run(config, fresh_fit: bool) -> None:
+def place_run(config, fresh_fit: bool) -> list[Path]:
     """One run, one directory: ``trainer.default_root_dir`` (the run directory) holds everything of the run.
 
     Unless the config names its own progress bar, :class:`~flowkit.modules.progress.RLProgressBar` shows the run;
@@ -179,7 +251,7 @@ def place_run(config, fresh_fit: bool) -> None:
     the resolved ``config.yaml``, ``export/``); every ModelCheckpoint without a ``dirpath`` writes to
     ``<run dir>/checkpoints``, shared by the run's versions so ``--ckpt_path last`` resumes this run and no other.
     A fresh ``fit`` (no ``--ckpt_path``) into a run directory that already holds checkpoints is refused: two
-    runs never share a checkpoint.
+    runs never share a checkpoint. Returns the checkpoint directories.
     """
     trainer = config.trainer
     run_dir = Path(trainer.default_root_dir or os.getcwd())
@@ -202,13 +274,16 @@ def place_run(config, fresh_fit: bool) -> None:
         if callback.init_args.get("dirpath") is None:
             callback.init_args.dirpath = str(run_dir / "checkpoints")
         checkpoint_dirs.append(Path(callback.init_args.dirpath))
+    checkpoint_dirs = checkpoint_dirs or [run_dir / "checkpoints"]
     if not fresh_fit:
-        return
-    for directory in checkpoint_dirs or [run_dir / "checkpoints"]:
+        return checkpoint_dirs
+    for directory in checkpoint_dirs:
         existing = sorted(directory.glob("*.ckpt")) if directory.is_dir() else []
+        existing += sorted(run_dir.glob(HPC_CHECKPOINT_GLOB)) if run_dir.is_dir() else []
         if existing:
             raise ConfigError(f"{run_dir} already holds a run ({existing[0]}): resume it with --ckpt_path last, "
                               "or start a new run with --trainer.default_root_dir runs/NEW_NAME")
+    return checkpoint_dirs
 
 
 class RunCSVLogger(CSVLogger):

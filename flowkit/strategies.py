@@ -30,7 +30,13 @@ imported (the ``flowkit`` CLI imports it).
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import re
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -44,6 +50,8 @@ from lightning.pytorch.strategies import (
 from torch.optim import Optimizer
 
 from flowkit.checkpointing import tensors_only_loading
+
+log = logging.getLogger(__name__)
 
 
 class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
@@ -80,7 +88,35 @@ class FlowkitDeepSpeedStrategy(DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         # DeepSpeed's engine unpickles its files with weights_only=False; this loads tensors and plain data only.
         with tensors_only_loading(checkpoint_path):
+            saved_ranks = zero_checkpoint_ranks(checkpoint_path)
+            if saved_ranks is not None and saved_ranks != self.world_size:
+                return self._load_universal(Path(checkpoint_path), saved_ranks, weights_only)
             return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.is_global_zero:
+            _remove_other_ranks_partitions(Path(filepath), self.world_size)
+
+    def _load_universal(self, checkpoint_path: Path, saved_ranks: int, weights_only: bool | None) -> dict[str, Any]:
+        """A ZeRO checkpoint of ``saved_ranks`` ranks at this run's other number: DeepSpeed's universal checkpoint
+        (``ds_to_universal``: every parameter's fp32 weights and Adam moments whole), written beside it by rank 0,
+        loaded by every rank into its own partitions, then removed."""
+        universal = checkpoint_path.with_name(f".{checkpoint_path.name}.universal")
+        if self.is_global_zero:
+            log.warning("resuming a checkpoint of %d ranks on %d: converting %s to DeepSpeed's universal checkpoint",
+                        saved_ranks, self.world_size, checkpoint_path)
+            write_universal_checkpoint(checkpoint_path, universal)
+        self.barrier("universal checkpoint written")
+        config = self.deepspeed_engine._config
+        config.load_universal_checkpoint = True
+        try:
+            return DeepSpeedStrategy.load_checkpoint(self, str(universal), weights_only)
+        finally:
+            config.load_universal_checkpoint = False
+            self.barrier("universal checkpoint read")
+            if self.is_global_zero:
+                shutil.rmtree(universal, ignore_errors=True)
 
     def _auto_select_batch_size(self) -> int:
         # Only DeepSpeed's throughput logging reads it. Lightning takes it from the loader's batch
@@ -105,6 +141,71 @@ class CPUDeepSpeedStrategy(FlowkitDeepSpeedStrategy):
                 " on GPUs use flowkit.strategies.FlowkitDeepSpeedStrategy"
             )
         super().setup_environment()
+
+
+def zero_checkpoint_ranks(checkpoint: str | os.PathLike) -> int | None:
+    """How many ranks saved a Lightning DeepSpeed checkpoint directory (its ZeRO optimizer partitions); None when
+    ``checkpoint`` is none."""
+    latest = Path(checkpoint) / "latest"
+    if not latest.is_file():
+        return None
+    tag = Path(checkpoint) / latest.read_text().strip()
+    states = next(iter(sorted(tag.glob("*model_states.pt"))), None)
+    if states is None:
+        return None
+    # The engine's record, not the partition files: a save by fewer ranks leaves the extra ranks' old files behind.
+    return int(torch.load(states, map_location="cpu", weights_only=True, mmap=True)["dp_world_size"])
+
+
+def _remove_other_ranks_partitions(checkpoint: Path, world_size: int) -> None:
+    """Delete the partitions of ranks ``>= world_size`` that an earlier save by more ranks left in ``checkpoint``'s
+    tag: DeepSpeed overwrites only its own ranks' files, and its consolidation (``zero_to_fp32``, ``flowkit export``)
+    takes every partition file it finds."""
+    latest = checkpoint / "latest"
+    if not latest.is_file():
+        return
+    for partition in (checkpoint / latest.read_text().strip()).glob("*zero_pp_rank_*_states.pt"):
+        rank = re.search(r"zero_pp_rank_(\d+)_", partition.name)
+        if rank is not None and int(rank.group(1)) >= world_size:
+            partition.unlink()
+
+
+def write_universal_checkpoint(checkpoint: Path, universal: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of the Lightning DeepSpeed checkpoint directory ``checkpoint`` into
+    ``universal`` (replaced), in the layout the engine's ``load_universal`` reads: ``latest_universal`` naming the tag.
+
+    The converter takes only tensors in the module state, so it reads a copy without the others (e.g. the flow's
+    rollout buffer, ``_extra_state``); the universal tag then gets the original module state, which the engine loads
+    whole, with Lightning's client state in it."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag = (checkpoint / "latest").read_text().strip()
+    ranks = zero_checkpoint_ranks(checkpoint)
+    shutil.rmtree(universal, ignore_errors=True)
+    tensors_only = universal / "input"
+    tensors_only.mkdir(parents=True)
+    saved_by = re.compile(rf"zero_pp_rank_({'|'.join(map(str, range(ranks)))})_mp_rank_")
+    for partition in (checkpoint / tag).glob("*_states.pt"):
+        if "optim_states" in partition.name and saved_by.search(partition.name):
+            os.symlink(partition.resolve(), tensors_only / partition.name)
+    model_states = [path for path in sorted((checkpoint / tag).glob("*model_states.pt"))
+                    if not path.name.startswith("zero_pp_rank_") or saved_by.search(path.name)]
+    for states in model_states:
+        state = torch.load(states, map_location="cpu", weights_only=True)
+        state["module"] = {k: v for k, v in (state.get("module") or {}).items() if isinstance(v, torch.Tensor)}
+        torch.save(state, tensors_only / states.name)
+    arguments = ["--input_folder", str(tensors_only), "--output_folder", str(universal / tag), "--inject_missing_state",
+                 "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    argv, sys.argv = sys.argv, ["ds_to_universal", *arguments]  # it parses sys.argv only
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress
+            ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
+    for states in model_states:
+        shutil.copyfile(states, universal / tag / states.name)
+    shutil.rmtree(tensors_only)
+    (universal / "latest_universal").write_text(tag)
 
 
 def _zero_stage_3(strategy: Any) -> bool:

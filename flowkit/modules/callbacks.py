@@ -23,6 +23,11 @@ class ExportArtifacts(L.Callback):
         self.subdir = subdir
         self._exported = False
 
+    @property
+    def exported(self) -> bool:
+        """This fit wrote its artifacts (a checkpoint saved after that records it: a resume then has none to write)."""
+        return self._exported
+
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._exported = False
 

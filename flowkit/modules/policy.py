@@ -13,6 +13,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from flowkit.batch import RolloutBatch, pad_columns
+from flowkit.checkpointing import resume_checkpoint
 from flowkit.engine import (
     Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
     UpdateOptions,
@@ -37,6 +38,11 @@ from flowkit.rl.rollout_correction import RolloutCorrection
 from flowkit.strategies import accumulate_until_step, average_gradients, manual_backward, whole_weights_for_generation
 
 log = logging.getLogger(__name__)
+
+REWARD_MODEL_KEY = "reward_model_settings"  # in a checkpoint: PolicyModule._reward_model_settings()
+# Reward-model settings that a checkpoint's reward state is only valid for (shapes, which layers are tapped, the field's
+# conditioning); the others (eta, beta, kappa, timesteps, ...) apply on resume as the config gives them.
+RESUME_FIXED_REWARD_SETTINGS = ("percentiles", "depth", "width", "condition")
 
 
 class PolicyModule(L.LightningModule):
@@ -302,8 +308,6 @@ class PolicyModule(L.LightningModule):
         if stage == "fit":
             require_fp32_master_weights("PolicyModule", self.trainer.strategy, self, hp.lr)
             accumulate_until_step(self.trainer, hp.max_grad_norm)
-        if stage == "fit" and hp.flow_pretrain_steps > 0 and self.trainer.ckpt_path is None:
-            self.pretrain_reward_model()
 
     def on_fit_start(self) -> None:
         """The SFT start (``sft_epochs``), once, before the first RL step; then the KL reference becomes the SFT'd
@@ -313,15 +317,24 @@ class PolicyModule(L.LightningModule):
             if self.actor.reference is not None:
                 self.actor.reference.snapshot()
 
-    def pretrain_reward_model(self) -> None:
+    def pretrain_reward_model(self, device: torch.device | None = None) -> None:
         """Offline start (RLFR §3.2): :func:`~flowkit.modules.pretraining.pretrain_flow_reward` with the policy frozen,
-        ``flow_pretrain_steps`` steps at ``flow_lr``."""
+        ``flow_pretrain_steps`` steps at ``flow_lr``, on ``device`` (default: where the policy is)."""
         hp = self.hparams
         if self.reward_model is None or not hasattr(self.reward_model, "pretrain_losses") or self.tap is None:
             raise ValueError("flow_pretrain_steps > 0 needs a reward model with latents and pretrain_losses (FlowReward)")
         pretrain_flow_reward(self.trainer, self.policy, self.tokenizer, self.tap, self.reward_model,
                              hp.flow_pretrain_steps, hp.flow_pretrain_batch_size, hp.flow_lr, hp.flow_pretrain_lr_decay,
-                             hp.flow_pretrain_cache_latents)
+                             hp.flow_pretrain_cache_latents, device)
+
+    def _pretrain_unless_resuming(self) -> None:
+        """The offline start, run where every strategy calls :meth:`configure_optimizers`: inside ``strategy.setup``,
+        after DDP / single-device strategies placed the model on its device and before DeepSpeed copies the weights
+        into its optimizer partitions (which a later pretraining would not reach). On the strategy's root device;
+        skipped when the fit resumes a checkpoint, which holds the reward model's pretrained and trained weights."""
+        if self.hparams.flow_pretrain_steps == 0 or self._trainer is None or resume_checkpoint(self.trainer) is not None:
+            return
+        self.pretrain_reward_model(self.trainer.strategy.root_device)
 
     def training_step(self, prompts: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
@@ -438,13 +451,77 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["skipped_steps"] = self.skipped_steps  # a resumed run keeps counting
+        checkpoint[REWARD_MODEL_KEY] = self._reward_model_settings()
+
+    def _reward_model_settings(self) -> dict[str, Any]:
+        """What a checkpoint's reward-model state means: its class and the settings that shape or place it."""
+        model = self.reward_model
+        settings: dict[str, Any] = {"class": None if model is None else f"{type(model).__module__}.{type(model).__qualname__}"}
+        for name in RESUME_FIXED_REWARD_SETTINGS:
+            if hasattr(model, name):
+                value = getattr(model, name)
+                settings[name] = list(value) if isinstance(value, tuple) else value
+        return settings
+
+    def check_resume(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Before any work of a resume from ``checkpoint`` (read by the CLI from ``path``): refuse, in one
+        :class:`~flowkit.errors.ConfigError` naming the setting and both values, a config whose model the checkpoint's
+        state does not fit — another backbone, reward-model class (e.g. a GRPO checkpoint into an RLFR config), its
+        percentiles, depth, width or condition, or any parameter's shape (LoRA, value head, KL reference). Every other
+        setting applies on resume as the config gives it (the learning rates: :meth:`on_train_start`); a changed
+        ``flow_pretrain_steps`` gets a note (the pretraining ran before the checkpoint)."""
+        def refuse(setting: str, saved: Any, current: Any) -> None:
+            raise ConfigError(f"cannot resume {path}: {setting} is {saved!r} there, {current!r} in this config; resume "
+                              "with the settings it was trained with, or start a new run with "
+                              "--trainer.default_root_dir runs/NEW_NAME")
+
+        saved_hparams = checkpoint.get("hyper_parameters") or {}
+        if "backbone" in saved_hparams and saved_hparams["backbone"] != self.hparams.backbone:
+            refuse("backbone", saved_hparams["backbone"], self.hparams.backbone)
+        state = checkpoint.get("state_dict")  # absent from a DeepSpeed checkpoint's client state
+        recorded = checkpoint.get(REWARD_MODEL_KEY)
+        if recorded is None and state is not None:  # checkpoints written before the settings were recorded
+            recorded = {"class": "a reward model" if any(k.startswith("reward_model.") for k in state) else None}
+        current = self._reward_model_settings()
+        if recorded is not None:
+            if (recorded["class"] is None) != (current["class"] is None) or (
+                    recorded["class"] != "a reward model" and recorded["class"] != current["class"]):
+                refuse("reward_model", recorded["class"] or "none", current["class"] or "none")
+            for name in RESUME_FIXED_REWARD_SETTINGS:
+                if name in recorded and recorded[name] != current.get(name):
+                    refuse(f"reward_model.{name}", recorded[name], current.get(name))
+        if state is not None:
+            own = self.state_dict()
+            for name, tensor in own.items():
+                if name not in state:
+                    refuse(f"parameter {name}", "absent", list(tensor.shape) if hasattr(tensor, "shape") else "present")
+                if hasattr(tensor, "shape") and hasattr(state[name], "shape") and state[name].shape != tensor.shape:
+                    refuse(f"the shape of {name}", list(state[name].shape), list(tensor.shape))
+            extra = next((name for name in state if name not in own), None)
+            if extra is not None:
+                refuse(f"parameter {extra}", "present", "absent")
+        pretrained = saved_hparams.get("flow_pretrain_steps")
+        if pretrained is not None and pretrained != self.hparams.flow_pretrain_steps:
+            log.warning("flow_pretrain_steps %d (was %d) does not apply on resume: the checkpoint holds the flow its "
+                        "pretraining and training made", self.hparams.flow_pretrain_steps, pretrained)
+
+    def on_train_start(self) -> None:
+        """The config's learning rates apply on resume too (the optimizer's restored state carries the checkpoint's)."""
+        configured = {"policy": self.hparams.lr, "value": self.hparams.lr, "reward": self.hparams.flow_lr}
+        for group in self.optimizers().optimizer.param_groups:
+            lr = configured.get(group.get("name"))
+            if lr is not None and group["lr"] != lr:
+                log.warning("resume: the %s group's learning rate %g → %g (this config's)", group["name"], group["lr"], lr)
+                group["lr"] = lr
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
 
     def configure_optimizers(self):
         """One AdamW over the parameter groups ``policy`` (lr), ``value`` (the value head, lr) and ``reward`` (the
-        reward model, flow_lr): DeepSpeed takes one optimizer."""
+        reward model, flow_lr): DeepSpeed takes one optimizer. A fresh fit first runs the offline flow pretraining
+        (:meth:`_pretrain_unless_resuming`)."""
+        self._pretrain_unless_resuming()
         groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": self.hparams.lr, "name": "policy"}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "lr": self.hparams.lr, "name": "value"})

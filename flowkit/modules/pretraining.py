@@ -26,18 +26,23 @@ log = logging.getLogger(__name__)
 
 
 def pretrain_flow_reward(trainer: L.Trainer, policy: torch.nn.Module, tokenizer, tap: LatentTap, reward: FlowReward,
-                         steps: int, batch_size: int, lr: float, decay: LrDecay, cache_latents: bool) -> None:
+                         steps: int, batch_size: int, lr: float, decay: LrDecay, cache_latents: bool,
+                         device: torch.device | None = None) -> None:
     """``steps`` AdamW steps (lr ``lr``, 10 % warmup then ``decay``) of ``reward.pretrain_losses`` on batches of
-    ``batch_size`` expert solutions from the trainer's datamodule, the policy frozen.
+    ``batch_size`` expert solutions from the trainer's datamodule, the policy frozen, on ``device`` (policy and reward
+    model are moved there; default: where the policy is).
 
-    Its state (reward-model weights, optimizer, schedule, noise generator, steps done) is saved to
-    ``flow_pretrain.ckpt`` in the checkpoint directory when it finishes, and when SIGTERM stops it: then the process
+    Its state (reward-model weights, optimizer, schedule, noise generator, steps done, whether it finished) is saved
+    to ``flow_pretrain.ckpt`` in the checkpoint directory when it finishes, and when SIGTERM stops it: then the process
     exits 0 (:class:`~flowkit.checkpointing.PretrainingPreempted`). A run of the job with no Lightning checkpoint to
-    resume (``--ckpt_path last`` before the first one exists) continues from that file: it skips the batches already
-    seen and trains only the remaining steps. Every rank runs the same steps on the same batches (the noise and the
-    batch order follow the run's seed), so the ranks' flows stay equal.
+    resume (``--ckpt_path last`` before the first one exists) continues from that file: a stopped pretraining skips
+    the batches already seen and trains only the remaining steps of this run's ``steps``; a finished one is kept as it
+    is (its weights loaded, nothing trained), with a one-line note when ``steps`` changed since. Every rank runs the
+    same steps on the same batches (the noise and the batch order follow the run's seed), so the ranks' flows stay
+    equal.
     """
-    device = next(policy.parameters()).device
+    device = next(policy.parameters()).device if device is None else torch.device(device)
+    policy.to(device)
     reward.to(device)
     optimizer = torch.optim.AdamW(reward.parameters(), lr=lr)
     schedule = flow_pretraining_schedule(optimizer, steps, decay=decay)
@@ -52,10 +57,17 @@ def pretrain_flow_reward(trainer: L.Trainer, policy: torch.nn.Module, tokenizer,
         except RuntimeError as err:
             raise ConfigError(f"{state_path} holds the pretraining of another reward model: "
                               f"{str(err).splitlines()[0]}; move it away to pretrain afresh") from None
+        done = int(state["steps_done"])
+        if state.get("finished") or done >= steps:  # (older files have no "finished")
+            if done != steps:
+                log.warning("flow pretraining finished at step %d (%s); flow_pretrain_steps %d is not applied: move "
+                            "the file away to pretrain afresh", done, state_path, steps)
+            else:
+                log.info("flow pretraining: %d steps done before (%s)", done, state_path)
+            return
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         generator.set_state(state["generator"])
-        done = min(int(state["steps_done"]), steps)
         log.warning("flow pretraining: continuing from %s at step %d of %d", state_path, done, steps)
         for _ in range(done):  # the batches an uninterrupted run would see next
             next(batches)
@@ -85,7 +97,8 @@ def pretrain_flow_reward(trainer: L.Trainer, policy: torch.nn.Module, tokenizer,
     if trainer.is_global_zero:
         AtomicCheckpointIO().save_checkpoint(
             {"steps_done": done, "reward_model": reward.state_dict(), "optimizer": optimizer.state_dict(),
-             "schedule": schedule.state_dict(), "generator": generator.get_state()}, state_path)
+             "schedule": schedule.state_dict(), "generator": generator.get_state(), "finished": done >= steps},
+            state_path)
     if done < steps:
         log.warning("SIGTERM during flow pretraining: saved step %d of %d to %s; run the job again with "
                     "--ckpt_path last to continue", done, steps, state_path)

@@ -115,7 +115,8 @@ class RunSummary(L.Callback):
                 lines.append(f"  export: {_shown(self._log_dir / callback.subdir)}")
         for logger in trainer.loggers:
             if isinstance(logger, CSVLogger):
-                lines.append(f"  metrics: {_shown(logger.experiment.metrics_file_path)}")
+                if Path(logger.experiment.metrics_file_path).is_file():  # a fit that logged nothing wrote none
+                    lines.append(f"  metrics: {_shown(logger.experiment.metrics_file_path)}")
             else:
                 lines.append(f"  logs ({type(logger).__name__}): {_shown(logger.log_dir or logger.save_dir)}")
         return lines
