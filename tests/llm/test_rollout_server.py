@@ -1,0 +1,245 @@
+"""The ``server`` rollout engine against a real ``flowkit rollout-server`` process on 127.0.0.1: the trained weights
+reach it (its greedy decode and log-probs are the trainer's), ``max_staleness: 0`` is the synchronous run,
+``max_staleness: 1`` overlaps generation with training one version behind, and every failure (server down, killed
+mid-run, another model, a socket that never answers, a restart) is one line naming the address within its timeout."""
+
+import csv
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from flowkit.cli import FlowkitCLI
+from flowkit.errors import ConfigError
+from flowkit.llm.backbone import load_backbone
+from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.server_engine import ServerRolloutEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
+STARTUP_S = 120  # loading the tiny backbone in a fresh interpreter, on loaded CI cores
+TIMEOUT_S = 20.0  # the engine's bound on every wait, in these tests
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RolloutServer:
+    """A ``flowkit rollout-server`` subprocess serving bundled:tiny_adder on a free port."""
+
+    def __init__(self, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               "OMP_NUM_THREADS": "1"}
+        flowkit = shutil.which("flowkit") or "flowkit"
+        self.log = log
+        self.process = subprocess.Popen([flowkit, "rollout-server", "--backbone", "bundled:tiny_adder", "--host",
+                                         "127.0.0.1", "--port", str(self.port), "--timeout", str(TIMEOUT_S)],
+                                        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_S
+        while "rollout server for" not in log.read_text():
+            assert self.process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the server did not start within {STARTUP_S} s"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    running = RolloutServer(tmp_path_factory.mktemp("server") / "server.log")
+    yield running
+    running.kill()
+
+
+def fit(tmp_path: Path, *extra: str, callbacks=()) -> FlowkitCLI:
+    """3 greedy RLFR steps on the tiny task (one sample per prompt: the flow's token rewards still move the policy)."""
+    args = ["--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "3",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--model.init_args.flow_pretrain_steps", "0",
+            "--model.init_args.reward_model.init_args.kappa", "1", "--data.init_args.batch_size", "4",
+            "--model.init_args.max_new_tokens", "24", "--model.init_args.lr", "1e-3", *extra]
+    cli = FlowkitCLI(args=args, run=False)
+    for callback in callbacks:
+        cli.trainer.callbacks.append(callback)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return cli
+
+
+def metrics(cli: FlowkitCLI) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
+    with open(Path(cli.trainer.logger.log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return rows
+
+
+def greedy(engine, prompts=PROMPTS):
+    return engine.generate(prompts, n=1, temperature=0)
+
+
+def test_the_servers_greedy_decode_is_the_trained_policys_and_max_staleness_0_is_the_synchronous_run(
+        server, tmp_path, monkeypatch, single_thread):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    sampling = ["--model.init_args.temperature", "0", "--model.init_args.num_samples", "1"]
+    local = fit(tmp_path / "hf", *sampling)
+    remote = fit(tmp_path / "server", *sampling, "--model.init_args.rollout_engine", "server",
+                 "--model.init_args.rollout_server_url", server.url,
+                 "--model.init_args.rollout_server_timeout", str(TIMEOUT_S))
+    # the same run step by step: the server generated every step's rollouts from that step's weights
+    for mine, theirs in zip(local.model.policy.parameters(), remote.model.policy.parameters(), strict=True):
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
+    steps = metrics(remote)
+    assert sorted(steps) == [0, 1, 2]
+    for step, values in steps.items():
+        assert values["rollout/staleness_max"] == 0.0
+        assert values["train/policy_loss"] == metrics(local)[step]["train/policy_loss"]
+    assert remote.model.engine.pushed_version == 3
+
+    trained = remote.model.policy
+    initial, tokenizer = load_backbone("bundled:tiny_adder")
+    assert max((a - b).abs().max() for a, b in zip(trained.parameters(), initial.parameters())) > 1e-4  # it moved
+    served = greedy(remote.model.engine)
+    mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
+    assert served.responses == mine.responses
+    assert torch.equal(served.input_ids, mine.input_ids)
+    torch.testing.assert_close(served.rollout_logprobs, mine.rollout_logprobs, rtol=0, atol=1e-6)
+    # and that decode is the trained weights': the backbone's is another
+    assert greedy(HFRolloutEngine(initial, tokenizer, max_new_tokens=24)).responses != mine.responses
+
+
+class StepTimes(Callback):
+    """When each step started and ended, and when its rollouts were back (the training proper starts then)."""
+
+    def __init__(self):
+        self.start, self.end, self.rollouts_back, self.generations = {}, {}, {}, []
+
+    def on_fit_start(self, trainer, module):
+        engine = module.engine
+        request, generate = engine._request, engine.generate
+
+        def recorded_request(method, path, body=None):
+            reply = request(method, path, body)
+            if path == "/generate":
+                self.generations.append((tuple(body["prompts"]), reply["started"], reply["finished"]))
+            return reply
+
+        def recorded_generate(*args, **kwargs):
+            batch = generate(*args, **kwargs)
+            self.rollouts_back[trainer.global_step] = time.time()
+            return batch
+
+        engine._request, engine.generate = recorded_request, recorded_generate
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.start[trainer.global_step] = (time.time(), tuple(batch["prompt"]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.end[batch_idx] = time.time()
+
+
+def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, tmp_path, monkeypatch, single_thread):
+    monkeypatch.chdir(tmp_path)
+    times = StepTimes()
+    cli = fit(tmp_path, "--model.init_args.num_samples", "4", "--trainer.max_steps", "4",
+              "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url", server.url,
+              "--model.init_args.rollout_server_timeout", str(TIMEOUT_S), "--model.init_args.max_staleness", "1",
+              callbacks=[times])
+    steps = metrics(cli)
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert steps[0]["rollout/staleness_max"] == 0.0  # step 0: nothing prefetched yet, generated on the spot
+    for step in (1, 2, 3):
+        # prefetched while the previous step trained: from the weights one version before the ones that trained on it
+        assert steps[step]["rollout/staleness_max"] == 1.0
+    assert steps[3]["rollout/regenerated_rows"] == 0.0
+    for step in (0, 1, 2):
+        upcoming = times.start[step + 1][1]
+        started, finished = next((s, f) for prompts, s, f in times.generations if prompts == upcoming)
+        training = (times.rollouts_back[step], times.end[step])  # step's update, after its own rollouts came back
+        overlap = min(finished, training[1]) - max(started, training[0])
+        assert overlap > 0, (step, started, finished, training)
+    assert len(times.generations) == 4  # every step's prompts generated once (none regenerated, none at the end)
+
+
+def test_server_down_is_one_line_naming_the_address():
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=f"rollout server at {url}: unreachable") as err:
+        ServerRolloutEngine(model, tokenizer, url, timeout_s=5.0)
+    assert "\n" not in str(err.value) and time.monotonic() - start < 5.0
+
+
+def test_a_server_that_never_answers_is_one_line_within_the_timeout():
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"rollout server at {url}: no answer to /info within 2 s") as err:
+            ServerRolloutEngine(model, tokenizer, url, timeout_s=2.0)
+        elapsed = time.monotonic() - start
+    assert "\n" not in str(err.value) and 2.0 <= elapsed < 6.0
+
+
+def test_another_model_at_the_address_is_one_line_at_connect(server):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _, tokenizer = load_backbone("bundled:tiny_adder")
+    wider = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ConfigError, match=rf"rollout server at {server.url} serves another model "
+                                          r"\(bundled:tiny_adder: hidden_size 128 \(trainer: 64\)") as err:
+        ServerRolloutEngine(wider, tokenizer, server.url, timeout_s=TIMEOUT_S)
+    assert "\n" not in str(err.value)
+
+
+def test_a_restarted_server_is_one_line(server):
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = ServerRolloutEngine(model, tokenizer, server.url, timeout_s=TIMEOUT_S, max_new_tokens=4)
+    engine.instance = "an-earlier-process"  # what the engine remembers of the server it first connected to
+    with pytest.raises(RuntimeError, match=rf"rollout server at {server.url} restarted") as err:
+        greedy(engine)
+    assert "\n" not in str(err.value)
+
+
+class KillServerAfter(Callback):
+    def __init__(self, server: RolloutServer, step: int):
+        self.server, self.step, self.killed_at = server, step, None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == self.step:  # callbacks run before the module's hook, whose weight push then finds no one
+            self.server.kill()
+            self.killed_at = time.monotonic()
+
+
+def test_killing_the_server_mid_run_is_one_line_within_the_timeout(tmp_path, monkeypatch, single_thread):
+    monkeypatch.chdir(tmp_path)
+    doomed = RolloutServer(tmp_path / "doomed.log")
+    kill = KillServerAfter(doomed, step=1)
+    try:
+        with pytest.raises(RuntimeError, match=rf"rollout server at {doomed.url}") as err:
+            fit(tmp_path, "--model.init_args.num_samples", "2", "--model.init_args.rollout_engine", "server",
+                "--model.init_args.rollout_server_url", doomed.url, "--model.init_args.rollout_server_timeout",
+                str(TIMEOUT_S), callbacks=[kill])
+    finally:
+        doomed.kill()
+    assert kill.killed_at is not None and time.monotonic() - kill.killed_at < TIMEOUT_S + 10
+    assert "\n" not in str(err.value)
