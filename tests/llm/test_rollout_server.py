@@ -243,3 +243,44 @@ def test_killing_the_server_mid_run_is_one_line_within_the_timeout(tmp_path, mon
         doomed.kill()
     assert kill.killed_at is not None and time.monotonic() - kill.killed_at < TIMEOUT_S + 10
     assert "\n" not in str(err.value)
+
+
+def served_greedy(url: str, prompts: list[str], version: int) -> list[list[int]]:
+    """The server's greedy response tokens, asked over its HTTP API directly (an engine would push its own weights
+    first), once it holds ``version``."""
+    import json
+    import urllib.request
+
+    body = {"prompts": prompts, "n": 1, "temperature": 0, "top_p": 1.0, "max_new_tokens": 24, "seed": 0,
+            "min_version": version, "wait_s": TIMEOUT_S}
+    request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        reply = json.loads(response.read())
+    assert reply["version"] == version
+    return reply["tokens"]
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, tmp_path):
+    """2 gloo ranks under CPU ZeRO-3 (every weight sharded), each rank its own prompts: rank 0 pushes the weights
+    gathered a weight at a time, and the server's greedy decode is then that of the trained weights."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import rlfr_run
+    from test_strategies import deepspeed_args
+    from safetensors.torch import load_file
+
+    rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, 3, devices=2), "--model.init_args.num_samples", "2",
+                 "--model.init_args.max_new_tokens", "24", "--model.init_args.lr", "1e-3",
+                 "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url", server.url,
+                 "--model.init_args.rollout_server_timeout", str(TIMEOUT_S),
+                 "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"),
+                 timeout=600)
+    snapshot = load_file(str(tmp_path / "weights" / "rank0.safetensors"))
+    trained, tokenizer = load_backbone("bundled:tiny_adder")
+    initial = {name: p.clone() for name, p in trained.named_parameters()}
+    trained.load_state_dict({k.removeprefix("end/policy."): v for k, v in snapshot.items()
+                             if k.startswith("end/policy.")}, strict=False)
+    assert any(not torch.equal(p, initial[name]) for name, p in trained.named_parameters())
+    mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
+    expected = [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
+    assert served_greedy(server.url, PROMPTS, version=2) == expected
