@@ -4,7 +4,8 @@
 It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib only)::
 
     GET  /info              model name, identity (architecture, hidden size, layers, vocabulary), policy version
-    POST /generate          {prompts, n, temperature, top_p, max_new_tokens, seed, min_version, wait_s}
+    POST /generate          {prompts, n, temperature, top_p, max_new_tokens, rollout_batch_size, seed, min_version,
+                             wait_s}
                             → per row: response token ids and sampler log-probs; the policy version they came from
     POST /weights/connect   {host, port, device}: join the trainer's weight channel (a TCPStore + gloo / NCCL group)
     POST /weights           {version}: receive one push on that channel (buckets), then load it
@@ -64,6 +65,7 @@ class RolloutService:
             started = time.time()
             engine = self.engine
             engine.max_new_tokens, engine.top_p = request["max_new_tokens"], request["top_p"]
+            engine.rollout_batch_size = request.get("rollout_batch_size")
             if request["temperature"] > 0:
                 torch.manual_seed(request["seed"])
             prompts = request["prompts"]

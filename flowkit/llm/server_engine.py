@@ -181,12 +181,14 @@ class ServerRolloutEngine:
         sync_every: push the weights every this many policy versions (1: after each optimizer step).
         bucket_mb: size of a weight-push bucket.
         max_staleness: accept rollouts up to this many policy versions old (0: the weights last pushed).
+        rollout_batch_size: sequences per decoding batch on the server (bounds its KV cache); None: all at once.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, url: str, timeout_s: float = 300.0,
                  max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0, sync_every: int = 1,
-                 bucket_mb: int = 256, max_staleness: int = 0):
+                 bucket_mb: int = 256, max_staleness: int = 0, rollout_batch_size: int | None = None):
         self.model, self.tokenizer = model, tokenizer
+        self.rollout_batch_size = rollout_batch_size
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.sync_every, self.bucket_bytes, self.max_staleness = sync_every, bucket_mb << 20, max_staleness
@@ -325,7 +327,7 @@ class ServerRolloutEngine:
         on a rank other than 0 the push may still be on its way)."""
         seed = int(torch.randint(0, 2**62, ())) if temperature > 0 else 0
         return {"prompts": prompts, "n": n, "temperature": temperature, "top_p": self.top_p,
-                "max_new_tokens": self.max_new_tokens, "seed": seed, "min_version": self.pushed_version or 0,
+                "max_new_tokens": self.max_new_tokens, "rollout_batch_size": self.rollout_batch_size, "seed": seed, "min_version": self.pushed_version or 0,
                 "wait_s": self.timeout_s / 2}  # the server's own error, before ours
 
     def _batch(self, reply: dict, prompts: list[str], n: int, answers: list[str] | None) -> RolloutBatch:
@@ -364,7 +366,7 @@ def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
     return ServerRolloutEngine(setup.policy, setup.tokenizer, url, hp.get("rollout_server_timeout", 300.0),
                                setup.max_new_tokens, setup.temperature, setup.top_p,
                                hp.get("rollout_server_sync_every", 1), hp.get("rollout_server_bucket_mb", 256),
-                               hp.get("max_staleness", 0))
+                               hp.get("max_staleness", 0), hp.get("rollout_batch_size"))
 
 
 def response_rows(batch: RolloutBatch, prompt_width: int) -> Iterator[tuple[list[int], list[float]]]:

@@ -129,6 +129,8 @@ class PolicyModule(L.LightningModule):
             this process, one per rank (``pip install flowkit[vllm]``), into which the policy's weights are synced
             after every training step (LoRA merged, ZeRO-3 gathered). Both return their sampler's log-probs for
             ``rollout_correction``. ``rollout_batch_size`` applies to ``hf`` only (vLLM schedules its own batches).
+            ``server``: generation in a ``flowkit rollout-server`` process on its own devices (``rollout_server_*``
+            below; its decoding batches are ``rollout_batch_size``).
         vllm_gpu_memory_utilization: share of the GPU vLLM may take for its weights and KV cache (CPU: the KV cache
             is ``VLLM_CPU_KVCACHE_SPACE`` GiB instead).
         vllm_max_model_len: longest prompt + response vLLM sizes its KV cache for; None = the model's maximum.
