@@ -325,7 +325,6 @@ class PolicyModule(L.LightningModule):
             self.sft_losses = supervised_start(self, self.hparams.sft_epochs, self.hparams.sft_lr)
             if self.actor.reference is not None:
                 self.actor.reference.snapshot()
-        self.engine.sync_weights(self.policy, self.global_step)  # the weights fit starts from (resumed, SFT'd)
 
     def pretrain_reward_model(self) -> None:
         """Offline start (RLFR §3.2): :func:`~flowkit.modules.pretraining.pretrain_flow_reward` with the policy frozen,
@@ -336,6 +335,11 @@ class PolicyModule(L.LightningModule):
         pretrain_flow_reward(self.trainer, self.policy, self.tokenizer, self.tap, self.reward_model,
                              hp.flow_pretrain_steps, hp.flow_pretrain_batch_size, hp.flow_lr, hp.flow_pretrain_lr_decay,
                              hp.flow_pretrain_cache_latents)
+
+    def on_train_start(self) -> None:
+        """The engine learns of the weights training starts from (after an SFT start; resumed: restored by now, at
+        version ``global_step``)."""
+        self.engine.sync_weights(self.policy, self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """``max_staleness`` ≥ 1: the engine starts generating the next step's rollouts now, while this step trains

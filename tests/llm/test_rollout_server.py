@@ -284,3 +284,36 @@ def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, tmp_p
     mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
     expected = [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
     assert served_greedy(server.url, PROMPTS, version=2) == expected
+
+
+class TrainedBatches(Callback):
+    def __init__(self):
+        self.indices: list[int] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.indices.append(int(batch["index"]))
+
+
+def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prompts(server, tmp_path, monkeypatch,
+                                                                                single_thread):
+    """``--ckpt_path last`` after 2 of 4 steps (a clean stop, not a kill): the resumed run trains batches 2 and 3,
+    the first from rollouts it generates on the spot (nothing prefetched survives a process), the second from
+    prefetched ones, one version behind the restored weights (not behind version 0)."""
+    monkeypatch.chdir(tmp_path)
+    options = ["--model.init_args.num_samples", "2", "--model.init_args.rollout_engine", "server",
+               "--model.init_args.rollout_server_url", server.url, "--model.init_args.rollout_server_timeout",
+               str(TIMEOUT_S), "--model.init_args.max_staleness", "1"]
+    first, resumed = TrainedBatches(), TrainedBatches()
+    fit(tmp_path, *options, "--trainer.max_steps", "2", callbacks=[first])
+    cli = FlowkitCLI(args=["--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "4",
+                           "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+                           str(tmp_path / "run"), "--model.init_args.flow_pretrain_steps", "0",
+                           "--model.init_args.reward_model.init_args.kappa", "1", "--data.init_args.batch_size", "4",
+                           "--model.init_args.max_new_tokens", "24", *options], run=False)
+    cli.trainer.callbacks.append(resumed)
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(tmp_path / "run" / "checkpoints" / "last.ckpt"))
+    assert first.indices == [0, 1] and resumed.indices == [2, 3]
+    steps = metrics(cli)
+    assert sorted(steps) == [2, 3]
+    assert steps[2]["rollout/staleness_max"] == 0.0 and steps[3]["rollout/staleness_max"] == 1.0
+    assert steps[3]["rollout/regenerated_rows"] == 0.0
