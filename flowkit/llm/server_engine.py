@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
+from torch.distributed import ReduceOp
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +39,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flowkit.batch import RolloutBatch
-from flowkit.distributed import zero3_sharded
+from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.errors import ConfigError
 from flowkit.llm.rollout import pack_rollouts
 from flowkit.llm.vllm_engine import policy_weights
@@ -248,12 +249,25 @@ class ServerRolloutEngine:
         ZeRO-3 gathering a weight is a collective; rank 0 sends)."""
         self.model, self.policy_version = model, version
         if self.pushed_version is None or version - self.pushed_version >= self.sync_every:
-            self._push()
+            self._agreed(self._push, f"weight push of version {version}")
 
     def _ensure_pushed(self) -> None:
         """Before the first generation: the trainer's weights (a resumed or SFT'd policy), not the backbone's."""
         if self.pushed_version is None:
-            self._push()
+            self._agreed(self._push, f"weight push of version {self.policy_version}")
+
+    def _agreed(self, work: Callable[[], Any], what: str) -> Any:
+        """``work()``, its failure agreed over the trainer's ranks: a rank that raised alone would leave the others
+        waiting in the step's next collective (until the process group's timeout), so every rank raises, with its
+        own line or one saying another rank failed."""
+        error, result = None, None
+        try:
+            result = work()
+        except RuntimeError as err:
+            error = err
+        if all_reduce_int(int(error is not None), ReduceOp.MAX):
+            raise error or RuntimeError(f"rollout server at {self.url}: {what} failed on another rank") from None
+        return result
 
     def _push(self) -> None:
         version = self.policy_version
@@ -264,12 +278,16 @@ class ServerRolloutEngine:
                     pass
             self.pushed_version = version
             return
+        weights = policy_weights(self.model)
         try:
             if self._channel is None:
                 self._channel = self._connect_channel()
             self._request("POST", "/weights", {"version": version})
-            sent, loaded = self._channel.send(policy_weights(self.model), version, self.bucket_bytes)
+            sent, loaded = self._channel.send(weights, version, self.bucket_bytes)
         except RuntimeError as err:  # the HTTP side's one line, or gloo / NCCL: the peer gone or past the timeout
+            if zero3_sharded(self.model.parameters()):
+                for _ in weights:  # the other ranks' gathers of the weights not sent yet
+                    pass
             self._channel = None
             message = _first_line(err)
             if not message.startswith("rollout server at"):
@@ -291,12 +309,17 @@ class ServerRolloutEngine:
     # ------------------------------------------------------------------------------------------ generation
     def prefetch(self, prompts: list[str], n: int, temperature: float | None = None) -> None:
         """Have the server start generating these prompts' rollouts now, from the weights it holds; a later
-        :meth:`generate` of the same prompts takes them."""
+        :meth:`generate` of the same prompts takes them. Prefetches run one at a time, in order."""
         self._ensure_pushed()
         temperature = self.temperature if temperature is None else temperature
         request = self._generation_request(prompts, n, temperature)
         self._pending.append(_Pending((tuple(prompts), n, temperature),
                                       self._pool.submit(self._request, "POST", "/generate", request)))
+
+    def prefetched(self, prompts: list[str], n: int, temperature: float | None = None) -> bool:
+        """Whether these prompts' rollouts were prefetched (and not taken yet)."""
+        key = (tuple(prompts), n, self.temperature if temperature is None else temperature)
+        return any(pending.key == key for pending in self._pending)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, answers: list[str] | None = None,
@@ -305,6 +328,11 @@ class ServerRolloutEngine:
         for these prompts are used when at most ``max_staleness`` versions old, else regenerated."""
         self._ensure_pushed()
         temperature = self.temperature if temperature is None else temperature
+        reply = self._agreed(lambda: self._reply(prompts, n, temperature), "generation")
+        return self._batch(reply, prompts, n, answers)
+
+    def _reply(self, prompts: list[str], n: int, temperature: float) -> dict:
+        """The server's answer for these prompts: the prefetched one if not too stale, else a new request."""
         key = (tuple(prompts), n, temperature)
         pending = next((p for p in self._pending if p.key == key), None)
         reply = None
@@ -320,7 +348,7 @@ class ServerRolloutEngine:
                 reply = None
         if reply is None:
             reply = self._request("POST", "/generate", self._generation_request(prompts, n, temperature))
-        return self._batch(reply, prompts, n, answers)
+        return reply
 
     def _generation_request(self, prompts: list[str], n: int, temperature: float) -> dict:
         """The request; the server waits (bounded) until it holds at least the weights last pushed (``min_version``:

@@ -344,14 +344,17 @@ class PolicyModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """``max_staleness`` ≥ 1: the engine starts generating the next step's rollouts now, while this step trains
         (the next batch of a :class:`~flowkit.modules.datamodule.PromptStream`, a pure function of its index; the
-        last step prefetches nothing). A resumed run prefetches from its first step on: no step's prompts are lost
+        last step prefetches nothing). The engine's requests run in order, so a step with nothing prefetched asks for
+        its own rollouts first. A resumed run prefetches from its first step on: no step's prompts are lost
         or generated twice for training."""
         stream = getattr(self.trainer.train_dataloader, "dataset", None)
         updates = self.update.ppo_epochs * self.update.num_minibatches  # optimizer steps of an RL step
         last = self.trainer.max_steps >= 0 and self.global_step + updates >= self.trainer.max_steps
         if self.hparams.max_staleness and hasattr(stream, "batch") and "index" in batch and not last:
-            upcoming = stream.batch(int(batch["index"]) + 1)
-            self.engine.prefetch(upcoming["prompt"], self.sampling.num_samples)
+            samples = self.sampling.num_samples
+            if not self.engine.prefetched(batch["prompt"], samples):  # the first step (or resumed): its own first
+                self.engine.prefetch(batch["prompt"], samples)
+            self.engine.prefetch(stream.batch(int(batch["index"]) + 1)["prompt"], samples)
 
     def _staleness_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         """How many policy versions behind the weights this step trains the rows were sampled from, and the rows

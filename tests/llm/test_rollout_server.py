@@ -163,7 +163,7 @@ def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, t
               callbacks=[times])
     steps = metrics(cli)
     assert sorted(steps) == [0, 1, 2, 3]
-    assert steps[0]["rollout/staleness_max"] == 0.0  # step 0: nothing prefetched yet, generated on the spot
+    assert steps[0]["rollout/staleness_max"] == 0.0  # step 0: nothing prefetched yet, its own asked for first
     for step in (1, 2, 3):
         # prefetched while the previous step trained: from the weights one version before the ones that trained on it
         assert steps[step]["rollout/staleness_max"] == 1.0
