@@ -317,3 +317,39 @@ def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prom
     assert sorted(steps) == [2, 3]
     assert steps[2]["rollout/staleness_max"] == 0.0 and steps[3]["rollout/staleness_max"] == 1.0
     assert steps[3]["rollout/regenerated_rows"] == 0.0
+
+
+@pytest.mark.slow
+def test_killing_the_server_under_two_zero3_ranks_stops_both_within_the_timeout(tmp_path):
+    """Both ranks stop with the one line (rank 1, which sends nothing, learns of rank 0's failed push through the
+    agreed failure), instead of rank 1 waiting in the next collective until the process group's timeout."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import rlfr_run
+    from test_strategies import deepspeed_args
+
+    doomed = RolloutServer(tmp_path / "doomed.log")
+    (tmp_path / "run").mkdir()
+    trainer = subprocess.Popen(
+        rlfr_run.command(tmp_path / "run", 200, *deepspeed_args(tmp_path, 3, devices=2),
+                         "--model.init_args.num_samples", "2", "--model.init_args.max_new_tokens", "24",
+                         "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url",
+                         doomed.url, "--model.init_args.rollout_server_timeout", str(TIMEOUT_S)),
+        env=rlfr_run.env(), cwd=tmp_path / "run", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "policy version 2 loaded" not in doomed.log.read_text():
+            assert trainer.poll() is None and time.monotonic() < deadline, doomed.log.read_text()[-2000:]
+            time.sleep(0.2)
+        doomed.kill()
+        killed = time.monotonic()
+        output, _ = trainer.communicate(timeout=2 * TIMEOUT_S + 60)
+    finally:
+        doomed.kill()
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(timeout=30)
+    assert trainer.returncode != 0
+    assert time.monotonic() - killed < TIMEOUT_S + 30
+    lines = [line for line in output.splitlines() if f"rollout server at {doomed.url}" in line]
+    assert any(line.startswith("[rank0]") for line in lines), output[-3000:]
+    assert any(line.startswith("[rank1]") for line in lines), output[-3000:]
