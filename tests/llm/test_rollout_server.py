@@ -353,3 +353,17 @@ def test_killing_the_server_under_two_zero3_ranks_stops_both_within_the_timeout(
     lines = [line for line in output.splitlines() if f"rollout server at {doomed.url}" in line]
     assert any(line.startswith("[rank0]") for line in lines), output[-3000:]
     assert any(line.startswith("[rank1]") for line in lines), output[-3000:]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"rollout_engine": "server"}, r"^PolicyModule.rollout_engine 'server' needs rollout_server_url, .* got None$"),
+    ({"rollout_engine": "server", "rollout_server_url": "127.0.0.1:8000"}, r"needs rollout_server_url.*got '127"),
+    ({"rollout_engine": "server", "rollout_server_timeout": 0.0}, r"^PolicyModule.rollout_server_timeout must be > 0"),
+    ({"max_staleness": 1}, r"^PolicyModule.max_staleness 1 needs a rollout engine that generates apart from training"),
+    ({"max_staleness": -1}, r"^PolicyModule.max_staleness must be >= 0"),
+])
+def test_server_and_staleness_options_are_one_line_config_errors(options, message):
+    from flowkit.modules import PolicyModule
+
+    with pytest.raises(ConfigError, match=message):
+        PolicyModule(**options)
