@@ -7,8 +7,9 @@ colocated HF engine (generation and training in turn on the trainer's core), mea
 The job is configs/rlfr_tiny.yaml's RL step (bundled tiny_adder, 16 prompts × 8 samples, 28 new tokens, the flow
 reward with its online update), no offline pretraining. The server is pinned to core 0 (``taskset``), this process
 to core 1, one intra-op thread each. The variants alternate ``--rounds`` times so that a busy machine slows all
-alike. Prints median / p20 / p80 step time per variant and the ratios of medians, and appends rows to
-benchmarks/results/results.csv.
+alike. Prints median / p20 / p80 step time per variant, the median time a step waits for its rollouts
+(``time/generate_s``: the whole generation when it is in turn with training, the part not hidden behind the previous
+step when it overlaps) and the ratios of medians, and appends rows to benchmarks/results/results.csv.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -51,21 +53,30 @@ def start_server(log: Path, core: int) -> tuple[subprocess.Popen, str]:
     return process, f"http://127.0.0.1:{port}"
 
 
-def time_steps(steps: int, warmup: int, **options) -> list[float]:
+def time_steps(steps: int, warmup: int, **options) -> tuple[list[float], list[float]]:
+    """Seconds of each step after ``warmup``, and of each step's wait for its rollouts (``time/generate_s``)."""
     sys.path.insert(0, str(BENCHMARKS))
     from bench_rl_step import StepTimer
+
+    class Timer(StepTimer):
+        waits: list[float] = []
+
+        def on_train_batch_end(self, trainer, *args):
+            super().on_train_batch_end(trainer, *args)
+            self.waits.append(float(trainer.callback_metrics["time/generate_s"]))
 
     L.seed_everything(0)
     flow = FlowReward(percentiles=[0.25], depth=2, timesteps=[0.9], eta=0.6, beta=0.01, normalization="minmax",
                       condition="previous", rejection_metric="correct", kappa=32)
     module = PolicyModule(reward_model=flow, num_samples=8, max_new_tokens=28, outcome_reward="binary", lr=5e-5,
                           flow_lr=1e-3, **options)
-    timer = StepTimer()
+    timer = Timer()
+    timer.waits = []
     trainer = L.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
                         limit_val_batches=0)
     trainer.fit(module, datamodule=RolloutDataModule(val_path=None, batch_size=16))
-    return timer.times[warmup:]
+    return timer.times[warmup:], timer.waits[warmup:]
 
 
 def main() -> None:
@@ -85,10 +96,13 @@ def main() -> None:
     variants = {"colocated hf": {}, "server sync": {**server, "max_staleness": 0},
                 "server async k=1": {**server, "max_staleness": 1}}
     times: dict[str, list[float]] = {name: [] for name in variants}
+    waits: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for _ in range(args.rounds):
             for name, options in variants.items():
-                times[name] += time_steps(args.steps, args.warmup, **options)
+                step_times, wait_times = time_steps(args.steps, args.warmup, **options)
+                times[name] += step_times
+                waits[name] += wait_times
     finally:
         process.kill()
         process.wait(timeout=30)
@@ -98,7 +112,9 @@ def main() -> None:
 
     results = {name: quantiles(t) for name, t in times.items()}
     for name, stats in results.items():
-        print(f"{name:18s} median {stats['median_ms']:8.1f} ms  p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}")
+        wait = 1e3 * statistics.median(waits[name])
+        print(f"{name:18s} median {stats['median_ms']:8.1f} ms  p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}"
+              f"  (waiting for rollouts: median {wait:7.1f} ms)")
         append_csv(args.csv, {"timestamp": timestamp(), "benchmark": "async", "implementation": name, "device": "cpu",
                               "size": "tiny_adder 16x8, server core 0, trainer core 1", "threads": 1, **stats})
     async_ms = results["server async k=1"]["median_ms"]
