@@ -8,6 +8,7 @@ It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib on
                              wait_s}
                             → per row: response token ids and sampler log-probs; the policy version they came from
     POST /weights/connect   {host, port, device}: join the trainer's weight channel (a TCPStore + gloo / NCCL group)
+                            → the device it moves tensors on (cuda: NCCL, both sides on GPUs; cpu: gloo)
     POST /weights           {version}: receive one push on that channel (buckets), then load it
 
 Generation runs flowkit's HF decoding loop (:class:`flowkit.llm.rollout.HFRolloutEngine`) on the server's model;
@@ -78,7 +79,7 @@ class RolloutService:
                     "nonfinite": engine.saw_nonfinite_logits, "version": self.version,
                     "started": started, "finished": time.time()}
 
-    def connect(self, request: dict) -> None:
+    def connect(self, request: dict) -> dict:
         """Join the trainer's store and group in the background: the trainer forms its side after this answer."""
         store = WeightChannel.join_store(request["host"], request["port"], self.timeout_s)
         device = self.device if request["device"] == "cuda" and self.device.type == "cuda" else torch.device("cpu")
@@ -93,6 +94,7 @@ class RolloutService:
             joined.set()
 
         threading.Thread(target=join, daemon=True).start()
+        return {"device": device.type}
 
     def receive_weights(self, version: int) -> None:
         """Receive a push in the background (the trainer sends after this answer), holding the model meanwhile."""
@@ -128,7 +130,7 @@ class RolloutService:
 def make_server(service: RolloutService, host: str, port: int) -> ThreadingHTTPServer:
     routes = {("GET", "/info"): lambda body: service.info(),
               ("POST", "/generate"): service.generate,
-              ("POST", "/weights/connect"): lambda body: service.connect(body) or {},
+              ("POST", "/weights/connect"): service.connect,
               ("POST", "/weights"): lambda body: service.receive_weights(body["version"]) or {}}
 
     class Handler(BaseHTTPRequestHandler):

@@ -299,12 +299,14 @@ class ServerRolloutEngine:
         self.pushed_version = version
 
     def _connect_channel(self) -> WeightChannel:
-        """The trainer hosts the store on the interface it reaches the server through; the server joins it."""
+        """The trainer hosts the store on the interface it reaches the server through; the server joins it and
+        says which device the group moves tensors on."""
         host = _local_address_towards(self.url)
         store = WeightChannel.host_store(host, self.timeout_s)
         device = next(self.model.parameters()).device
-        self._request("POST", "/weights/connect", {"host": host, "port": store.port, "device": device.type})
-        return WeightChannel(store, 0, self.timeout_s, device)
+        reply = self._request("POST", "/weights/connect", {"host": host, "port": store.port, "device": device.type})
+        # NCCL when both sides hold the weights on GPUs, else gloo (a GPU side then copies each bucket through host)
+        return WeightChannel(store, 0, self.timeout_s, torch.device(reply["device"]))
 
     # ------------------------------------------------------------------------------------------ generation
     def prefetch(self, prompts: list[str], n: int, temperature: float | None = None) -> None:
