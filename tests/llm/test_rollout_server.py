@@ -367,3 +367,39 @@ def test_server_and_staleness_options_are_one_line_config_errors(options, messag
 
     with pytest.raises(ConfigError, match=message):
         PolicyModule(**options)
+
+
+def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets(monkeypatch):
+    """Trainer and server ends of a gloo channel in two threads: tensors of several dtypes and shapes arrive bit for
+    bit, in several buckets, none holding more than the bucket size plus one tensor."""
+    import threading
+
+    from flowkit.llm.server_engine import WeightChannel
+
+    torch.manual_seed(0)
+    weights = [(f"w{i}", torch.randn(shape).to(dtype)) for i, (shape, dtype) in enumerate(
+        [((3, 5), torch.float32), ((7,), torch.bfloat16), ((4, 4), torch.float16), ((33,), torch.float32),
+         ((2, 3, 2), torch.bfloat16), ((1,), torch.float64)])]
+    payloads = []
+    send_bucket = WeightChannel._send_bucket
+    monkeypatch.setattr(WeightChannel, "_send_bucket", lambda self, bucket, version, last: (
+        payloads.append(sum(t.numel() * t.element_size() for _, t in bucket)), send_bucket(self, bucket, version, last)))
+    store = WeightChannel.host_store("127.0.0.1", TIMEOUT_S)
+    received, result = {}, {}
+
+    def server_end():
+        channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, TIMEOUT_S,
+                                torch.device("cpu"))
+        result["version"] = channel.receive(lambda name, tensor: received.setdefault(name, tensor.clone()) is not None)
+
+    thread = threading.Thread(target=server_end)
+    thread.start()
+    trainer_end = WeightChannel(store, 0, TIMEOUT_S, torch.device("cpu"))
+    bucket_bytes = 100
+    sent, loaded = trainer_end.send(iter(weights), version=5, bucket_bytes=bucket_bytes)
+    thread.join(timeout=TIMEOUT_S)
+    assert (sent, loaded) == (6, 6) and result["version"] == (5, 6)
+    for name, tensor in weights:
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+    largest = max(t.numel() * t.element_size() for _, t in weights)
+    assert len(payloads) >= 3 and max(payloads) <= bucket_bytes + largest
