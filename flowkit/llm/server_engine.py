@@ -357,8 +357,8 @@ class ServerRolloutEngine:
         on a rank other than 0 the push may still be on its way)."""
         seed = int(torch.randint(0, 2**62, ())) if temperature > 0 else 0
         return {"prompts": prompts, "n": n, "temperature": temperature, "top_p": self.top_p,
-                "max_new_tokens": self.max_new_tokens, "rollout_batch_size": self.rollout_batch_size, "seed": seed, "min_version": self.pushed_version or 0,
-                "wait_s": self.timeout_s / 2}  # the server's own error, before ours
+                "max_new_tokens": self.max_new_tokens, "rollout_batch_size": self.rollout_batch_size, "seed": seed,
+                "min_version": self.pushed_version or 0, "wait_s": self.timeout_s / 2}  # the server's error first
 
     def _batch(self, reply: dict, prompts: list[str], n: int, answers: list[str] | None) -> RolloutBatch:
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")

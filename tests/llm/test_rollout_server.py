@@ -380,10 +380,14 @@ def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets(monkeyp
     weights = [(f"w{i}", torch.randn(shape).to(dtype)) for i, (shape, dtype) in enumerate(
         [((3, 5), torch.float32), ((7,), torch.bfloat16), ((4, 4), torch.float16), ((33,), torch.float32),
          ((2, 3, 2), torch.bfloat16), ((1,), torch.float64)])]
-    payloads = []
+    payloads = []  # bytes of each bucket sent
     send_bucket = WeightChannel._send_bucket
-    monkeypatch.setattr(WeightChannel, "_send_bucket", lambda self, bucket, version, last: (
-        payloads.append(sum(t.numel() * t.element_size() for _, t in bucket)), send_bucket(self, bucket, version, last)))
+
+    def counted(self, bucket, version, last):
+        payloads.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        send_bucket(self, bucket, version, last)
+
+    monkeypatch.setattr(WeightChannel, "_send_bucket", counted)
     store = WeightChannel.host_store("127.0.0.1", TIMEOUT_S)
     received, result = {}, {}
 
