@@ -172,8 +172,9 @@ def rollout_server_command(argv: list[str]) -> None:
     parser.add_argument("--backbone", required=True, help="hub id, local dir or bundled:tiny_adder (the trainer's)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype (bfloat16 for real models)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: one the OS picks, printed)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model runs (default: the GPU if there is one)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait on a trainer may take")
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
