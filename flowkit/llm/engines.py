@@ -22,6 +22,7 @@ import torch
 from flowkit.batch import RolloutBatch
 from flowkit.llm.backbone import resolve_backbone_path
 from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.server_engine import build_server_engine
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
 
 
@@ -87,4 +88,5 @@ def _vllm(setup: EngineSetup) -> VllmRolloutEngine:
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec(_hf),
     "vllm": EngineSpec(_vllm, require_vllm),
+    "server": EngineSpec(build_server_engine),
 }

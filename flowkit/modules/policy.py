@@ -137,11 +137,30 @@ class PolicyModule(L.LightningModule):
             this process, one per rank (``pip install flowkit[vllm]``), into which the policy's weights are synced
             after every training step (LoRA merged, ZeRO-3 gathered). Both return their sampler's log-probs for
             ``rollout_correction``. ``rollout_batch_size`` applies to ``hf`` only (vLLM schedules its own batches).
+            ``server``: generation in a ``flowkit rollout-server`` process on its own devices (``rollout_server_*``
+            below; its decoding batches are ``rollout_batch_size``).
         vllm_gpu_memory_utilization: share of the GPU vLLM may take for its weights and KV cache (CPU: the KV cache
             is ``VLLM_CPU_KVCACHE_SPACE`` GiB instead).
         vllm_max_model_len: longest prompt + response vLLM sizes its KV cache for; None = the model's maximum.
         vllm_enable_sleep_mode: on GPU, vLLM releases its memory while the trainer trains (weights offloaded to
             CPU, KV cache freed) and takes it back to generate; vLLM's CPU backend has no sleep mode.
+        rollout_server_url: the ``server`` engine's address, where ``flowkit rollout-server`` listens (e.g.
+            ``http://10.0.0.5:8000``; :mod:`flowkit.llm.server_engine`): generation runs there, on its own devices,
+            and the weights are pushed to it over torch.distributed (gloo on CPU, NCCL on GPU).
+        rollout_server_timeout: seconds any wait on the server may take (a request, a weight push, prefetched
+            rollouts); past it, or when the server is down, restarted or serves another model, the run stops with
+            one line naming the address.
+        rollout_server_sync_every: push the weights to the server every this many optimizer steps (1: each);
+            rollouts in between come from weights up to that many versions old.
+        rollout_server_bucket_mb: a weight push moves the weights in buckets of this size (ZeRO-3: gathered one
+            weight at a time), which bounds its memory.
+        max_staleness: k ≥ 1 overlaps generation with training (an engine that generates elsewhere: ``server``):
+            while step t trains, the server generates step t+1's rollouts from the weights it holds (version t,
+            one behind the weights that will train on them); rollouts more than k versions behind are regenerated
+            (``rollout/regenerated_rows``), the staleness is logged (``rollout/staleness_mean|max``). The flow
+            reward and its online update read the latents of the trainer's own forward, so nothing of the flow goes
+            stale; only the sampling distribution does (``rollout_correction`` weighs it). 0: generate each step's
+            rollouts when it starts, from its own weights (the synchronous run).
         entropy_advantage_alpha, entropy_advantage_kappa: "Entropy Adv." (Cheng et al. 2025, the logit-space baseline
             of RLFR Table 2): α > 0 adds min(α·H_t, |A_t|/κ) to every token's advantage, H_t the policy's token
             entropy (detached); it never flips A_t's sign (κ > 1) and adds nothing where A_t = 0. 0 is off; Cheng et
@@ -228,6 +247,11 @@ class PolicyModule(L.LightningModule):
         vllm_gpu_memory_utilization: float = 0.3,
         vllm_max_model_len: int | None = None,
         vllm_enable_sleep_mode: bool = True,
+        rollout_server_url: str | None = None,
+        rollout_server_timeout: float = 300.0,
+        rollout_server_sync_every: int = 1,
+        rollout_server_bucket_mb: int = 256,
+        max_staleness: int = 0,
         skip_zero_advantage_rows: bool = True,
         sft_epochs: int = 0,
         sft_lr: float = 2e-5,
@@ -255,6 +279,10 @@ class PolicyModule(L.LightningModule):
         self.controls = SamplingControls.from_groups(owner, dynamic_sampling, mask_truncated, overlong_buffer)
         self.controls.check(owner, max_new_tokens)
         check_range(owner, "peak_flops", peak_flops, 0, open_low=True)
+        check_range(owner, "rollout_server_timeout", rollout_server_timeout, 0, open_low=True)
+        check_range(owner, "rollout_server_sync_every", rollout_server_sync_every, 1)
+        check_range(owner, "rollout_server_bucket_mb", rollout_server_bucket_mb, 1)
+        check_range(owner, "max_staleness", max_staleness, 0)
         for group in (self.sampling, self.advantage, self.loss_options, self.update):
             group.check(owner)
         _check_module_options(owner, reward_model, outcome_reward, lr, flow_lr, max_grad_norm, flow_pretrain_steps,
@@ -290,6 +318,9 @@ class PolicyModule(L.LightningModule):
         self.engine: RolloutEngine = ROLLOUT_ENGINES[rollout_engine].build(EngineSetup(
             self.policy, self.tokenizer, backbone, max_new_tokens, temperature, top_p, self.hparams,
             whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy)))
+        if max_staleness and not hasattr(self.engine, "prefetch"):
+            raise ConfigError(f"PolicyModule.max_staleness {max_staleness} needs a rollout engine that generates apart "
+                              f"from training (rollout_engine: server), not {rollout_engine!r}")
         # after an SFT start, PPO's reference is the post-SFT policy: a snapshot (a frozen adapter under LoRA)
         reference = KLReference(self.policy, self.reference, snapshot_adapter=sft_epochs > 0) if kl_coef > 0 else None
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
@@ -336,6 +367,37 @@ class PolicyModule(L.LightningModule):
             return
         self.pretrain_reward_model(self.trainer.strategy.root_device)
 
+    def on_train_start(self) -> None:
+        """The engine learns of the weights training starts from (after an SFT start; resumed: restored by now, at
+        version ``global_step``)."""
+        self.engine.sync_weights(self.policy, self.global_step)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """``max_staleness`` ≥ 1: the engine starts generating the next step's rollouts now, while this step trains
+        (the next batch of a :class:`~flowkit.modules.datamodule.PromptStream`, a pure function of its index; the
+        last step prefetches nothing). The engine's requests run in order, so a step with nothing prefetched asks for
+        its own rollouts first. A resumed run prefetches from its first step on: no step's prompts are lost
+        or generated twice for training."""
+        stream = getattr(self.trainer.train_dataloader, "dataset", None)
+        updates = self.update.ppo_epochs * self.update.num_minibatches  # optimizer steps of an RL step
+        last = self.trainer.max_steps >= 0 and self.global_step + updates >= self.trainer.max_steps
+        if self.hparams.max_staleness and hasattr(stream, "batch") and "index" in batch and not last:
+            samples = self.sampling.num_samples
+            if not self.engine.prefetched(batch["prompt"], samples):  # the first step (or resumed): its own first
+                self.engine.prefetch(batch["prompt"], samples)
+            self.engine.prefetch(stream.batch(int(batch["index"]) + 1)["prompt"], samples)
+
+    def _staleness_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        """How many policy versions behind the weights this step trains the rows were sampled from, and the rows
+        regenerated so far for being more than ``max_staleness`` behind."""
+        if batch.policy_versions is None:
+            return {}
+        staleness = (self.engine.policy_version - batch.policy_versions).float()
+        metrics = {"rollout/staleness_mean": staleness.mean(), "rollout/staleness_max": staleness.max()}
+        if hasattr(self.engine, "regenerated_rows"):
+            metrics["rollout/regenerated_rows"] = float(self.engine.regenerated_rows)
+        return metrics
+
     def training_step(self, prompts: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
         try:
@@ -353,6 +415,7 @@ class PolicyModule(L.LightningModule):
             "train/tokens_per_s": float(batch.response_mask.sum()) / seconds,
             "train/skipped_steps": float(self.skipped_steps),
             **self._throughput(float(batch.attention_mask.sum()), seconds),
+            **self._staleness_metrics(batch),
             **stats,
         }
         if self.reward_model is not None:

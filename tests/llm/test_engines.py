@@ -12,6 +12,7 @@ from flowkit.cli import FlowkitCLI
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutEngine
 from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.server_engine import ServerRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine
 from flowkit.rl.logprobs import lm_head_logprobs
 from flowkit.llm.rollout import forward_hidden
@@ -23,10 +24,11 @@ PROMPTS = ["47+38=", "12+13=", "9+9="]
 def test_every_registered_engine_has_the_contracts_methods():
     model, tokenizer = load_backbone("bundled:tiny_adder")
     assert isinstance(HFRolloutEngine(model, tokenizer, max_new_tokens=4), RolloutEngine)
-    for name in ("generate", "sync_weights", "close"):  # vLLM needs vllm to build: compare the class's signatures
+    for name in ("generate", "sync_weights", "close"):  # vLLM needs vllm, the server a server: compare signatures
         expected = list(inspect.signature(getattr(RolloutEngine, name)).parameters)
-        assert list(inspect.signature(getattr(VllmRolloutEngine, name)).parameters) == expected, name
-    assert set(ROLLOUT_ENGINES) == {"hf", "vllm"}
+        for engine in (VllmRolloutEngine, ServerRolloutEngine):
+            assert list(inspect.signature(getattr(engine, name)).parameters) == expected, (engine, name)
+    assert set(ROLLOUT_ENGINES) == {"hf", "vllm", "server"}
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.0, 1.0)])

@@ -87,7 +87,7 @@ def test_missing_vllm_is_a_one_line_config_error():
 
 
 def test_unknown_rollout_engine_is_a_config_error():
-    with pytest.raises(ConfigError, match="rollout_engine must be one of hf, vllm, got .sglang."):
+    with pytest.raises(ConfigError, match="rollout_engine must be one of hf, vllm, server, got .sglang."):
         PolicyModule(rollout_engine="sglang")
 
 

@@ -1,0 +1,409 @@
+"""The ``server`` rollout engine against a real ``flowkit rollout-server`` process on 127.0.0.1: the trained weights
+reach it (its greedy decode and log-probs are the trainer's), ``max_staleness: 0`` is the synchronous run,
+``max_staleness: 1`` overlaps generation with training one version behind, and every failure (server down, killed
+mid-run, another model, a socket that never answers, a restart) is one line naming the address within its timeout."""
+
+import csv
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from flowkit.cli import FlowkitCLI
+from flowkit.errors import ConfigError
+from flowkit.llm.backbone import load_backbone
+from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.server_engine import ServerRolloutEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
+STARTUP_S = 120  # loading the tiny backbone in a fresh interpreter, on loaded CI cores
+TIMEOUT_S = 20.0  # the engine's bound on every wait, in these tests
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RolloutServer:
+    """A ``flowkit rollout-server`` subprocess serving bundled:tiny_adder on a free port."""
+
+    def __init__(self, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               "OMP_NUM_THREADS": "1"}
+        flowkit = shutil.which("flowkit") or "flowkit"
+        self.log = log
+        self.process = subprocess.Popen([flowkit, "rollout-server", "--backbone", "bundled:tiny_adder", "--host",
+                                         "127.0.0.1", "--port", str(self.port), "--timeout", str(TIMEOUT_S)],
+                                        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_S
+        while "rollout server for" not in log.read_text():
+            assert self.process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the server did not start within {STARTUP_S} s"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    running = RolloutServer(tmp_path_factory.mktemp("server") / "server.log")
+    yield running
+    running.kill()
+
+
+def fit(tmp_path: Path, *extra: str, callbacks=()) -> FlowkitCLI:
+    """3 greedy RLFR steps on the tiny task (one sample per prompt: the flow's token rewards still move the policy)."""
+    args = ["--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "3",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--model.init_args.flow_pretrain_steps", "0",
+            "--model.init_args.reward_model.init_args.kappa", "1", "--data.init_args.batch_size", "4",
+            "--model.init_args.max_new_tokens", "24", "--model.init_args.lr", "1e-3", *extra]
+    cli = FlowkitCLI(args=args, run=False)
+    for callback in callbacks:
+        cli.trainer.callbacks.append(callback)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return cli
+
+
+def metrics(cli: FlowkitCLI) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
+    with open(Path(cli.trainer.logger.log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return rows
+
+
+def greedy(engine, prompts=PROMPTS):
+    return engine.generate(prompts, n=1, temperature=0)
+
+
+def test_the_servers_greedy_decode_is_the_trained_policys_and_max_staleness_0_is_the_synchronous_run(
+        server, tmp_path, monkeypatch, single_thread):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    sampling = ["--model.init_args.temperature", "0", "--model.init_args.num_samples", "1"]
+    local = fit(tmp_path / "hf", *sampling)
+    remote = fit(tmp_path / "server", *sampling, "--model.init_args.rollout_engine", "server",
+                 "--model.init_args.rollout_server_url", server.url,
+                 "--model.init_args.rollout_server_timeout", str(TIMEOUT_S))
+    # the same run step by step: the server generated every step's rollouts from that step's weights
+    for mine, theirs in zip(local.model.policy.parameters(), remote.model.policy.parameters(), strict=True):
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
+    steps = metrics(remote)
+    assert sorted(steps) == [0, 1, 2]
+    for step, values in steps.items():
+        assert values["rollout/staleness_max"] == 0.0
+        assert values["train/policy_loss"] == metrics(local)[step]["train/policy_loss"]
+    assert remote.model.engine.pushed_version == 3
+
+    trained = remote.model.policy
+    initial, tokenizer = load_backbone("bundled:tiny_adder")
+    assert max((a - b).abs().max() for a, b in zip(trained.parameters(), initial.parameters())) > 1e-4  # it moved
+    served = greedy(remote.model.engine)
+    mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
+    assert served.responses == mine.responses
+    assert torch.equal(served.input_ids, mine.input_ids)
+    torch.testing.assert_close(served.rollout_logprobs, mine.rollout_logprobs, rtol=0, atol=1e-6)
+    # and that decode is the trained weights': the backbone's is another
+    assert greedy(HFRolloutEngine(initial, tokenizer, max_new_tokens=24)).responses != mine.responses
+
+
+class StepTimes(Callback):
+    """When each step started and ended, and when its rollouts were back (the training proper starts then)."""
+
+    def __init__(self):
+        self.start, self.end, self.rollouts_back, self.generations = {}, {}, {}, []
+
+    def on_fit_start(self, trainer, module):
+        engine = module.engine
+        request, generate = engine._request, engine.generate
+
+        def recorded_request(method, path, body=None):
+            reply = request(method, path, body)
+            if path == "/generate":
+                self.generations.append((tuple(body["prompts"]), reply["started"], reply["finished"]))
+            return reply
+
+        def recorded_generate(*args, **kwargs):
+            batch = generate(*args, **kwargs)
+            self.rollouts_back[trainer.global_step] = time.time()
+            return batch
+
+        engine._request, engine.generate = recorded_request, recorded_generate
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.start[trainer.global_step] = (time.time(), tuple(batch["prompt"]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.end[batch_idx] = time.time()
+
+
+def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, tmp_path, monkeypatch, single_thread):
+    monkeypatch.chdir(tmp_path)
+    times = StepTimes()
+    cli = fit(tmp_path, "--model.init_args.num_samples", "4", "--trainer.max_steps", "4",
+              "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url", server.url,
+              "--model.init_args.rollout_server_timeout", str(TIMEOUT_S), "--model.init_args.max_staleness", "1",
+              callbacks=[times])
+    steps = metrics(cli)
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert steps[0]["rollout/staleness_max"] == 0.0  # step 0: nothing prefetched yet, its own asked for first
+    for step in (1, 2, 3):
+        # prefetched while the previous step trained: from the weights one version before the ones that trained on it
+        assert steps[step]["rollout/staleness_max"] == 1.0
+    assert steps[3]["rollout/regenerated_rows"] == 0.0
+    for step in (0, 1, 2):
+        upcoming = times.start[step + 1][1]
+        started, finished = next((s, f) for prompts, s, f in times.generations if prompts == upcoming)
+        training = (times.rollouts_back[step], times.end[step])  # step's update, after its own rollouts came back
+        overlap = min(finished, training[1]) - max(started, training[0])
+        assert overlap > 0, (step, started, finished, training)
+    assert len(times.generations) == 4  # every step's prompts generated once (none regenerated, none at the end)
+
+
+def test_server_down_is_one_line_naming_the_address():
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=f"rollout server at {url}: unreachable") as err:
+        ServerRolloutEngine(model, tokenizer, url, timeout_s=5.0)
+    assert "\n" not in str(err.value) and time.monotonic() - start < 5.0
+
+
+def test_a_server_that_never_answers_is_one_line_within_the_timeout():
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"rollout server at {url}: no answer to /info within 2 s") as err:
+            ServerRolloutEngine(model, tokenizer, url, timeout_s=2.0)
+        elapsed = time.monotonic() - start
+    assert "\n" not in str(err.value) and 2.0 <= elapsed < 6.0
+
+
+def test_another_model_at_the_address_is_one_line_at_connect(server):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _, tokenizer = load_backbone("bundled:tiny_adder")
+    wider = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ConfigError, match=rf"rollout server at {server.url} serves another model "
+                                          r"\(bundled:tiny_adder: hidden_size 128 \(trainer: 64\)") as err:
+        ServerRolloutEngine(wider, tokenizer, server.url, timeout_s=TIMEOUT_S)
+    assert "\n" not in str(err.value)
+
+
+def test_a_restarted_server_is_one_line(server):
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = ServerRolloutEngine(model, tokenizer, server.url, timeout_s=TIMEOUT_S, max_new_tokens=4)
+    engine.instance = "an-earlier-process"  # what the engine remembers of the server it first connected to
+    with pytest.raises(RuntimeError, match=rf"rollout server at {server.url} restarted") as err:
+        greedy(engine)
+    assert "\n" not in str(err.value)
+
+
+class KillServerAfter(Callback):
+    def __init__(self, server: RolloutServer, step: int):
+        self.server, self.step, self.killed_at = server, step, None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == self.step:  # callbacks run before the module's hook, whose weight push then finds no one
+            self.server.kill()
+            self.killed_at = time.monotonic()
+
+
+def test_killing_the_server_mid_run_is_one_line_within_the_timeout(tmp_path, monkeypatch, single_thread):
+    monkeypatch.chdir(tmp_path)
+    doomed = RolloutServer(tmp_path / "doomed.log")
+    kill = KillServerAfter(doomed, step=1)
+    try:
+        with pytest.raises(RuntimeError, match=rf"rollout server at {doomed.url}") as err:
+            fit(tmp_path, "--model.init_args.num_samples", "2", "--model.init_args.rollout_engine", "server",
+                "--model.init_args.rollout_server_url", doomed.url, "--model.init_args.rollout_server_timeout",
+                str(TIMEOUT_S), callbacks=[kill])
+    finally:
+        doomed.kill()
+    assert kill.killed_at is not None and time.monotonic() - kill.killed_at < TIMEOUT_S + 10
+    assert "\n" not in str(err.value)
+
+
+def served_greedy(url: str, prompts: list[str], version: int) -> list[list[int]]:
+    """The server's greedy response tokens, asked over its HTTP API directly (an engine would push its own weights
+    first), once it holds ``version``."""
+    import json
+    import urllib.request
+
+    body = {"prompts": prompts, "n": 1, "temperature": 0, "top_p": 1.0, "max_new_tokens": 24, "seed": 0,
+            "min_version": version, "wait_s": TIMEOUT_S}
+    request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        reply = json.loads(response.read())
+    assert reply["version"] == version
+    return reply["tokens"]
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, tmp_path):
+    """2 gloo ranks under CPU ZeRO-3 (every weight sharded), each rank its own prompts: rank 0 pushes the weights
+    gathered a weight at a time, and the server's greedy decode is then that of the trained weights."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import rlfr_run
+    from test_strategies import deepspeed_args
+    from safetensors.torch import load_file
+
+    rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, 3, devices=2), "--model.init_args.num_samples", "2",
+                 "--model.init_args.max_new_tokens", "24", "--model.init_args.lr", "1e-3",
+                 "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url", server.url,
+                 "--model.init_args.rollout_server_timeout", str(TIMEOUT_S),
+                 "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"),
+                 timeout=600)
+    snapshot = load_file(str(tmp_path / "weights" / "rank0.safetensors"))
+    trained, tokenizer = load_backbone("bundled:tiny_adder")
+    initial = {name: p.clone() for name, p in trained.named_parameters()}
+    trained.load_state_dict({k.removeprefix("end/policy."): v for k, v in snapshot.items()
+                             if k.startswith("end/policy.")}, strict=False)
+    assert any(not torch.equal(p, initial[name]) for name, p in trained.named_parameters())
+    mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
+    expected = [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
+    assert served_greedy(server.url, PROMPTS, version=2) == expected
+
+
+class TrainedBatches(Callback):
+    def __init__(self):
+        self.indices: list[int] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.indices.append(int(batch["index"]))
+
+
+def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prompts(server, tmp_path, monkeypatch,
+                                                                                single_thread):
+    """``--ckpt_path last`` after 2 of 4 steps (a clean stop, not a kill): the resumed run trains batches 2 and 3,
+    the first from rollouts it generates on the spot (nothing prefetched survives a process), the second from
+    prefetched ones, one version behind the restored weights (not behind version 0)."""
+    monkeypatch.chdir(tmp_path)
+    options = ["--model.init_args.num_samples", "2", "--model.init_args.rollout_engine", "server",
+               "--model.init_args.rollout_server_url", server.url, "--model.init_args.rollout_server_timeout",
+               str(TIMEOUT_S), "--model.init_args.max_staleness", "1"]
+    first, resumed = TrainedBatches(), TrainedBatches()
+    fit(tmp_path, *options, "--trainer.max_steps", "2", callbacks=[first])
+    cli = FlowkitCLI(args=["--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "4",
+                           "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+                           str(tmp_path / "run"), "--model.init_args.flow_pretrain_steps", "0",
+                           "--model.init_args.reward_model.init_args.kappa", "1", "--data.init_args.batch_size", "4",
+                           "--model.init_args.max_new_tokens", "24", *options], run=False)
+    cli.trainer.callbacks.append(resumed)
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(tmp_path / "run" / "checkpoints" / "last.ckpt"))
+    assert first.indices == [0, 1] and resumed.indices == [2, 3]
+    steps = metrics(cli)
+    assert sorted(steps) == [2, 3]
+    assert steps[2]["rollout/staleness_max"] == 0.0 and steps[3]["rollout/staleness_max"] == 1.0
+    assert steps[3]["rollout/regenerated_rows"] == 0.0
+
+
+@pytest.mark.slow
+def test_killing_the_server_under_two_zero3_ranks_stops_both_within_the_timeout(tmp_path):
+    """Both ranks stop with the one line (rank 1, which sends nothing, learns of rank 0's failed push through the
+    agreed failure), instead of rank 1 waiting in the next collective until the process group's timeout."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import rlfr_run
+    from test_strategies import deepspeed_args
+
+    doomed = RolloutServer(tmp_path / "doomed.log")
+    (tmp_path / "run").mkdir()
+    trainer = subprocess.Popen(
+        rlfr_run.command(tmp_path / "run", 200, *deepspeed_args(tmp_path, 3, devices=2),
+                         "--model.init_args.num_samples", "2", "--model.init_args.max_new_tokens", "24",
+                         "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url",
+                         doomed.url, "--model.init_args.rollout_server_timeout", str(TIMEOUT_S)),
+        env=rlfr_run.env(), cwd=tmp_path / "run", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "policy version 2 loaded" not in doomed.log.read_text():
+            assert trainer.poll() is None and time.monotonic() < deadline, doomed.log.read_text()[-2000:]
+            time.sleep(0.2)
+        doomed.kill()
+        killed = time.monotonic()
+        output, _ = trainer.communicate(timeout=2 * TIMEOUT_S + 60)
+    finally:
+        doomed.kill()
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(timeout=30)
+    assert trainer.returncode != 0
+    assert time.monotonic() - killed < TIMEOUT_S + 30
+    lines = [line for line in output.splitlines() if f"rollout server at {doomed.url}" in line]
+    assert any(line.startswith("[rank0]") for line in lines), output[-3000:]
+    assert any(line.startswith("[rank1]") for line in lines), output[-3000:]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"rollout_engine": "server"}, r"^PolicyModule.rollout_engine 'server' needs rollout_server_url, .* got None$"),
+    ({"rollout_engine": "server", "rollout_server_url": "127.0.0.1:8000"}, r"needs rollout_server_url.*got '127"),
+    ({"rollout_engine": "server", "rollout_server_timeout": 0.0}, r"^PolicyModule.rollout_server_timeout must be > 0"),
+    ({"max_staleness": 1}, r"^PolicyModule.max_staleness 1 needs a rollout engine that generates apart from training"),
+    ({"max_staleness": -1}, r"^PolicyModule.max_staleness must be >= 0"),
+])
+def test_server_and_staleness_options_are_one_line_config_errors(options, message):
+    from flowkit.modules import PolicyModule
+
+    with pytest.raises(ConfigError, match=message):
+        PolicyModule(**options)
+
+
+def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets(monkeypatch):
+    """Trainer and server ends of a gloo channel in two threads: tensors of several dtypes and shapes arrive bit for
+    bit, in several buckets, none holding more than the bucket size plus one tensor."""
+    import threading
+
+    from flowkit.llm.server_engine import WeightChannel
+
+    torch.manual_seed(0)
+    weights = [(f"w{i}", torch.randn(shape).to(dtype)) for i, (shape, dtype) in enumerate(
+        [((3, 5), torch.float32), ((7,), torch.bfloat16), ((4, 4), torch.float16), ((33,), torch.float32),
+         ((2, 3, 2), torch.bfloat16), ((1,), torch.float64)])]
+    payloads = []  # bytes of each bucket sent
+    send_bucket = WeightChannel._send_bucket
+
+    def counted(self, bucket, version, last):
+        payloads.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        send_bucket(self, bucket, version, last)
+
+    monkeypatch.setattr(WeightChannel, "_send_bucket", counted)
+    store = WeightChannel.host_store("127.0.0.1", TIMEOUT_S)
+    received, result = {}, {}
+
+    def server_end():
+        channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, TIMEOUT_S,
+                                torch.device("cpu"))
+        result["version"] = channel.receive(lambda name, tensor: received.setdefault(name, tensor.clone()) is not None)
+
+    thread = threading.Thread(target=server_end)
+    thread.start()
+    trainer_end = WeightChannel(store, 0, TIMEOUT_S, torch.device("cpu"))
+    bucket_bytes = 100
+    sent, loaded = trainer_end.send(iter(weights), version=5, bucket_bytes=bucket_bytes)
+    thread.join(timeout=TIMEOUT_S)
+    assert (sent, loaded) == (6, 6) and result["version"] == (5, 6)
+    for name, tensor in weights:
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+    largest = max(t.numel() * t.element_size() for _, t in weights)
+    assert len(payloads) >= 3 and max(payloads) <= bucket_bytes + largest
