@@ -288,15 +288,16 @@ def _demangle(name: str) -> str:
     if cxxfilt is None:
         return name
     full = subprocess.run([cxxfilt, name], capture_output=True, text=True).stdout.strip()
-    return re.sub(r"\(.*", "", full)[-60:]  # the function name and template arguments, not the parameter list
+    full = full.replace("(anonymous namespace)::", "").removeprefix("void ")
+    return full[:full.index("(")] if "(" in full else full  # the name and template arguments, not the parameters
 
 
 def format_table(rows: list[Row]) -> str:
-    header = f"{'kernel':<44} {'dtype':<5} {'shape':<26} {'var':>3} {'warps':>5} {'regs':>4} {'spill B':>7} " \
+    header = f"{'kernel':<52} {'dtype':<5} {'shape':<26} {'var':>3} {'warps':>5} {'regs':>4} {'spill B':>7} " \
              f"{'stack B':>7} {'smem B':>7} {'cpu s':>6} {'wall s':>6}  failures"
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.kernel[:44]:<44} {r.dtype:<5} {r.shape[:26]:<26} {r.variants:>3} {r.num_warps or '-':>5} "
+        lines.append(f"{r.kernel[:52]:<52} {r.dtype:<5} {r.shape[:26]:<26} {r.variants:>3} {r.num_warps or '-':>5} "
                      f"{r.registers:>4} {r.spill_stores:>7} {r.stack:>7} {r.shared:>7} {r.compile_s:>6.2f} "
                      f"{r.wall_s:>6.2f}  {r.failures or 'ok'}")
     return "\n".join(lines)
