@@ -201,8 +201,8 @@ def parse_ptxas(log: str) -> dict:
                 static_smem=int(smem[1]) if smem else 0)
 
 
-def triton_rows(only: str | None = None, steps: int = STEPS) -> list[Row]:
-    """One row per (kernel, dtype, shape class): its distinct cache keys over ``steps`` steps and its sm_90 build."""
+def shape_classes(only: str | None = None) -> list[tuple]:
+    """(dtype name, shape label, step → launches) for every dtype and shape class."""
     classes = []
     for name, dtype in DTYPES.items():
         if only in (None, "velocity"):
@@ -212,28 +212,38 @@ def triton_rows(only: str | None = None, steps: int = STEPS) -> list[Row]:
             for num_flow in FLOW_TOKEN_CLASSES:
                 classes.append((name, f"F{num_flow} x G{HEADS // KV_HEADS} dh{HEAD_DIM}",
                                 lambda rng, dtype=dtype, f=num_flow: attention_launches(dtype, f, rng)))
+    return classes
+
+
+def jit_variants(compiler: Sm90Compiler, only: str | None = None, steps: int = STEPS) -> dict[tuple, dict]:
+    """(kernel, dtype, shape) → {cache key: (launch, binding)} over ``steps`` steps of changing seeds and sizes."""
+    variants: dict[tuple, dict] = {}
+    for dtype_name, shape, make in shape_classes(only):
+        rng = random.Random(0)
+        for _ in range(steps):
+            for launch in make(rng):
+                key, binding = compiler.bind(launch)
+                variants.setdefault((launch.kernel.fn.__name__, dtype_name, shape), {}).setdefault(key, (launch, binding))
+    return variants
+
+
+def triton_rows(only: str | None = None, steps: int = STEPS) -> list[Row]:
+    """One row per (kernel, dtype, shape class): its distinct cache keys over ``steps`` steps and its sm_90 build."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="flowkit-sm90-") as cache_dir:
         compiler = Sm90Compiler(cache_dir)
-        for dtype_name, shape, make in classes:
-            rng = random.Random(0)
-            keys: dict[str, dict[str, tuple]] = {}  # kernel name -> cache key -> (launch, binding)
-            for _ in range(steps):
-                for launch in make(rng):
-                    key, binding = compiler.bind(launch)
-                    keys.setdefault(launch.kernel.fn.__name__, {}).setdefault(key, (launch, binding))
-            for kernel_name, variants in keys.items():
-                row = Row(kernel_name, dtype_name, shape, len(variants))
-                launch, binding = next(iter(variants.values()))
-                try:
-                    report = compiler.compile(launch, binding)
-                except Exception as error:  # a failed build is this row's result (ptxas killed, out of resources)
-                    row.failures = f"compile failed: {str(error).strip().splitlines()[0]}"
-                else:
-                    for field in ("num_warps", "registers", "spill_stores", "stack", "shared", "compile_s", "wall_s"):
-                        setattr(row, field, report[field])
-                    row.failures = "; ".join(triton_failures(row))
-                rows.append(row)
+        for (kernel_name, dtype_name, shape), keys in jit_variants(compiler, only, steps).items():
+            row = Row(kernel_name, dtype_name, shape, len(keys))
+            launch, binding = next(iter(keys.values()))
+            try:
+                report = compiler.compile(launch, binding)
+            except Exception as error:  # a failed build is this row's result (ptxas killed, out of resources)
+                row.failures = f"compile failed: {str(error).strip().splitlines()[0]}"
+            else:
+                for field in ("num_warps", "registers", "spill_stores", "stack", "shared", "compile_s", "wall_s"):
+                    setattr(row, field, report[field])
+                row.failures = "; ".join(triton_failures(row))
+            rows.append(row)
     return rows
 
 
@@ -288,15 +298,16 @@ def _demangle(name: str) -> str:
     if cxxfilt is None:
         return name
     full = subprocess.run([cxxfilt, name], capture_output=True, text=True).stdout.strip()
-    return re.sub(r"\(.*", "", full)[-60:]  # the function name and template arguments, not the parameter list
+    full = full.replace("(anonymous namespace)::", "").removeprefix("void ")
+    return full[:full.index("(")] if "(" in full else full  # the name and template arguments, not the parameters
 
 
 def format_table(rows: list[Row]) -> str:
-    header = f"{'kernel':<44} {'dtype':<5} {'shape':<26} {'var':>3} {'warps':>5} {'regs':>4} {'spill B':>7} " \
+    header = f"{'kernel':<52} {'dtype':<5} {'shape':<26} {'var':>3} {'warps':>5} {'regs':>4} {'spill B':>7} " \
              f"{'stack B':>7} {'smem B':>7} {'cpu s':>6} {'wall s':>6}  failures"
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.kernel[:44]:<44} {r.dtype:<5} {r.shape[:26]:<26} {r.variants:>3} {r.num_warps or '-':>5} "
+        lines.append(f"{r.kernel[:52]:<52} {r.dtype:<5} {r.shape[:26]:<26} {r.variants:>3} {r.num_warps or '-':>5} "
                      f"{r.registers:>4} {r.spill_stores:>7} {r.stack:>7} {r.shared:>7} {r.compile_s:>6.2f} "
                      f"{r.wall_s:>6.2f}  {r.failures or 'ok'}")
     return "\n".join(lines)

@@ -53,6 +53,14 @@ def test_variant_count_sees_value_specialisation():
     assert len(keys(dynamic, values[:3])) == 1
 
 
+def test_one_jit_variant_per_kernel_dtype_and_shape_over_20_steps():
+    """Seeds over the full 64-bit range, token offsets, partial last pieces, batch, evaluations and context lengths
+    all change from step to step; none of them may make the JIT compile a second variant."""
+    variants = compile_sm90.jit_variants(compile_sm90.Sm90Compiler(cache_dir="unused"))
+    assert len(variants) == 18  # 3 velocity-deviation kernels x 2 dtypes + 3 attention kernels x 2 dtypes x 2 classes
+    assert {name: len(keys) for name, keys in variants.items() if len(keys) != 1} == {}
+
+
 def test_triton_kernels_compile_for_sm90_at_paper_shapes():
     rows = compile_sm90.triton_rows()
     print("\n" + compile_sm90.format_table(rows))

@@ -1,20 +1,31 @@
-"""The CUDA sources compile (nvcc, sm_90) even where torch is a CPU build and no GPU exists."""
+"""The CUDA sources compile for sm_90 (nvcc, no GPU needed, a CPU torch is enough) with no register spills and no
+stack frame above 64 B per kernel (benchmarks/compile_sm90.py reads ``-Xptxas -v``), but for the spills named below."""
 
-import shutil
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import compile_sm90  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_cuda_sources_compile_with_nvcc():
-    result = subprocess.run(["bash", "csrc/check_cuda_compile.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    sources = sorted(ROOT.glob("csrc/**/*.cu"))
-    assert len(sources) == 2  # velocity deviation and flow attention
-    for source in sources:
-        assert f"nvcc -c {source.relative_to(ROOT)}" in result.stdout
+@pytest.mark.skipif(compile_sm90.find_nvcc() is None, reason="nvcc is not installed (PATH, /usr/local/cuda/bin)")
+def test_cuda_kernels_compile_for_sm90_without_spills():
+    rows = compile_sm90.cuda_rows()
+    print("\n" + compile_sm90.format_table(rows))
+    kernels = {row.kernel.split("<")[0] for row in rows}
+    assert kernels == {f"flowkit::{name}" for name in ("interpolate_kernel", "deviation_kernel",
+                                                        "deviation_backward_kernel", "flow_attention_fwd_kernel",
+                                                        "flow_attention_dq_kernel", "flow_attention_dkv_kernel")}
+    assert len(rows) == 4 * len(kernels)  # float, double, half, bfloat16 each
+    assert all(row.stack <= compile_sm90.CUDA_STACK_LIMIT for row in rows), [(r.kernel, r.stack) for r in rows]
+    # Known, not yet fixed (issue 35): the native dK/dV kernel spills 20-40 B per thread at 56 registers (and the
+    # double dQ kernel 40 B): ABI saves around called subroutines, not register pressure (int32 tile loops made it
+    # worse). A ratchet until then: no other kernel may spill, and these no more than now.
+    known = {row.kernel: 40 for row in rows if "flow_attention_dkv_kernel" in row.kernel}
+    known["flowkit::flow_attention_dq_kernel<double>"] = 40
+    assert [(r.kernel, r.spill_stores) for r in rows if r.spill_stores > known.get(r.kernel, 0)] == []
