@@ -119,12 +119,15 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--timesteps", type=float, nargs="+", default=[0.2, 0.4, 0.6, 0.8])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-rows", type=int, nargs="+", default=[DEFAULT_MAX_ROWS],
+                        help="flowkit's field rows per call (FlowReward.max_rows_per_call); one flowkit side each")
     parser.add_argument("--csv", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     field, latents, mask = setup(args.tokens, args.dim, args.depth)
-    sides = {"official": lambda: official_scores(field, latents, mask, args.timesteps),
-             "flowkit": lambda: flowkit_scores(field, latents, mask, args.timesteps)}
+    sides = {"official": lambda: official_scores(field, latents, mask, args.timesteps)}
+    for rows in args.max_rows:
+        sides[f"flowkit {rows} rows"] = lambda rows=rows: flowkit_scores(field, latents, mask, args.timesteps, rows)
     with torch.no_grad():
         same_noise = official_scores(field, latents, mask, args.timesteps,
                                      flowkit_noise(args.tokens, len(args.timesteps), args.dim))
@@ -135,13 +138,14 @@ def main() -> None:
     size = f"N{args.tokens}d{args.dim}T{len(args.timesteps)}P{len(LAYER_POSITIONS)}depth{args.depth}"
     print(f"reward scoring, {size}, 1 thread (scores with the same noise agree to {gap:.1e})")
     for name, result in results.items():
-        print(f"  {name:8s} {result['median_ms']:9.1f} ms  peak {result['peak_mb']:8.1f} MiB")
+        print(f"  {name:20s} {result['median_ms']:9.1f} ms  peak {result['peak_mb']:8.1f} MiB")
         append_csv(args.csv, {"timestamp": timestamp(), "benchmark": "reward_memory", "implementation": name,
                               "device": "cpu", "dtype": "float32", "size": size, "threads": 1,
                               "median_ms": round(result["median_ms"], 2), "peak_mem_mb": round(result["peak_mb"], 2)})
-    official, ours = results["official"], results["flowkit"]
-    print(f"flowkit / official: memory {ours['peak_mb'] / official['peak_mb']:.2f}x, "
-          f"speed {official['median_ms'] / ours['median_ms']:.2f}x")
+    official = results.pop("official")
+    for name, ours in results.items():
+        print(f"{name} / official: memory {ours['peak_mb'] / official['peak_mb']:.2f}x, "
+              f"speed {official['median_ms'] / ours['median_ms']:.2f}x")
 
 
 if __name__ == "__main__":

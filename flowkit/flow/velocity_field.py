@@ -109,14 +109,27 @@ class VelocityField(nn.Module):
         for layer in (*(block.ada_ln[1] for block in self.blocks), self.final_ada_ln[1], self.output_proj):
             nn.init.zeros_(layer.weight)
 
-    def forward(self, x_t: Tensor, t: Tensor, layer_position: Tensor, condition: Tensor | None = None) -> Tensor:
-        """x_t: M×d, t: M, layer_position: M (h/L), condition: M×d or None → velocity M×d."""
+    def forward(self, x_t: Tensor, t: Tensor, layer_position: Tensor, condition: Tensor | None = None,
+                stacked: bool = False) -> Tensor:
+        """x_t: M×d, t: M, layer_position: M (h/L), condition: M×d or None → velocity M×d.
+
+        ``stacked``: the rows are the reward path's (layer p, timestep t, token n), p slowest, M = P·T·n; then ``t``
+        holds the T timesteps, ``layer_position`` the P layer positions and ``condition`` is P×n×d (a token's
+        condition at a layer is the same for every t), so each is embedded once instead of once per row."""
         dtype = self.input_proj.weight.dtype
-        y = self.t_embed(t) + self.layer_embed(layer_position)
-        if self.cond_proj is not None:
-            if condition is None:
-                raise ValueError("this VelocityField is conditioned; pass the condition latents")
-            y = y + self.cond_proj(condition.to(dtype))
+        if self.cond_proj is not None and condition is None:
+            raise ValueError("this VelocityField is conditioned; pass the condition latents")
+        if stacked:
+            num_layers, num_times = layer_position.numel(), t.numel()
+            y = self.t_embed(t)[None, :, None] + self.layer_embed(layer_position)[:, None, None]  # P×T×1×w
+            shape = (num_layers, num_times, x_t.shape[0] // (num_layers * num_times), self.width)
+            if self.cond_proj is not None:
+                y = y + self.cond_proj(condition.to(dtype))[:, None]
+            y = y.expand(shape).reshape(-1, self.width)
+        else:
+            y = self.t_embed(t) + self.layer_embed(layer_position)
+            if self.cond_proj is not None:
+                y = y + self.cond_proj(condition.to(dtype))
         # Every adaLN projection (the blocks' and the final one) starts with SiLU(y) of the same y: apply it once.
         silu_y = nn.functional.silu(y) if torch.is_grad_enabled() else nn.functional.silu(y, inplace=True)
         del y
