@@ -14,8 +14,8 @@ latent, the official RL scripts' ``token_post``), under ``no_grad``:
 
 Peak memory: the largest sum of live CPU-allocator bytes during one call (torch's profiler records every allocation
 and free, the field's and the kernels' included), over what was allocated before — deterministic for a given shape.
-Time: median wall time over ``--reps`` calls after a warm-up. The scores of the two sides agree when the official
-loop is handed flowkit's noise (checked each run). Appends one row per side to the CSV.
+Time: median wall time over ``--reps`` calls after a warm-up, the sides taking turns. The scores of the two
+sides agree when the official loop is handed flowkit's noise (checked each run). Appends one row per side to the CSV.
 """
 
 from __future__ import annotations
@@ -88,15 +88,18 @@ def peak_allocated_mb(fn: Callable[[], object]) -> float:
     return max(itertools.accumulate((nbytes for _, nbytes in events), initial=0)) / 2**20
 
 
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median wall time of ``reps`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def interleaved_ms(sides: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Wall times of ``reps`` calls per side after one warm-up each, the sides taking turns, so that a machine whose
+    load drifts slows every side alike."""
+    for fn in sides.values():
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(reps):
+        for name, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def setup(tokens: int, dim: int, depth: int) -> tuple[VelocityField, torch.Tensor, torch.Tensor]:
@@ -132,9 +135,9 @@ def main() -> None:
         same_noise = official_scores(field, latents, mask, args.timesteps,
                                      flowkit_noise(args.tokens, len(args.timesteps), args.dim))
         gap = float((flowkit_scores(field, latents, mask, args.timesteps) - same_noise).abs().max())
-        results = {}
-        for name, fn in sides.items():
-            results[name] = {"median_ms": median_ms(fn, args.reps), "peak_mb": peak_allocated_mb(fn)}
+        times = interleaved_ms(sides, args.reps)
+        results = {name: {"median_ms": statistics.median(times[name]), "peak_mb": peak_allocated_mb(fn)}
+                   for name, fn in sides.items()}
     size = f"N{args.tokens}d{args.dim}T{len(args.timesteps)}P{len(LAYER_POSITIONS)}depth{args.depth}"
     print(f"reward scoring, {size}, 1 thread (scores with the same noise agree to {gap:.1e})")
     for name, result in results.items():

@@ -1,5 +1,5 @@
-"""VelocityField's two fast paths compute what its row-wise autograd forward computes, bit for bit: the stacked
-(layer, timestep, token) layout of the reward path, and the in-place forward it takes without autograd."""
+"""VelocityField's two fast paths compute what its row-wise autograd forward computes: the stacked (layer, timestep,
+token) layout of the reward path bit for bit, and the in-place forward it takes without autograd up to rounding."""
 
 import pytest
 import torch
@@ -29,8 +29,8 @@ def test_stacked_layout_and_in_place_scoring_equal_the_row_wise_forward(conditio
     assert row_wise.abs().max() > 0 and row_wise.requires_grad
     assert torch.equal(field(x_t, times, layers, condition, stacked=True), row_wise)
     with torch.no_grad():
-        assert torch.equal(field(x_t, t_rows, layer_rows, condition_rows), row_wise)
-        assert torch.equal(field(x_t, times, layers, condition, stacked=True), row_wise)
+        torch.testing.assert_close(field(x_t, t_rows, layer_rows, condition_rows), row_wise, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(field(x_t, times, layers, condition, stacked=True), row_wise, rtol=1e-5, atol=1e-6)
 
 
 def test_in_place_scoring_leaves_its_inputs_untouched():
