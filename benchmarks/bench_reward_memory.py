@@ -3,12 +3,13 @@
     python benchmarks/bench_reward_memory.py                 # 4,096 tokens, d 512, |T| 4, 3 tapped layers
     python benchmarks/bench_reward_memory.py --tokens 1024 --reps 3
 
-Both sides score the same latents with the same ``VelocityField`` (depth 4, conditioned on the previous token's
-latent, the official RL scripts' ``token_post``), under ``no_grad``:
+Both sides score the same latents with the same weights (a depth-4 ``VelocityField`` conditioned on the previous
+token's latent, the official RL scripts' ``token_post``), under ``no_grad``:
 
 * ``official``: a plain-PyTorch re-statement of the official RLFR scoring loop — for each tapped layer ℓ and each
-  rewarding timestep t, draw ε ~ N(0, I), x_t = t·x1 + (1 − t)·ε, one field call v = v_φ(x_t, t, c, ℓ) over all N
-  tokens, and add t/(1 − t)·mean_d (v − (x1 − ε))² (RLFR eqs. 5, 7; each t with its own weight, as flowkit's eq. 7);
+  rewarding timestep t, draw ε ~ N(0, I), x_t = t·x1 + (1 − t)·ε, one network call v = v_φ(x_t, t, c, ℓ) over all N
+  tokens, and add t/(1 − t)·mean_d (v − (x1 − ε))² (RLFR eqs. 5, 7; each t with its own weight, as flowkit's eq. 7),
+  the network written as the official code writes it (:func:`official_velocity`);
 * ``flowkit``: :func:`flowkit.flow.velocity_deviation_scores` as ``FlowReward.score`` calls it (its default rows per
   field call; the fused kernels regenerate ε instead of storing it).
 
@@ -37,9 +38,27 @@ from common import append_csv, timestamp
 from flowkit import kernels
 from flowkit.flow import VelocityField, velocity_deviation_scores
 from flowkit.flow.matching import DEFAULT_MAX_ROWS
+from flowkit.flow.velocity_field import modulate, sinusoidal_embedding
 
 SEED = 1234
 LAYER_POSITIONS = (0.25, 0.5, 0.75)
+
+
+def official_velocity(field: VelocityField, x_t: torch.Tensor, t: torch.Tensor, layer: torch.Tensor,
+                      condition: torch.Tensor) -> torch.Tensor:
+    """The official network's forward with ``field``'s weights, as the official (DiT-style adaLN MLP) code writes it:
+    each row's t and ℓ embedded (sinusoidal features → MLP), and every block applying its own SiLU to y, modulating
+    x·(1 + scale) + shift and adding gate·MLP out of place. flowkit's forward computes the same function."""
+    def embed(embedder, values):
+        return embedder.mlp(sinusoidal_embedding(values, embedder.frequencies))
+
+    y = embed(field.t_embed, t) + embed(field.layer_embed, layer) + field.cond_proj(condition)
+    x = field.input_proj(x_t)
+    for block in field.blocks:
+        shift, scale, gate = block.ada_ln(y).chunk(3, dim=-1)
+        x = x + gate * block.mlp(modulate(block.norm(x), shift, scale))
+    shift, scale = field.final_ada_ln(y).chunk(2, dim=-1)
+    return field.output_proj(modulate(field.final_norm(x), shift, scale))
 
 
 def official_scores(field: VelocityField, latents: torch.Tensor, response_mask: torch.Tensor,
@@ -58,7 +77,7 @@ def official_scores(field: VelocityField, latents: torch.Tensor, response_mask: 
         for index, t in enumerate(timesteps):
             eps = torch.randn_like(x1) if noise is None else noise(layer, index, x1)
             x_t = t * x1 + (1 - t) * eps
-            v = field(x_t, torch.full((len(rows),), t), layer_rows, cond)
+            v = official_velocity(field, x_t, torch.full((len(rows),), t), layer_rows, cond)
             total += t / (1 - t) * ((v - (x1 - eps)) ** 2).mean(-1)
     scores = torch.zeros(scored.shape)
     scores[rows, cols] = total / (len(LAYER_POSITIONS) * len(timesteps))
