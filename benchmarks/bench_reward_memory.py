@@ -6,10 +6,11 @@
 Both sides score the same latents with the same weights (a depth-4 ``VelocityField`` conditioned on the previous
 token's latent, the official RL scripts' ``token_post``), under ``no_grad``:
 
-* ``official``: a plain-PyTorch re-statement of the official RLFR scoring loop — for each tapped layer ℓ and each
-  rewarding timestep t, draw ε ~ N(0, I), x_t = t·x1 + (1 − t)·ε, one network call v = v_φ(x_t, t, c, ℓ) over all N
-  tokens, and add t/(1 − t)·mean_d (v − (x1 − ε))² (RLFR eqs. 5, 7; each t with its own weight, as flowkit's eq. 7),
-  the network written as the official code writes it (:func:`official_velocity`);
+* ``official``: a plain-PyTorch re-statement of the official RLFR scoring loop (its ``FlowReward.forward``, called
+  once per tapped layer) — for each layer ℓ draw ε ~ N(0, I) once, then for each rewarding timestep t:
+  x_t = t·x1 + (1 − t)·ε and u_t = x1 − ε, one network call v = v_φ(x_t, t, c, ℓ) over all N tokens, and add
+  t/(1 − t)·mean_d (v − u_t)² (RLFR eqs. 5, 7; each t with its own weight, as flowkit's eq. 7 — the official code
+  weights all with the last t's), the network written as the official code writes it (:func:`official_velocity`);
 * ``flowkit``: :func:`flowkit.flow.velocity_deviation_scores` as ``FlowReward.score`` calls it (its default rows per
   field call; the fused kernels regenerate ε instead of storing it).
 
@@ -65,7 +66,8 @@ def official_scores(field: VelocityField, latents: torch.Tensor, response_mask: 
                     timesteps: list[float], noise: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None):
     """The official per-layer scoring loop (see the module docstring): B×S scores, zero where not scored.
 
-    ``noise(layer, timestep_index, x1)`` gives ε (default ``torch.randn_like``), so a check can hand it flowkit's."""
+    ``noise(layer, timestep_index, x1)`` gives ε, so a check can hand it flowkit's (one draw per layer and timestep);
+    by default one ``torch.randn_like`` per layer, shared by its timesteps, as the official code draws it."""
     response = response_mask.bool()
     scored = response.clone()
     scored[:, 0] = False  # the condition is the previous token's latent
@@ -74,11 +76,12 @@ def official_scores(field: VelocityField, latents: torch.Tensor, response_mask: 
     for layer, position in enumerate(LAYER_POSITIONS):
         x1, cond = latents[layer, rows, cols], latents[layer, rows, cols - 1]
         layer_rows = torch.full((len(rows),), position)
+        layer_noise = torch.randn_like(x1) if noise is None else None
         for index, t in enumerate(timesteps):
-            eps = torch.randn_like(x1) if noise is None else noise(layer, index, x1)
-            x_t = t * x1 + (1 - t) * eps
+            eps = layer_noise if noise is None else noise(layer, index, x1)
+            x_t, u_t = t * x1 + (1 - t) * eps, x1 - eps
             v = official_velocity(field, x_t, torch.full((len(rows),), t), layer_rows, cond)
-            total += t / (1 - t) * ((v - (x1 - eps)) ** 2).mean(-1)
+            total += t / (1 - t) * ((v - u_t) ** 2).mean(-1)
     scores = torch.zeros(scored.shape)
     scores[rows, cols] = total / (len(LAYER_POSITIONS) * len(timesteps))
     return scores
