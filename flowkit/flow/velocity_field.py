@@ -43,13 +43,18 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale) + shift
 
 
-def _modulated_norm_no_grad(norm: nn.RMSNorm, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """``modulate(norm(x), shift, scale)`` without autograd in three passes over M×w, into ``shift`` (consumed, as is
-    ``scale``): RMSNorm's mean square from ``vector_norm`` (no x² buffer), then ``shift + (x·r)·(γ·(1 + scale))``.
-    Equal to the module path up to float rounding (≈ 1e-7 relative)."""
+def _modulated_norm_no_grad(norm: nn.RMSNorm, x: Tensor, silu_y: Tensor, projection: nn.Linear,
+                            width: int) -> Tensor:
+    """``modulate(norm(x), shift, scale)`` without autograd, (shift, scale) = the first two width-w slices of
+    ``projection(silu_y)``, each made when needed and consumed in place (at most two M×w buffers besides x): RMSNorm's
+    mean square from ``vector_norm`` (no x² buffer), then (x·r)·(γ·(1 + scale)) + shift. Equal to the module path up
+    to float rounding (≈ 1e-7 relative)."""
+    weight, bias = projection.weight, projection.bias
     inverse_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(norm.eps).rsqrt_()
-    factor = scale.add_(1).mul_(norm.weight)
-    return torch.addcmul(shift, x * inverse_rms, factor, out=shift)
+    factor = nn.functional.linear(silu_y, weight[width:2 * width], bias[width:2 * width]).add_(1).mul_(norm.weight)
+    hidden = (x * inverse_rms).mul_(factor)
+    del factor
+    return hidden.add_(nn.functional.linear(silu_y, weight[:width], bias[:width]))
 
 
 class AdaLNBlock(nn.Module):
@@ -70,18 +75,16 @@ class AdaLNBlock(nn.Module):
 
     def _forward_in_place(self, x: Tensor, silu_y: Tensor) -> Tensor:
         """The same arithmetic without autograd (scoring), in place on ``x`` and on fresh buffers: at most five
-        width-w vectors per row live at once instead of about ten, ``ada_ln``'s three outputs each made when needed,
-        and fewer passes over memory (:func:`_modulated_norm_no_grad`, the residual as one ``addcmul``)."""
+        width-w vectors per row live at once (x, SiLU(y) and three) instead of about ten, ``ada_ln``'s three outputs
+        each made when needed, and fewer passes over memory (:func:`_modulated_norm_no_grad`, the residual as one
+        ``addcmul``)."""
         width = x.shape[-1]
-        weight, bias = self.ada_ln[1].weight, self.ada_ln[1].bias
-        shift = nn.functional.linear(silu_y, weight[:width], bias[:width])
-        scale = nn.functional.linear(silu_y, weight[width:2 * width], bias[width:2 * width])
-        hidden = _modulated_norm_no_grad(self.norm, x, shift, scale)
-        del shift, scale
         up, _, down = self.mlp
-        hidden = down(nn.functional.silu(up(hidden), inplace=True))
-        gate = nn.functional.linear(silu_y, weight[2 * width:], bias[2 * width:])
-        return x.addcmul_(hidden, gate)
+        activation = up(_modulated_norm_no_grad(self.norm, x, silu_y, self.ada_ln[1], width))
+        hidden = down(nn.functional.silu(activation, inplace=True))
+        del activation
+        weight, bias = self.ada_ln[1].weight, self.ada_ln[1].bias
+        return x.addcmul_(hidden, nn.functional.linear(silu_y, weight[2 * width:], bias[2 * width:]))  # + gate · MLP
 
 
 class VelocityField(nn.Module):
@@ -146,7 +149,7 @@ class VelocityField(nn.Module):
         x = self.input_proj(x_t.to(dtype))
         for block in self.blocks:
             x = block(x, silu_y)
-        shift, scale = self.final_ada_ln[1](silu_y).chunk(2, dim=-1)
         if not torch.is_grad_enabled():
-            return self.output_proj(_modulated_norm_no_grad(self.final_norm, x, shift.contiguous(), scale.contiguous()))
+            return self.output_proj(_modulated_norm_no_grad(self.final_norm, x, silu_y, self.final_ada_ln[1], self.width))
+        shift, scale = self.final_ada_ln[1](silu_y).chunk(2, dim=-1)
         return self.output_proj(modulate(self.final_norm(x), shift, scale))
