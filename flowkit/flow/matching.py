@@ -83,20 +83,13 @@ def stacked_deviation(
     The field runs over the stacked P·T·n rows of chunks of n tokens, ``P·T·n ≤ max_rows`` (None: all at once).
     ``token_offset``: global index of token 0 (its noise), so a micro-batch of rows scores as in the whole batch.
     """
-    num_layers, num_tokens, _ = x1.shape
-    num_times = timesteps.numel()
+    num_tokens = x1.shape[1]
     x1 = x1.float()
     layers = torch.tensor(layer_positions, device=x1.device, dtype=torch.float32)
 
     def velocity(x_t: Tensor, tokens: slice) -> Tensor:
-        count = tokens.stop - tokens.start
-        t_rows = timesteps.float().repeat_interleave(count).repeat(num_layers)
-        layer_rows = layers.repeat_interleave(num_times * count)
-        cond_rows = None
-        if cond is not None:
-            chunk = cond[:, tokens]
-            cond_rows = chunk.unsqueeze(1).expand(num_layers, num_times, count, chunk.shape[-1]).reshape(-1, chunk.shape[-1])
-        return field(x_t, t_rows, layer_rows, cond_rows).float()
+        condition = None if cond is None else cond[:, tokens]
+        return field(x_t, timesteps.float(), layers, condition, stacked=True).float()
 
     mask = torch.ones(num_tokens, device=x1.device, dtype=torch.float32)
     return kernels.velocity_deviation_in_chunks(velocity, x1, timesteps, weights, seed, mask, max_rows, token_offset)
@@ -128,18 +121,29 @@ def velocity_deviation_scores(
     """
     scored = scored_token_mask(response_mask, condition)
     scores = torch.zeros(scored.shape, device=latents.device, dtype=torch.float32)
-    x1, cond = _gather_tokens(latents, scored, condition)
+    rows, cols = scored.nonzero(as_tuple=True)
     t = torch.tensor(list(timesteps), device=latents.device, dtype=torch.float32)
     weights = kernels.debias_weights(t) if debias else torch.ones_like(t)
-    calls = num_draws * len(kernels.token_chunks(x1.shape[1], x1.shape[0] * len(t), max_rows))
+    chunks = kernels.token_chunks(len(rows), latents.shape[0] * len(t), max_rows)
+    calls = num_draws * len(chunks)
     padding = agreed_call_count(calls, field) - calls  # agreed before the first call
     if calls:
-        total = sum(stacked_deviation(field, x1, cond, layer_positions, t, weights, seed + draw, max_rows, token_offset)
-                    for draw in range(num_draws))
-        scores[scored] = total / num_draws
+        # Each chunk gathers its own tokens' latents (not all P×N×d up front) for its one field call per draw.
+        total = torch.cat([_chunk_deviation(field, latents, (rows[chunk], cols[chunk]), condition, layer_positions, t,
+                                            weights, seed, num_draws, token_offset + chunk.start) for chunk in chunks])
+        scores[rows, cols] = total / num_draws
     for _ in range(padding):
         padding_velocity(field)
     return scores
+
+
+def _chunk_deviation(field: VelocityField, latents: Tensor, tokens: tuple[Tensor, Tensor], condition: Condition,
+                     layer_positions: Sequence[float], timesteps: Tensor, weights: Tensor, seed: int, num_draws: int,
+                     token_offset: int) -> Tensor:
+    """Σ over ``num_draws`` noise draws of the deviation of one chunk of scored tokens (one field call per draw)."""
+    x1, cond = _gather_tokens(latents, tokens, condition)
+    return sum(stacked_deviation(field, x1, cond, layer_positions, timesteps, weights, seed + draw,
+                                 token_offset=token_offset) for draw in range(num_draws))
 
 
 def padding_velocity(field: VelocityField) -> Tensor:
