@@ -373,11 +373,12 @@ class PolicyModule(L.LightningModule):
         raise_if_nonfinite(nonfinite_groups(optimizer, groups, "gradients"))
         if self.hparams.max_grad_norm is not None:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        step = self.global_step  # the step counts the optimizer step
         step_groups(optimizer, groups)
         optimizer.zero_grad()
         bad = nonfinite_groups(optimizer, groups, "weights")
         if all_reduce_int(int(bool(bad)), ReduceOp.MAX):
-            self._stop_nonfinite(f"the optimizer step of RL step {self.global_step} made the "
+            self._stop_nonfinite(f"the optimizer step of RL step {step} made the "
                                  f"{', '.join(bad) or 'weights on another rank'} non-finite (a learning rate too high?)")
 
     def on_train_start(self) -> None:
