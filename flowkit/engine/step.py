@@ -271,12 +271,12 @@ class LossCheck:
 GROUP_NAMES = {"policy": "policy", "value": "value head", "reward": "flow"}  # optimizer group → what the user calls it
 
 
-def nonfinite_groups(optimizer: torch.optim.Optimizer, groups: Collection[str], what: str) -> list[str]:
-    """``"<group> <what>"`` for each parameter group named in ``groups`` whose gradients (``what="gradients"``) or
-    weights (``"weights"``) hold a non-finite value; a ZeRO-3 parameter is checked through this rank's shard. A
-    parameter without a gradient (DeepSpeed keeps them in its own partitions) is not checked."""
+def nonfinite_groups(param_groups: list[dict[str, Any]], groups: Collection[str], what: str) -> list[str]:
+    """``"<group> <what>"`` for each of an optimizer's ``param_groups`` named in ``groups`` whose gradients
+    (``what="gradients"``) or weights (``"weights"``) hold a non-finite value; a ZeRO-3 parameter is checked through
+    this rank's shard. A parameter without a gradient (DeepSpeed keeps them in its own partitions) is not checked."""
     bad = []
-    for group in optimizer.param_groups:
+    for group in param_groups:
         if group.get("name") not in groups:
             continue
         if what == "gradients":

@@ -370,13 +370,13 @@ class PolicyModule(L.LightningModule):
         not finite after the step stop the run (:meth:`_stop_nonfinite`) before anything is saved from them."""
         optimizer = self.optimizers()
         average_gradients(self)
-        raise_if_nonfinite(nonfinite_groups(optimizer, groups, "gradients"))
+        raise_if_nonfinite(nonfinite_groups(optimizer.param_groups, groups, "gradients"))
         if self.hparams.max_grad_norm is not None:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
         step = self.global_step  # the step counts the optimizer step
         step_groups(optimizer, groups)
         optimizer.zero_grad()
-        bad = nonfinite_groups(optimizer, groups, "weights")
+        bad = nonfinite_groups(optimizer.param_groups, groups, "weights")
         if all_reduce_int(int(bool(bad)), ReduceOp.MAX):
             self._stop_nonfinite(f"the optimizer step of RL step {step} made the "
                                  f"{', '.join(bad) or 'weights on another rank'} non-finite (a learning rate too high?)")
@@ -388,7 +388,9 @@ class PolicyModule(L.LightningModule):
 
     def _check_finite_weights(self, when: str) -> None:
         """Stop (:meth:`_stop_nonfinite`) when any rank's weights hold a non-finite value (a collective)."""
-        bad = nonfinite_groups(self.optimizers(), GROUP_NAMES, "weights")
+        optimizers = self.trainer.optimizers  # none when a checkpoint is saved outside fit
+        param_groups = optimizers[0].param_groups if optimizers else self.configure_optimizers().param_groups
+        bad = nonfinite_groups(param_groups, GROUP_NAMES, "weights")
         if all_reduce_int(int(bool(bad)), ReduceOp.MAX):
             self._stop_nonfinite(f"the {', '.join(bad) or 'weights on another rank'} are non-finite {when}")
 
