@@ -96,6 +96,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         created: list[Path] = []  # only what this save created is removed after it, never a file planted there
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            for leftover in (temporary, previous_staged):
+                _remove_own_leftover(leftover)
             with open_new_file(temporary) as f:
                 created.append(temporary)
                 torch.save(checkpoint, f)
@@ -178,6 +180,14 @@ def open_new_file(path: Path) -> BinaryIO:
     except FileExistsError:
         raise _planted(path, "flowkit creates its own new file") from None
     return os.fdopen(fd, "wb")
+
+
+def _remove_own_leftover(path: Path) -> None:
+    """Remove a file at one of this process's temporary names: what a killed writer with this process id left (in a
+    container a restarted job often gets the same id). Removing a name never touches the file behind it; a symlink
+    there is left for :func:`open_new_file` to refuse."""
+    if not path.is_symlink():
+        path.unlink(missing_ok=True)
 
 
 def _planted(path: Path, where: str) -> PlantedFileError:

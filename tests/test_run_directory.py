@@ -140,3 +140,12 @@ def test_an_eval_set_named_with_a_dot_validates_and_exports(tmp_path):
     logged = {key for values in rlfr_run.metrics(version).values() for key in values}
     assert "val/gsm8k.test/pass@1" in logged, (sorted(logged), result.stderr[-2000:])
     assert (version / "export" / "hf_policy").is_dir()
+
+
+def test_a_temporary_left_by_a_killed_writer_with_this_process_id_does_not_block_the_save(tmp_path):
+    """In a container a restarted job often gets the killed one's process id, hence its temporary file names."""
+    last = tmp_path / "last.ckpt"
+    _temporary_path(last).write_bytes(b"half a checkpoint")
+    AtomicCheckpointIO().save_checkpoint({"global_step": 4}, last)
+    assert torch.load(last, weights_only=True)["global_step"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
