@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import importlib.util
@@ -35,12 +36,13 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import lightning as L
 import numpy as np
@@ -92,17 +94,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         temporary = _temporary_path(path)
         previous_staged = _temporary_path(previous_checkpoint_path(path))
+        created: list[Path] = []  # only what this save created is removed after it, never a file planted there
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with temporary.open("wb") as f:
+            for leftover in (temporary, previous_staged):
+                _remove_own_leftover(leftover)
+            with open_new_file(temporary) as f:
+                created.append(temporary)
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
-            if self.keep_previous and _is_whole(path):
+            if self.keep_previous and path.is_file() and not path.is_symlink() and _is_whole(path):
                 _link_or_copy(path, previous_staged)
+                created.append(previous_staged)
                 os.replace(previous_staged, previous_checkpoint_path(path))
-            os.replace(temporary, path)
+            os.replace(temporary, path)  # replaces a link at `path` itself, never the file it points to
             _fsync_directory(path.parent)
+        except PlantedFileError:
+            raise
         except Exception as err:
             cause = _os_error(err)
             if cause is None:
@@ -110,8 +119,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             kept = f"{path.name} there is unchanged" if path.exists() else "nothing was saved"
             raise RunError(f"cannot write checkpoint {path}: {cause.strerror or cause}; {kept}") from None
         finally:
-            temporary.unlink(missing_ok=True)
-            previous_staged.unlink(missing_ok=True)
+            for name in created:
+                name.unlink(missing_ok=True)
         _remove_orphaned_temporaries(path)
         _remove_orphaned_temporaries(previous_checkpoint_path(path))
 
@@ -160,12 +169,43 @@ def _is_whole(path: Path) -> bool:
         return False
 
 
-def _link_or_copy(source: Path, destination: Path) -> None:
-    destination.unlink(missing_ok=True)
+class PlantedFileError(RunError):
+    """A file or link already stands where flowkit creates a run-directory file of its own."""
+
+
+def open_new_file(path: Path) -> BinaryIO:
+    """``path`` created for writing, exclusively and without following links (``O_CREAT | O_EXCL | O_NOFOLLOW``):
+    a file or symlink someone planted there is never written through; it is a :class:`PlantedFileError` instead."""
     try:
-        os.link(source, destination)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        raise _planted(path, "flowkit creates its own new file") from None
+    return os.fdopen(fd, "wb")
+
+
+def _remove_own_leftover(path: Path) -> None:
+    """Remove a file at one of this process's temporary names: what a killed writer with this process id left (in a
+    container a restarted job often gets the same id). Removing a name never touches the file behind it; a symlink
+    there is left for :func:`open_new_file` to refuse."""
+    if not path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+def _planted(path: Path, where: str) -> PlantedFileError:
+    kind = "a symlink" if path.is_symlink() else "a file"
+    return PlantedFileError(f"refusing to write {path}: {kind} is there, where {where} (planted by someone who can "
+                            "write in the run directory?); nothing was written through it: remove it and run again")
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    """A hard link (or, where there are none, a copy) of ``source`` at the new file ``destination``."""
+    try:
+        os.link(source, destination, follow_symlinks=False)
+    except FileExistsError:
+        raise _planted(destination, "flowkit creates its own new file") from None
     except OSError:  # a filesystem without hard links
-        shutil.copyfile(source, destination)
+        with source.open("rb") as src, open_new_file(destination) as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def _os_error(err: BaseException) -> OSError | None:
@@ -523,9 +563,22 @@ def lock_run_directory(run_dir: str | Path) -> RunDirectoryLock | None:
     if any(os.environ.get(name, "0").strip() != "0" for name in _RANK_VARIABLES):
         return None
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Never through a link (O_NOFOLLOW), and only a regular file of its own: a lock file is reused across runs
+        # (so not O_EXCL), but one that is a symlink, a hard link to another file or no file at all is refused
+        # before anything is written into it.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _planted(path, "the run's lock file belongs") from None
+        raise RunError(f"cannot use {run_dir} as the run directory: {_directory_problem(run_dir, err)}; give the run "
+                       "another --trainer.default_root_dir") from None
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+        os.close(fd)
+        raise _planted(path, "the run's lock file belongs") from None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -536,6 +589,19 @@ def lock_run_directory(run_dir: str | Path) -> RunDirectoryLock | None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return RunDirectoryLock(fd)
+
+
+def _directory_problem(run_dir: Path, err: OSError) -> str:
+    """Why ``run_dir`` cannot hold a run, in a few words (the OS error's, and which part of the path is at fault)."""
+    if err.errno == errno.ENAMETOOLONG:
+        longest = max(run_dir.parts, key=len)
+        return f"a name in the path is longer than the filesystem allows ({len(longest)} characters: {longest[:40]}...)"
+    if err.errno in (errno.EEXIST, errno.ENOTDIR):
+        blocking = next((p for p in [*reversed(run_dir.parents), run_dir] if p.exists() and not p.is_dir()), run_dir)
+        return f"{blocking} is a file, not a directory"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"it is not writable ({err.strerror})"
+    return err.strerror or str(err)
 
 
 def fault_tolerance_defaults() -> dict[str, Any]:

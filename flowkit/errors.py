@@ -7,6 +7,7 @@ for what the user must fix outside the configuration (a full disk, a run directo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sized
 
 
@@ -23,11 +24,14 @@ def check_range(owner: str, name: str, value: float | None, low: float | None = 
                 *, open_low: bool = False, open_high: bool = False) -> None:
     """Raise :class:`ConfigError` unless ``low ≤ value ≤ high`` (``<`` on an ``open_`` side; ``None``: unbounded).
 
-    ``value is None`` passes: it is the "off" value of the options that accept it. NaN never passes.
+    ``value is None`` passes: it is the "off" value of the options that accept it. NaN and ±inf never pass, also
+    on an unbounded side (``lr: .inf`` would turn every weight non-finite at the first step; ``None`` is "off").
     ``check_range("PolicyModule", "num_samples", 0, 1)`` → ``PolicyModule.num_samples must be >= 1, got 0``.
     """
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{owner}.{name} must be a finite number, got {value!r}")
     above = low is None or (value > low if open_low else value >= low)
     below = high is None or (value < high if open_high else value <= high)
     if above and below:
@@ -45,3 +49,8 @@ def check_nonempty(owner: str, name: str, values: Sized) -> None:
     """Raise :class:`ConfigError` if the list option ``values`` is empty."""
     if len(values) == 0:
         raise ConfigError(f"{owner}.{name} must not be empty")
+
+
+class NonFiniteTraining(RunError, FloatingPointError):
+    """Training cannot go on from non-finite state (NaN or inf weights, or every step skipped); nothing was saved
+    from it. The message names the last good checkpoint, which ``--ckpt_path last`` resumes."""

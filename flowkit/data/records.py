@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -53,8 +54,8 @@ def load_records(
     ``path`` is a ``.jsonl`` file (one JSON object per line; blank lines are ignored), a ``.parquet``
     file, a directory written by ``datasets.Dataset.save_to_disk`` (needs ``datasets``), or a
     ``datasets.load_dataset`` spec ``hf:NAME?split=...`` (see :func:`load_dataset_kwargs`). The ``text``
-    fields, where present, must be strings; a number there is converted with ``str`` (``"answer": 46``) and a
-    null counts as absent (``required`` fields must not be null).
+    fields, where present, must be strings; a finite number there is converted with ``str`` (``"answer": 46``) and a
+    null or NaN counts as absent (``required`` fields must not be null or NaN).
     Every string in a record must be encodable as UTF-8. ``convert(record)``, if given, runs after these
     checks and its result is what is kept; a ``ValueError`` it raises is that record's problem (reported with its
     file and line, or skipped). A JSONL line longer than ``max_line_bytes`` is a bad record, read in pieces and
@@ -111,8 +112,14 @@ def _check_required(row: dict[str, Any], required: Sequence[str], where: str) ->
         if field not in row:
             raise RecordError(f"{where}: missing required field {field!r} (present: {', '.join(map(repr, row))})")
         value = row[field]
-        if value is None or (isinstance(value, str) and not value.strip()):
-            raise RecordError(f"{where}: required field {field!r} is empty")
+        if _missing(value) or (isinstance(value, str) and not value.strip()):
+            raise RecordError(f"{where}: required field {field!r} is empty"
+                              + (f" ({value!r}, a missing value)" if isinstance(value, float) else ""))
+
+
+def _missing(value: Any) -> bool:
+    """null, or NaN: JSON's ``NaN`` and pandas' marker of a missing value, which ``str`` would make the text "nan"."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _check_text(row: dict[str, Any], text: Sequence[str], where: str) -> None:
@@ -120,8 +127,10 @@ def _check_text(row: dict[str, Any], text: Sequence[str], where: str) -> None:
     parquet writes it); refuse other non-strings and unencodable strings."""
     for field in text:
         value = row.get(field)
-        if value is None:
+        if _missing(value):
             row.pop(field, None)
+        elif isinstance(value, float) and math.isinf(value):
+            raise RecordError(f"{where}: field {field!r} is {value!r}, not a finite number")
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             row[field] = str(value)
         elif field in row and not isinstance(value, str):

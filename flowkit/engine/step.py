@@ -11,6 +11,10 @@ token budget the step's rows are put longest first and packed into runs of conse
 Multi-rank rule (docs/design.md): every forward/backward is a collective under DDP and ZeRO, so the number of
 micro-batches and of loss pieces agrees over ranks before the first one runs; a rank with fewer runs zero-loss
 padding micro-batches, and ranks decide to skip a step together.
+
+Finite state: a non-finite quantity (logits, rewards, advantages, the policy or the flow loss, the gradients of a
+parameter group) skips the step before the optimizer moves anything (:class:`NonFiniteStep`, agreed over ranks);
+:func:`nonfinite_groups` also lets the caller check the gradients before clipping and the weights after the step.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class RLStep:
         batch.columns = {key: [value for value in values for _ in range(self.num_samples)]  # rows are prompt-major
                          for key, values in (columns or {}).items()}
         timings["time/generate_s"] += time.perf_counter() - start
-        _raise_if_nonfinite(["generation logits"] if self.rollout.saw_nonfinite_logits else [])
+        raise_if_nonfinite(["generation logits"] if self.rollout.saw_nonfinite_logits else [])
         return self.grade(batch)
 
     def _dynamic_sampling(self, batch: RolloutBatch, step: int, timings: dict[str, float],
@@ -220,7 +224,7 @@ class RLStep:
         for rows in self._micro_batches(batch):  # runs of consecutive rows, in order
             micro = batch.select(rows).trimmed()
             self._fill(micro, rows, self.actor.forward(micro, tap=True), outcome, batch)
-            _raise_if_nonfinite(_nonfinite(micro))
+            raise_if_nonfinite(_nonfinite(micro))
             for name in names:
                 if getattr(micro, name) is not None:
                     parts[name].append(pad_columns(getattr(micro, name), length))
@@ -247,21 +251,26 @@ class RLStep:
             loss_mask = mini.response_mask if mini_in_loss is None else mini.response_mask * mini_in_loss[:, None]
             denominator = aggregation_denominator(loss_mask, options.aggregation, options.max_new_tokens)
             tokens = loss_mask.sum().clamp(min=1)
+            losses = LossCheck()
             for rows in self._micro_batches(mini, self._rows_with_gradient(mini, outcome, fused)):
                 if rows is None:
                     if fused:
-                        _raise_if_nonfinite([])  # the other ranks check their micro-batch here
-                    self.backward(self.actor.padding_loss(mini.trimmed()))
+                        raise_if_nonfinite([])  # the other ranks check their micro-batch here
+                    loss = self.actor.padding_loss(mini.trimmed())
+                    losses.note("policy loss", loss)  # 0 × the outputs: NaN when the weights are
+                    self.backward(loss)
                     continue
                 micro = mini.select(rows).trimmed()
                 out = self.actor.forward(micro, tap=fused)
                 if fused:
                     self._fill(micro, rows, out, outcome, batch)
-                    _raise_if_nonfinite(_nonfinite(micro))
+                    raise_if_nonfinite(_nonfinite(micro))
                 if mini_in_loss is not None:
                     micro = dataclasses.replace(micro, response_mask=micro.response_mask * mini_in_loss[rows, None])
-                self.backward(self.actor.loss(micro, out, denominator, tokens, stats))
-            self._finish_minibatch(batch, stats, timings, with_reward=index == 0)
+                loss = self.actor.loss(micro, out, denominator, tokens, stats)
+                losses.note("policy loss", loss)
+                self.backward(loss)
+            self._finish_minibatch(batch, stats, timings, losses, with_reward=index == 0)
         return stats.means()
 
     def _reward_model_only(self, batch: RolloutBatch, timings: dict[str, float]) -> dict[str, Tensor]:
@@ -269,7 +278,7 @@ class RLStep:
         scoring pass ran, the reward model's online loss is backpropagated and only its group moves (every rank
         alike: the step index decides)."""
         stats = StepStats()
-        self._finish_minibatch(batch, stats, timings, with_reward=True, policy_groups=())
+        self._finish_minibatch(batch, stats, timings, LossCheck(), with_reward=True, policy_groups=())
         return stats.means()
 
     def _rows_with_gradient(self, mini: RolloutBatch, outcome: Tensor, fused: bool) -> Tensor | None:
@@ -304,18 +313,25 @@ class RLStep:
         return [index[run] for run in runs] + [None] * (count - len(runs))
 
     def _finish_minibatch(self, batch: RolloutBatch, stats: StepStats, timings: dict[str, float],
-                          with_reward: bool, policy_groups: Collection[str] = ("policy", "value")) -> None:
-        """The reward model's online loss (first minibatch only, piece by piece), then the optimizer step."""
+                          losses: LossCheck, with_reward: bool,
+                          policy_groups: Collection[str] = ("policy", "value")) -> None:
+        """The reward model's online loss (first minibatch only, piece by piece), then the optimizer step of
+        ``policy_groups`` (and the reward model's) — unless a policy or flow loss was not finite: then the step is
+        skipped (on every rank) before ``step_optimizer``'s shared gradient clipping would spread one group's NaN
+        gradients into the other's."""
         groups = set(policy_groups)
         if with_reward and self.reward_model is not None:
             start = time.perf_counter()
             pieces = self.reward_model.end_step(batch)
             for piece in pieces:
-                self.backward(piece())
+                loss = piece()
+                losses.note("flow loss", loss)
+                self.backward(loss)
             if pieces:
                 groups.add("reward")
             timings["time/reward_model_s"] = time.perf_counter() - start
         stats.close_minibatch()
+        raise_if_nonfinite(losses.nonfinite())
         self.step_optimizer(groups)  # the reward model only moves on the minibatch that carried its loss
 
 
@@ -343,7 +359,43 @@ def _nonfinite(micro: RolloutBatch) -> list[str]:
     return [name for name, values in checks.items() if values is not None and not bool(torch.isfinite(values[response]).all())]
 
 
-def _raise_if_nonfinite(bad: list[str]) -> None:
+class LossCheck:
+    """Which of a minibatch's losses (by name: policy, flow) were not finite. The flags stay on the losses' device
+    until :meth:`nonfinite` reads them once, before the optimizer step (no device sync per micro-batch)."""
+
+    def __init__(self):
+        self._finite: dict[str, Tensor] = {}
+
+    def note(self, name: str, loss: Tensor) -> None:
+        finite = torch.isfinite(loss.detach()).all()
+        self._finite[name] = finite if name not in self._finite else self._finite[name] & finite
+
+    def nonfinite(self) -> list[str]:
+        return [name for name, finite in self._finite.items() if not bool(finite)]
+
+
+GROUP_NAMES = {"policy": "policy", "value": "value head", "reward": "flow"}  # optimizer group → what the user calls it
+
+
+def nonfinite_groups(param_groups: list[dict[str, Any]], groups: Collection[str], what: str) -> list[str]:
+    """``"<group> <what>"`` for each of an optimizer's ``param_groups`` named in ``groups`` whose gradients
+    (``what="gradients"``) or weights (``"weights"``) hold a non-finite value; a ZeRO-3 parameter is checked through
+    this rank's shard. A parameter without a gradient (DeepSpeed keeps them in its own partitions) is not checked."""
+    bad = []
+    for group in param_groups:
+        if group.get("name") not in groups:
+            continue
+        if what == "gradients":
+            tensors = [p.grad for p in group["params"] if p.grad is not None]
+        else:
+            tensors = [getattr(p, "ds_tensor", p) for p in group["params"]]
+        checks = [torch.isfinite(t).all() for t in tensors if t.numel()]
+        if checks and not bool(torch.stack(checks).all()):
+            bad.append(f"{GROUP_NAMES.get(group['name'], group['name'])} {what}")
+    return bad
+
+
+def raise_if_nonfinite(bad: list[str]) -> None:
     """Ranks skip a step together: one that skipped alone would leave the others waiting in a collective (ZeRO's
     gradient reduction, the next forward's parameter gathering). Every rank checks at the same points of the step."""
     if all_reduce_int(int(bool(bad)), ReduceOp.MAX):

@@ -114,7 +114,8 @@ class RolloutDataModule(L.LightningDataModule):
         train_path: JSONL / parquet / ``datasets`` dir of training prompts, ``bundled:arithmetic/train.jsonl``, or a
             ``datasets.load_dataset`` spec ``hf:NAME?split=train`` (hub id or local data dir; also for the eval paths).
         val_path: held-out split for ``validate`` (pass@1 / pass@k).
-        eval_paths: extra named eval sets, e.g. ``{math500: bundled:math_eval/math500.jsonl}`` (MATH500, AMC23,
+        eval_paths: extra named eval sets, e.g. ``{math500: bundled:math_eval/math500.jsonl}`` (any name but
+            ``heldout``, dots included: ``gsm8k.test``; MATH500, AMC23,
             AIME24 and AIME25 ship with flowkit); rows use ``problem`` or ``prompt`` and ``answer``.
         prompt_key, answer_key, solution_key: field names in the training data.
         prompt_format: how a prompt record becomes the policy's input (:mod:`flowkit.llm.chat`): ``chat`` renders
@@ -162,6 +163,9 @@ class RolloutDataModule(L.LightningDataModule):
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"RolloutDataModule.on_error must be 'raise' or 'skip', got {on_error!r}")
         self.train_path, self.val_path, self.eval_paths = train_path, val_path, dict(eval_paths or {})
+        if val_path and "heldout" in self.eval_paths:  # the val_path's name: one would silently replace the other
+            raise ConfigError("RolloutDataModule.eval_paths cannot name a set 'heldout', the name of val_path's set: "
+                              "rename it, or pass it as val_path")
         self.prompt_key, self.answer_key, self.solution_key = prompt_key, answer_key, solution_key
         if prompt_format not in PROMPT_FORMATS:
             raise ConfigError(f"RolloutDataModule.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "

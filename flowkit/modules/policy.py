@@ -10,16 +10,19 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from torch.distributed import ReduceOp
 from torchmetrics import MeanMetric
 
 from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.checkpointing import resume_checkpoint
+from flowkit.distributed import all_reduce_int
 from flowkit.engine import (
     Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
     UpdateOptions,
 )
+from flowkit.engine.step import GROUP_NAMES, nonfinite_groups, raise_if_nonfinite
 from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
-from flowkit.errors import ConfigError, check_range
+from flowkit.errors import ConfigError, NonFiniteTraining, check_range
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSetup, RolloutEngine
 from flowkit.llm.latent_tap import LatentTap
@@ -332,6 +335,7 @@ class PolicyModule(L.LightningModule):
         self.consecutive_skips = 0
         self.sft_losses: list[float] = []
         self.val_metrics = torch.nn.ModuleDict()
+        self.val_set_names: list[str] = []
 
     # ----------------------------------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
@@ -368,8 +372,12 @@ class PolicyModule(L.LightningModule):
         self.pretrain_reward_model(self.trainer.strategy.root_device)
 
     def on_train_start(self) -> None:
-        """The engine learns of the weights training starts from (after an SFT start; resumed: restored by now, at
-        version ``global_step``)."""
+        """Training starts, fresh or resumed: the config's learning rates apply (:meth:`_apply_configured_lr`);
+        non-finite weights (a flow file or checkpoint holding NaN, a diverged pretraining), which would only skip
+        every step, stop the run in one line; the engine learns of the weights training starts from (after an SFT
+        start; resumed: restored by now, at version ``global_step``)."""
+        self._apply_configured_lr()
+        self._check_finite_weights("at the start of training")
         self.engine.sync_weights(self.policy, self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -463,13 +471,42 @@ class PolicyModule(L.LightningModule):
 
     def step_optimizer(self, groups: Collection[str]) -> None:
         """Clip (DeepSpeed clips inside its step: ``max_grad_norm`` is its ``gradient_clipping``), move only the
-        parameter groups in ``groups`` (:func:`~flowkit.modules.optim.step_groups`), zero the gradients."""
+        parameter groups in ``groups`` (:func:`~flowkit.modules.optim.step_groups`), zero the gradients.
+
+        Finite state: non-finite gradients of a group skip the step (:class:`NonFiniteStep`, on every rank) before
+        the clipping, whose one norm over all groups would turn every group's gradients into NaN; weights that are
+        not finite after the step stop the run (:meth:`_stop_nonfinite`) before anything is saved from them."""
         optimizer = self.optimizers()
         average_gradients(self)
+        raise_if_nonfinite(nonfinite_groups(optimizer.param_groups, groups, "gradients"))
         if self.hparams.max_grad_norm is not None:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        step = self.global_step  # the step counts the optimizer step
         step_groups(optimizer, groups)
         optimizer.zero_grad()
+        bad = nonfinite_groups(optimizer.param_groups, groups, "weights")
+        if all_reduce_int(int(bool(bad)), ReduceOp.MAX):
+            self._stop_nonfinite(f"the optimizer step of RL step {step} made the "
+                                 f"{', '.join(bad) or 'weights on another rank'} non-finite (a learning rate too high?)")
+
+
+    def _check_finite_weights(self, when: str) -> None:
+        """Stop (:meth:`_stop_nonfinite`) when any rank's weights hold a non-finite value (a collective)."""
+        optimizers = self.trainer.optimizers  # none when a checkpoint is saved outside fit
+        param_groups = optimizers[0].param_groups if optimizers else self.configure_optimizers().param_groups
+        bad = nonfinite_groups(param_groups, GROUP_NAMES, "weights")
+        if all_reduce_int(int(bool(bad)), ReduceOp.MAX):
+            self._stop_nonfinite(f"the {', '.join(bad) or 'weights on another rank'} are non-finite {when}")
+
+    def _stop_nonfinite(self, problem: str) -> None:
+        """Raise :class:`~flowkit.errors.NonFiniteTraining` naming the last good checkpoint (``--ckpt_path last``
+        resumes it: no checkpoint is written from non-finite weights)."""
+        callback = self.trainer.checkpoint_callback
+        saved = [path for path in (getattr(callback, "last_model_path", ""), self.trainer.ckpt_path)
+                 if path and Path(path).exists()]
+        last_good = (f"the last good checkpoint is {saved[0]}: resume it with --ckpt_path {saved[0]} once the cause is "
+                     "fixed" if saved else "no checkpoint was saved before it: start again once the cause is fixed")
+        raise NonFiniteTraining(f"{problem}; nothing was saved from them, {last_good}")
 
     def _skip(self, bad: list[str]) -> None:
         """The ``nonfinite`` policy: fail, or drop the step (no optimizer step; gradients so far are discarded)."""
@@ -478,7 +515,7 @@ class PolicyModule(L.LightningModule):
                    for what in bad]
         message = f"non-finite {', '.join(bad)} at step {self.global_step}"
         if self.hparams.nonfinite == "fail":
-            raise FloatingPointError(message)
+            raise NonFiniteTraining(message)
         self.optimizers().zero_grad()
         if self.reward_model is not None:
             self.reward_model.step_metrics()  # drop the skipped step's partial accumulations
@@ -486,9 +523,9 @@ class PolicyModule(L.LightningModule):
         self.consecutive_skips += 1
         limit = self.hparams.max_consecutive_skips
         if limit is not None and self.consecutive_skips >= limit:
-            raise FloatingPointError(f"{self.consecutive_skips} RL steps in a row were skipped (max_consecutive_skips "
-                                     f"{limit}); the last one: {message}. The weights or the reward model are "
-                                     "probably broken (resume from an earlier checkpoint)")
+            self._stop_nonfinite(f"{self.consecutive_skips} RL steps in a row were skipped (max_consecutive_skips "
+                                 f"{limit}; the last one: {message}): the weights or the reward model are probably "
+                                 "broken")
         log.warning("skipping RL step %d: non-finite %s (%d skipped so far)", self.global_step, ", ".join(bad), self.skipped_steps)
         self.log("train/skipped_steps", float(self.skipped_steps))
         return None
@@ -513,6 +550,7 @@ class PolicyModule(L.LightningModule):
         self.engine.sync_weights(self.policy, self.global_step)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_finite_weights("when saving a checkpoint")  # never a checkpoint of non-finite weights
         checkpoint["skipped_steps"] = self.skipped_steps  # a resumed run keeps counting
         checkpoint[REWARD_MODEL_KEY] = self._reward_model_settings()
 
@@ -568,7 +606,7 @@ class PolicyModule(L.LightningModule):
             log.warning("flow_pretrain_steps %d (was %d) does not apply on resume: the checkpoint holds the flow its "
                         "pretraining and training made", self.hparams.flow_pretrain_steps, pretrained)
 
-    def on_train_start(self) -> None:
+    def _apply_configured_lr(self) -> None:
         """The config's learning rates apply on resume too (the optimizer's restored state carries the checkpoint's)."""
         configured = {"policy": self.hparams.lr, "value": self.hparams.lr, "reward": self.hparams.flow_lr}
         for group in self.optimizers().optimizer.param_groups:
@@ -594,11 +632,15 @@ class PolicyModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- validation
     def on_validation_epoch_start(self) -> None:
-        names = getattr(self.trainer.datamodule, "val_names", None) or ["heldout"]
-        k = self._val_k()
-        for name in names:
-            if name not in self.val_metrics:
-                self.val_metrics[name] = torch.nn.ModuleDict({"pass@1": MeanMetric(), f"pass@{k}": MeanMetric()}).to(self.device)
+        """The metrics of each eval set, by position: a ``ModuleDict`` key cannot hold every name a user may give an
+        eval set (``gsm8k.test``), so the names are kept beside it (:attr:`val_set_names`)."""
+        names = list(getattr(self.trainer.datamodule, "val_names", None) or ["heldout"])
+        if names != self.val_set_names:
+            k = self._val_k()
+            self.val_set_names = names
+            self.val_metrics = torch.nn.ModuleDict({
+                str(index): torch.nn.ModuleDict({"pass@1": MeanMetric(), f"pass@{k}": MeanMetric()})
+                for index in range(len(names))}).to(self.device)
 
     def _val_k(self) -> int:
         return 1 if self.hparams.val_temperature == 0 else self.hparams.val_num_samples
@@ -606,7 +648,7 @@ class PolicyModule(L.LightningModule):
     def validation_step(self, prompts: dict[str, list[str]], batch_idx: int, dataloader_idx: int = 0) -> None:
         """pass@1 and pass@k of the math grader on each eval set; a reward model with its own ``evaluate`` (e.g. the
         explanation reward's judged accuracy) reports that instead."""
-        name = list(self.val_metrics)[dataloader_idx]
+        name = self.val_set_names[dataloader_idx]
         if hasattr(self.reward_model, "evaluate"):
             generate = lambda texts, n, temperature: self.engine.generate(texts, n, None, temperature=temperature)  # noqa: E731
             for key, (value, weight) in self.reward_model.evaluate(prompts, generate).items():
@@ -617,7 +659,7 @@ class PolicyModule(L.LightningModule):
         batch = self.engine.generate(prompts["prompt"], k, prompts["answer"], temperature=self.hparams.val_temperature)
         correct = torch.tensor([grade(r, a, self.hparams.grader_timeout) for r, a in zip(batch.responses, batch.answers)])
         per_prompt = correct.view(-1, k).sum(-1)
-        metrics = self.val_metrics[name]
+        metrics = self.val_metrics[str(dataloader_idx)]
         metrics["pass@1"].update(pass_at_k(k, per_prompt, 1))
         metrics[f"pass@{k}"].update(pass_at_k(k, per_prompt, k))
         for key, metric in metrics.items():
@@ -626,6 +668,10 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- artifacts
     def export_artifacts(self, directory: str | Path) -> dict[str, Path]:
         """Policy in HF format (full weights or the PEFT adapter) + tokenizer, and the flow in safetensors."""
+        bad = [name for name, p in self.named_parameters() if p.numel() and not bool(torch.isfinite(p).all())]
+        if bad:  # e.g. `flowkit export` of a checkpoint written before the finite-state guard
+            raise NonFiniteTraining(f"refusing to export non-finite weights: {len(bad)} tensor(s) hold NaN or inf "
+                                    f"(e.g. {bad[0]}); export an earlier checkpoint")
         directory = Path(directory)
         paths = {"policy": directory / "hf_policy"}
         self.policy.save_pretrained(paths["policy"], safe_serialization=True)

@@ -115,18 +115,23 @@ def test_rollouts_generated_in_chunks_equal_one_call_when_greedy():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampling", "greedy"])
 def test_nan_weights_skip_in_generation_then_fail_after_max_consecutive_skips(tmp_path, caplog, temperature):
-    """NaN weights used to crash inside HF generate (sampling) or skip forever (greedy); now each step is skipped
-    by the ``nonfinite`` policy and the run fails with the reason after ``max_consecutive_skips``."""
+    """NaN weights (here turned NaN after the start's check) used to crash inside HF generate (sampling) or skip
+    forever (greedy); now each step is skipped by the ``nonfinite`` policy and the run fails with the reason after
+    ``max_consecutive_skips``."""
     import lightning as L
 
     from flowkit.modules import RolloutDataModule
 
+    class NanNorm(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            with torch.no_grad():
+                pl_module.policy.model.norm.weight.fill_(float("nan"))
+
     module = PolicyModule(num_samples=1 if temperature == 0 else 2, max_new_tokens=8, temperature=temperature,
                           max_consecutive_skips=3)
-    with torch.no_grad():
-        module.policy.model.norm.weight.fill_(float("nan"))
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[NanNorm()])
     with pytest.raises(FloatingPointError, match="3 RL steps in a row were skipped .* non-finite generation logits"):
         trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
     assert module.skipped_steps == 3 and trainer.global_step == 0
