@@ -378,8 +378,9 @@ class PolicyModule(L.LightningModule):
         optimizer.zero_grad()
         bad = nonfinite_groups(optimizer.param_groups, groups, "weights")
         if all_reduce_int(int(bool(bad)), ReduceOp.MAX):
-            self._stop_nonfinite(f"the optimizer step of RL step {step} made the "
-                                 f"{', '.join(bad) or 'weights on another rank'} non-finite (a learning rate too high?)")
+            broken = ", ".join(bad) or "weights on another rank"
+            self._stop_nonfinite(f"the optimizer step of RL step {step} made the {broken} non-finite (a learning rate "
+                                 "too high?)")
 
     def on_train_start(self) -> None:
         """Non-finite weights at the start (a flow file or checkpoint holding NaN, a diverged pretraining) would
