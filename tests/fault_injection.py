@@ -1,8 +1,8 @@
 """Test helper callbacks that break training on purpose, for subprocess runs of the ``flowkit`` CLI
 (``--trainer.callbacks+=fault_injection.NAME``, with ``tests/`` on PYTHONPATH).
 
-* :class:`LearningRateJump`: from RL step ``step`` on, every parameter group's lr is ``lr`` (``.nan``: the next optimizer
-  step makes the weights NaN, as a schedule that divides by zero would).
+* :class:`LearningRateJump`: from RL step ``step`` on, every parameter group's lr is ``lr`` (``.nan``: the next
+  optimizer step makes the weights NaN, as a schedule that divides by zero would).
 * :class:`NanLoss`: in the first batch at RL step ``step``, on rank ``rank`` only, the ``loss`` ("policy" or "flow")
   is NaN (once: a skipped step does not advance the step count).
 """

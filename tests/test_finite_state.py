@@ -77,9 +77,10 @@ def test_nan_weights_at_the_start_stop_in_one_line_before_any_step(tmp_path):
 
 @pytest.mark.slow  # three CLI runs: the run that breaks, the export of a poisoned checkpoint, the resume
 def test_weights_that_turn_non_finite_stop_the_run_at_the_last_good_checkpoint_which_resume_uses(tmp_path):
-    """From step 1 on the learning rate is NaN (as a schedule dividing by zero makes it): the step's weights are NaN. The run stops in one line naming
-    last.ckpt (step 1, all finite), writes no checkpoint or export from the broken weights, and `--ckpt_path last`
-    resumes from it. `flowkit export` of a checkpoint holding NaN (one written before this guard) is one line."""
+    """From step 1 on the learning rate is NaN (as a schedule dividing by zero makes it): the step's weights are NaN.
+    The run stops in one line naming last.ckpt (step 1, all finite), writes no checkpoint or export from the broken
+    weights, and `--ckpt_path last` resumes from it. `flowkit export` of a checkpoint holding NaN (one written before
+    this guard) is one line."""
     (tmp_path / "every_step.yaml").write_text(EVERY_STEP)
     every_step = ["--config", str(tmp_path / "every_step.yaml")]
     run_dir = tmp_path / "runs" / "rlfr_tiny"
@@ -102,8 +103,8 @@ def test_weights_that_turn_non_finite_stop_the_run_at_the_last_good_checkpoint_w
     export = cli_errors.run_flowkit(tmp_path, ["flowkit", "export", "--config", str(rlfr_run.CONFIG), "--checkpoint",
                                                str(tmp_path / "poisoned.ckpt"), "--out", str(tmp_path / "out")])
     assert cli_errors.one_line_error(export, max_lines=None) == (
-        "error: refusing to export non-finite weights: 1 tensor(s) hold NaN or inf (e.g. policy.model.embed_tokens.weight); "
-        "export an earlier checkpoint")
+        "error: refusing to export non-finite weights: 1 tensor(s) hold NaN or inf "
+        "(e.g. policy.model.embed_tokens.weight); export an earlier checkpoint")
     assert not (tmp_path / "out").exists()
 
     resumed = cli_errors.fit(tmp_path, 2, *every_step, "--ckpt_path", "last")
@@ -124,8 +125,8 @@ def test_ranks_skip_together_when_only_one_ranks_loss_is_nan(tmp_path):
     assert "skipping RL step 0: non-finite policy loss (1 skipped so far)" in result.stderr
     assert "skipping RL step 0: non-finite values on another rank (1 skipped so far)" in result.stderr
     rank0, rank1 = (load_file(str(tmp_path / "weights" / f"rank{rank}.safetensors")) for rank in (0, 1))
-    moved = [name for name in rank0 if name.startswith("end/") and not torch.equal(rank0[name],
-                                                                                      rank0[name.replace("end/", "start/")])]
+    moved = [name for name in rank0
+             if name.startswith("end/") and not torch.equal(rank0[name], rank0[name.replace("end/", "start/")])]
     assert moved  # step 0, trained after the skip
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name

@@ -374,7 +374,8 @@ class LossCheck:
         return [name for name, finite in self._finite.items() if not bool(finite)]
 
 
-GROUP_NAMES = {"policy": "policy", "value": "value head", "reward": "flow"}  # optimizer group → what the user calls it
+# An optimizer parameter group → what the user calls it.
+GROUP_NAMES = {"policy": "policy", "value": "value head", "reward": "flow"}
 
 
 def nonfinite_groups(param_groups: list[dict[str, Any]], groups: Collection[str], what: str) -> list[str]:

@@ -486,8 +486,9 @@ class PolicyModule(L.LightningModule):
         optimizer.zero_grad()
         bad = nonfinite_groups(optimizer.param_groups, groups, "weights")
         if all_reduce_int(int(bool(bad)), ReduceOp.MAX):
-            self._stop_nonfinite(f"the optimizer step of RL step {step} made the "
-                                 f"{', '.join(bad) or 'weights on another rank'} non-finite (a learning rate too high?)")
+            broken = ", ".join(bad) or "weights on another rank"
+            self._stop_nonfinite(f"the optimizer step of RL step {step} made the {broken} non-finite (a learning rate "
+                                 "too high?)")
 
 
     def _check_finite_weights(self, when: str) -> None:
