@@ -254,7 +254,7 @@ def pretraining_loss_pieces(
             cond = None if condition == "none" else latents[layer, rows[token], cols[token] + offset].to(device)
             noise = kernels.flow_noise((len(index), dim), seed, offset=chunk.start * dim, device=device)
             t_rows = t[chunk, None]
-            v = field(t_rows * x1 + (1 - t_rows) * noise, t[chunk], layers[layer.to(device)], cond).float()
+            v = field(t_rows * x1 + (1 - t_rows) * noise, t[chunk], layers, cond, layer_index=layer.to(device)).float()
             return ((v - (x1 - noise)) ** 2).sum() / (total * dim)
         return loss
 

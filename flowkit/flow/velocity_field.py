@@ -34,9 +34,10 @@ class ScalarEmbedder(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(frequencies, width), nn.SiLU(), nn.Linear(width, width))
 
     def forward(self, values: Tensor) -> Tensor:
-        # Stacked batches repeat a handful of (t, ℓ) values over many rows: embed each distinct value once.
-        distinct, inverse = values.unique(return_inverse=True)
-        return self.mlp(sinusoidal_embedding(distinct, self.frequencies).to(self.mlp[0].weight.dtype))[inverse]
+        """One embedding per value. Callers pass each distinct value once where rows repeat a few (the stacked
+        reward path's T timesteps and P layers; pretraining's layers with an index), so no ``unique`` — a host sync
+        on a GPU — is needed here."""
+        return self.mlp(sinusoidal_embedding(values, self.frequencies).to(self.mlp[0].weight.dtype))
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -123,8 +124,11 @@ class VelocityField(nn.Module):
             nn.init.zeros_(layer.weight)
 
     def forward(self, x_t: Tensor, t: Tensor, layer_position: Tensor, condition: Tensor | None = None,
-                stacked: bool = False) -> Tensor:
+                stacked: bool = False, layer_index: Tensor | None = None) -> Tensor:
         """x_t: M×d, t: M, layer_position: M (h/L), condition: M×d or None → velocity M×d.
+
+        ``layer_index`` (M long): ``layer_position`` holds the P distinct layer positions and row m is at layer
+        ``layer_index[m]`` (each layer embedded once, as offline pretraining calls it).
 
         ``stacked``: the rows are the reward path's (layer p, timestep t, token n), p slowest, M = P·T·n; then ``t``
         holds the T timesteps, ``layer_position`` the P layer positions and ``condition`` is P×n×d (a token's
@@ -140,7 +144,8 @@ class VelocityField(nn.Module):
                 y = y + self.cond_proj(condition.to(dtype))[:, None]
             y = y.expand(shape).reshape(-1, self.width)
         else:
-            y = self.t_embed(t) + self.layer_embed(layer_position)
+            layers = self.layer_embed(layer_position)
+            y = self.t_embed(t) + (layers if layer_index is None else layers[layer_index])
             if self.cond_proj is not None:
                 y = y + self.cond_proj(condition.to(dtype))
         # Every adaLN projection (the blocks' and the final one) starts with SiLU(y) of the same y: apply it once.

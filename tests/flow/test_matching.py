@@ -245,3 +245,19 @@ def test_pretraining_pieces_sum_to_the_one_call_loss(max_rows):
     rows = 2 * 3 * int(scored_token_mask(response, "next").sum())
     assert len(pieces) == (1 if max_rows is None else -(-rows // max_rows))
     torch.testing.assert_close(sum(piece() for piece in pieces), whole, rtol=1e-5, atol=1e-7)
+
+
+def test_the_field_embeds_without_a_host_sync_and_layer_indices_equal_per_row_layers(monkeypatch):
+    """``unique`` (a device-to-host sync on a GPU, once per field call) is never called: the stacked path embeds its
+    T timesteps and P layers once each, pretraining passes its P layers with an index per row."""
+    torch.manual_seed(2)
+    field = _random_field(6)
+    x, t = torch.randn(12, 6), torch.rand(12)
+    layers, index = torch.tensor([0.25, 0.75]), torch.tensor([0, 1] * 6)
+    monkeypatch.setattr(torch.Tensor, "unique", lambda *a, **k: pytest.fail("unique() called in a field forward"))
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: pytest.fail("torch.unique() called in a field forward"))
+    cond = torch.randn(12, 6)
+    per_row = field(x, t, layers[index], cond)
+    torch.testing.assert_close(field(x, t, layers, cond, layer_index=index), per_row, rtol=1e-5, atol=1e-6)
+    stacked = field(x, torch.tensor([0.5, 0.8, 0.9]), layers, torch.randn(2, 2, 6), stacked=True)
+    assert stacked.shape == (12, 6)
