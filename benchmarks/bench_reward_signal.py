@@ -31,7 +31,7 @@ import yaml
 from flowkit.data.records import load_records
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import ExpertLatentCache, RolloutEngine, encode_pairs
+from flowkit.llm.rollout import ExpertLatentCache, HFRolloutEngine, encode_pairs
 from flowkit.modules.datamodule import PromptStream, resolve_data_path
 from flowkit.modules.optim import flow_pretraining_schedule
 from flowkit.rewards import FlowReward
@@ -135,7 +135,7 @@ def planted_error_table(model, tokenizer, tap, reward, records, seed: int) -> li
 def own_sample_table(model, tokenizer, tap, reward, records, samples: int, seed: int) -> list[dict]:
     """The policy's wrong samples at their first wrong token vs correct samples at the same response position."""
     torch.manual_seed(seed)
-    engine = RolloutEngine(model, tokenizer, max_new_tokens=28, temperature=1.0)
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=28, temperature=1.0)
     batch = engine.generate([r["prompt"] for r in records], samples, [r["answer"] for r in records])
     expert = [r["solution"] for r in records for _ in range(samples)]
     correct = torch.tensor([grade(resp, ans) for resp, ans in zip(batch.responses, batch.answers)])

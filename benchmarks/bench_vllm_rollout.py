@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 import torch  # noqa: E402
 
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path  # noqa: E402
-from flowkit.llm.rollout import RolloutEngine  # noqa: E402
+from flowkit.llm.rollout import HFRolloutEngine  # noqa: E402
 from flowkit.llm.vllm_engine import VllmRolloutEngine  # noqa: E402
 from flowkit.modules import RolloutDataModule  # noqa: E402
 
@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     policy, tokenizer = load_backbone("bundled:tiny_adder")
-    engines = {"hf": RolloutEngine(policy, tokenizer, max_new_tokens=28),
+    engines = {"hf": HFRolloutEngine(policy, tokenizer, max_new_tokens=28),
                "vllm": VllmRolloutEngine(policy, tokenizer, resolve_backbone_path("bundled:tiny_adder"), max_new_tokens=28)}
     data = RolloutDataModule(batch_size=16, val_path=None)
     data.setup("fit")

@@ -1,9 +1,10 @@
 """Test helper callback for the paper rehearsals: proves that the ranks disagreed where the job must keep them in step.
 
 Added through the CLI (``--trainer.callbacks+=rehearsal_probe.RehearsalProbe --trainer.callbacks.out DIR``, with
-``tests/`` on PYTHONPATH). Before training it wraps the three places where a rank's data sets how often a sharded
-module is called — the LM-head chunks, the flow-scoring chunks and the online flow-loss pieces — and records, per
-call, this rank's own count and the count every rank then used. At the end each rank writes ``probe_rank{R}.json``.
+``tests/`` on PYTHONPATH). Before training it wraps the places where a rank's data sets how often a sharded module
+is called — the flow-scoring chunks and the online flow-loss pieces — and records, per call, this rank's own count
+and the count every rank then used; and every call into a Linear LM head (one per micro-batch, whatever its tokens:
+``lm_head``), with the tokens it carried. At the end each rank writes ``probe_rank{R}.json``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ class RehearsalProbe(L.Callback):
         self.records: dict[str, list[tuple[int, int]]] = {"lm_head": [], "flow_scoring": [], "flow_pieces": []}
 
     def setup(self, trainer, pl_module, stage):
-        for module, site in ((logprobs, "lm_head"), (matching, "flow_scoring")):
-            module.agreed_call_count = self._recording(module.agreed_call_count, site)
+        matching.agreed_call_count = self._recording(matching.agreed_call_count, "flow_scoring")
+        as_forward_of, head_calls = logprobs._as_forward_of, self.records["lm_head"]
+
+        def recording_head(module, function, states):
+            head_calls.append((len(states), 1))
+            return as_forward_of(module, function, states)
+        logprobs._as_forward_of = recording_head
         agree = FlowReward._agreed_over_ranks
         records = self.records["flow_pieces"]
 

@@ -207,7 +207,7 @@ def test_a_requeued_slurm_job_resumes_and_a_moved_run_resumes_into_its_own_last_
     requeued = slurm_fit(first, 1)  # the same command, requeued
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert f"resuming from the newest checkpoint, {hpc}" in requeued.stderr
-    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(first)[-1])) == [2]  # only step 3 ran
+    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(first)[-1])) == [3]  # only step 3 ran (metrics.csv counts from 1)
     assert load(checkpoints / "last.ckpt")["global_step"] == 3
 
     # Outside SLURM, `--ckpt_path last` also takes the newest, the hpc checkpoint; the moved run writes its own last.ckpt.
@@ -231,7 +231,7 @@ def test_ddp_resumes_at_another_number_of_ranks(finished_run, tmp_path):
     one = cli_errors.fit(root, 3, *every_step(root), *DDP, "--ckpt_path", "last", timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     assert load(last)["global_step"] == 3
-    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(root)[-1])) == [2]
+    assert sorted(rlfr_run.metrics(rlfr_run.version_dirs(root)[-1])) == [3]  # the third RL step (metrics.csv counts from 1)
 
 
 def zero_resume(root: Path, stage: int, ranks: int, steps: int, *extra: str) -> dict[str, torch.Tensor]:

@@ -177,12 +177,12 @@ def test_checkpoint_files_load_tensors_and_allowed_types_only(tmp_path):
 def test_every_load_inside_a_flowkit_command_is_tensors_only(tmp_path, monkeypatch, capsys):
     """Whatever loads a checkpoint inside the CLI — here a stand-in asking for ``weights_only=False``, as DeepSpeed's
     loaders do under Lightning's own DeepSpeedStrategy — gets tensors only: one line, exit 2, no marker."""
-    from flowkit import cli
+    from flowkit import cli, lightning_cli
 
     marker = tmp_path / "marker"
     crafted = tmp_path / "mp_rank_00_model_states.pt"
     torch.save({"module": {"w": torch.ones(1)}, "payload": Payload(marker)}, crafted)
-    monkeypatch.setattr(cli, "FlowkitCLI", lambda **_: torch.load(crafted, weights_only=False))
+    monkeypatch.setattr(lightning_cli, "FlowkitCLI", lambda **_: torch.load(crafted, weights_only=False))
     with pytest.raises(SystemExit) as stopped:
         cli.main(["validate", "--ckpt_path", str(crafted)])
     assert stopped.value.code == 2

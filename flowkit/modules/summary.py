@@ -115,6 +115,7 @@ class RunSummary(L.Callback):
                 lines.append(f"  export: {_shown(self._log_dir / callback.subdir)}")
         for logger in trainer.loggers:
             if isinstance(logger, CSVLogger):
+                logger.save()  # what is still buffered (it flushes every 100 steps otherwise)
                 if Path(logger.experiment.metrics_file_path).is_file():  # a fit that logged nothing wrote none
                     lines.append(f"  metrics: {_shown(logger.experiment.metrics_file_path)}")
             else:

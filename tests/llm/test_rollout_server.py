@@ -106,7 +106,7 @@ def test_the_servers_greedy_decode_is_the_trained_policys_and_max_staleness_0_is
     for mine, theirs in zip(local.model.policy.parameters(), remote.model.policy.parameters(), strict=True):
         torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
     steps = metrics(remote)
-    assert sorted(steps) == [0, 1, 2]
+    assert sorted(steps) == [1, 2, 3]  # metrics.csv counts RL steps from 1
     for step, values in steps.items():
         assert values["rollout/staleness_max"] == 0.0
         assert values["train/policy_loss"] == metrics(local)[step]["train/policy_loss"]
@@ -162,13 +162,13 @@ def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, t
               "--model.init_args.rollout_server_timeout", str(TIMEOUT_S), "--model.init_args.max_staleness", "1",
               callbacks=[times])
     steps = metrics(cli)
-    assert sorted(steps) == [0, 1, 2, 3]
-    assert steps[0]["rollout/staleness_max"] == 0.0  # step 0: nothing prefetched yet, its own asked for first
-    for step in (1, 2, 3):
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert steps[1]["rollout/staleness_max"] == 0.0  # step 1: nothing prefetched yet, its own asked for first
+    for step in (2, 3, 4):
         # prefetched while the previous step trained: from the weights one version before the ones that trained on it
         assert steps[step]["rollout/staleness_max"] == 1.0
-    assert steps[3]["rollout/regenerated_rows"] == 0.0
-    for step in (0, 1, 2):
+    assert steps[4]["rollout/regenerated_rows"] == 0.0
+    for step in (0, 1, 2):  # batch indices (0-based) of the trainer's hooks
         upcoming = times.start[step + 1][1]
         started, finished = next((s, f) for prompts, s, f in times.generations if prompts == upcoming)
         training = (times.rollouts_back[step], times.end[step])  # step's update, after its own rollouts came back
@@ -314,9 +314,9 @@ def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prom
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(tmp_path / "run" / "checkpoints" / "last.ckpt"))
     assert first.indices == [0, 1] and resumed.indices == [2, 3]
     steps = metrics(cli)
-    assert sorted(steps) == [2, 3]
-    assert steps[2]["rollout/staleness_max"] == 0.0 and steps[3]["rollout/staleness_max"] == 1.0
-    assert steps[3]["rollout/regenerated_rows"] == 0.0
+    assert sorted(steps) == [3, 4]
+    assert steps[3]["rollout/staleness_max"] == 0.0 and steps[4]["rollout/staleness_max"] == 1.0
+    assert steps[4]["rollout/regenerated_rows"] == 0.0
 
 
 @pytest.mark.slow
