@@ -86,7 +86,7 @@ def test_summary_of_a_flow_pretraining_run_has_no_reward_or_heldout_lines(tmp_pa
     module = FlowRewardModule(reward_model=FlowReward(percentiles=[0.5], depth=1))
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=0)
     _fit_with_summary(module, RolloutDataModule(batch_size=4, val_path=None), tmp_path, checkpoint, ExportArtifacts(),
-                      max_steps=2)
+                      max_steps=2, log_every_n_steps=1)  # as the CLI logs: metrics.csv then exists
     out = capsys.readouterr().out
     summary = out[out.index("fit summary:"):].splitlines()
     assert summary[0].startswith("fit summary: 2 steps (0 → 2)")
