@@ -230,9 +230,9 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < rows * dh; e += blockDim.x) {
-    const int64_t r = e / dh, i = e % dh;
-    dq[query_row(d, t, t.first + r) * dh + i] = static_cast<scalar_t>(dq_s[r * stride + i] * scale);
+  for (int64_t r = warp; r < rows; r += kWarps) {  // a warp per row, as the dK/dV kernel stores
+    const int64_t row = query_row(d, t, t.first + r) * dh;
+    for (int64_t i = lane; i < dh; i += 32) dq[row + i] = static_cast<scalar_t>(dq_s[r * stride + i] * scale);
   }
 }
 
@@ -260,10 +260,13 @@ __global__ void __launch_bounds__(kThreads)
   const acc_t scale = acc_t(1) / sqrt(static_cast<acc_t>(dh));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-  for (int64_t e = threadIdx.x; e < keys * dh; e += blockDim.x) {
-    const int64_t f = e / dh, i = e % dh, off = flow_key_row(d, t, t.first + f) * dh + i;
-    k_s[f * stride + i] = static_cast<acc_t>(fk[off]);
-    v_s[f * stride + i] = static_cast<acc_t>(fv[off]);
+  // A warp per key row, lanes along it: no 64-bit division per element (its subroutine calls spilled on sm_90).
+  for (int64_t f = warp; f < keys; f += kWarps) {
+    const int64_t row = flow_key_row(d, t, t.first + f) * dh;
+    for (int64_t i = lane; i < dh; i += 32) {
+      k_s[f * stride + i] = static_cast<acc_t>(fk[row + i]);
+      v_s[f * stride + i] = static_cast<acc_t>(fv[row + i]);
+    }
   }
   zero_rows(keys, dh, dk_s);
   zero_rows(keys, dh, dv_s);
@@ -299,10 +302,12 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < keys * dh; e += blockDim.x) {
-    const int64_t f = e / dh, i = e % dh, off = flow_key_row(d, t, t.first + f) * dh + i;
-    dfk[off] = static_cast<scalar_t>(dk_s[f * stride + i]);
-    dfv[off] = static_cast<scalar_t>(dv_s[f * stride + i]);
+  for (int64_t f = warp; f < keys; f += kWarps) {
+    const int64_t row = flow_key_row(d, t, t.first + f) * dh;
+    for (int64_t i = lane; i < dh; i += 32) {
+      dfk[row + i] = static_cast<scalar_t>(dk_s[f * stride + i]);
+      dfv[row + i] = static_cast<scalar_t>(dv_s[f * stride + i]);
+    }
   }
 }
 
