@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 from torch import Tensor

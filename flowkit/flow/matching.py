@@ -167,10 +167,13 @@ def flow_matching_loss_pieces(
     seed: int,
     condition: Condition = "next",
     max_rows: int | None = None,
+    token_weights: Tensor | None = None,
 ) -> list[LossPiece]:
     """Eq. 4 as pieces whose sum is the loss: mean over scored tokens, layers, timesteps and the hidden dim of
     (v − (x1 − ε))², every token paired with every timestep in ``timesteps`` (the online update's rewarding
-    timesteps; offline pretraining draws one t per row instead, :func:`pretraining_loss_pieces`).
+    timesteps; offline pretraining draws one t per row instead, :func:`pretraining_loss_pieces`). With
+    ``token_weights`` (B×S, w_j) the scored tokens' terms are summed with those weights instead of averaged (a masked
+    mean whose weights the caller normalised, as the official online update computes it).
 
     Each piece is a function that makes one field call over at most ``max_rows`` stacked rows (token × layer ×
     timestep; at least one token) and returns its share Σ_piece / total, so a caller that backpropagates one piece
@@ -181,6 +184,7 @@ def flow_matching_loss_pieces(
     scored = scored_token_mask(response_mask, condition)
     rows, cols = scored.nonzero(as_tuple=True)
     total = len(rows)
+    weights = None if token_weights is None else token_weights[rows, cols]
     device = next(field.parameters()).device
     timesteps = timesteps.to(device, torch.float32)
     unit = torch.ones_like(timesteps)
@@ -191,7 +195,7 @@ def flow_matching_loss_pieces(
             x1, cond = x1.to(device), None if cond is None else cond.to(device)
             deviation = stacked_deviation(field, x1, cond, layer_positions, timesteps, unit, seed,
                                           token_offset=tokens.start)
-            return deviation.sum() / total
+            return deviation.sum() / total if weights is None else (deviation * weights[tokens].to(device)).sum()
         return loss
 
     return [piece(tokens) for tokens in kernels.token_chunks(total, latents.shape[0] * len(timesteps), max_rows)]

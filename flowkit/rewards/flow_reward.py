@@ -18,10 +18,7 @@ from flowkit.errors import ConfigError, check_nonempty, check_range
 from flowkit.flow import (
     VelocityField, flow_matching_loss_pieces, padding_velocity, pretraining_loss_pieces, velocity_deviation_scores,
 )
-from flowkit import kernels
-from flowkit.flow.matching import (
-    DEFAULT_MAX_ROWS, Condition, LossPiece, _gather_tokens, scored_token_mask, stacked_deviation,
-)
+from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, LossPiece, scored_token_mask
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.rl.rejection import (
     METRICS, TOKEN_METRICS, Metric, RolloutLatentBuffer, accept_rollouts, entropy_quantile_weights,
@@ -361,9 +358,9 @@ class FlowReward(TokenRewardModel):
             weights = torch.zeros(mask.shape)
             for i, tokens in enumerate(token_weights):
                 weights[i, :len(tokens)] = tokens
-            pieces = weighted_flow_loss_pieces(self._require_field(), latents, mask, weights, self.layer_positions,
+            pieces = flow_matching_loss_pieces(self._require_field(), latents, mask, self.layer_positions,
                                                torch.tensor(self.timesteps), self.seed + 1000 * self._step + 1,
-                                               self.condition, self.max_rows_per_piece)
+                                               self.condition, self.max_rows_per_piece, token_weights=weights)
         self._metrics["flow/loss"] = 0.0
         return self._agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
 
@@ -438,31 +435,6 @@ class _Candidate:
 
     def __init__(self, row: int, micro_batch: int, latents: Tensor, mask: Tensor, entropy: Tensor | None):
         self.row, self.micro_batch, self.latents, self.mask, self.entropy = row, micro_batch, latents, mask, entropy
-
-
-def weighted_flow_loss_pieces(field: VelocityField, latents: Tensor, response_mask: Tensor, token_weights: Tensor,
-                              layer_positions: Sequence[float], timesteps: Tensor, seed: int, condition: Condition,
-                              max_rows: int | None) -> list[LossPiece]:
-    """Σ_j w_j · mean_{t∈T, ℓ, d} (v − (x1 − ε))² over the scored tokens j, with ``token_weights`` w (B×S) — eq. 4's
-    per-token term, as :func:`~flowkit.flow.flow_matching_loss_pieces` (whose weights are all 1/N) — as pieces of at
-    most ``max_rows`` field rows that sum to it; the latents may stay on the CPU."""
-    scored = scored_token_mask(response_mask, condition)
-    rows, cols = scored.nonzero(as_tuple=True)
-    weights = token_weights[rows, cols]
-    device = next(field.parameters()).device
-    timesteps = timesteps.to(device, torch.float32)
-    unit = torch.ones_like(timesteps)
-
-    def piece(tokens: slice) -> LossPiece:
-        def loss() -> Tensor:
-            x1, cond = _gather_tokens(latents, (rows[tokens], cols[tokens]), condition)
-            x1, cond = x1.to(device), None if cond is None else cond.to(device)
-            deviation = stacked_deviation(field, x1, cond, layer_positions, timesteps, unit, seed,
-                                          token_offset=tokens.start)
-            return (deviation * weights[tokens].to(device)).sum()
-        return loss
-
-    return [piece(tokens) for tokens in kernels.token_chunks(len(rows), latents.shape[0] * len(timesteps), max_rows)]
 
 
 def _check_online_protocol(metric: str, flow_update: str, soft_weight: float, entropy_quantile: float | None,
