@@ -144,8 +144,11 @@ class VelocityField(nn.Module):
                 y = y + self.cond_proj(condition.to(dtype))[:, None]
             y = y.expand(shape).reshape(-1, self.width)
         else:
+            # t before ℓ, as the stacked path: under ZeRO-3 every rank must call the submodules in one order (a padding
+            # piece runs this path while another rank's real piece runs the stacked one)
+            y = self.t_embed(t)
             layers = self.layer_embed(layer_position)
-            y = self.t_embed(t) + (layers if layer_index is None else layers[layer_index])
+            y = y + (layers if layer_index is None else layers[layer_index])
             if self.cond_proj is not None:
                 y = y + self.cond_proj(condition.to(dtype))
         # Every adaLN projection (the blocks' and the final one) starts with SiLU(y) of the same y: apply it once.
