@@ -33,22 +33,16 @@ from flowkit.rewards import FlowReward
 from flowkit.rl.rejection import entropy_quantile_weights
 from flowkit.rl.rewards import flow_token_rewards
 from backbone_stub import backbone_stub
+from test_flow_reward_steps import D, P
+from test_flow_reward_steps import scored_batch as step_batch
 
-P, D, SEED, STEP = 2, 8, 5, 3
+SEED, STEP = 5, 3
 
 
 def scored_batch(rows: int, generator: torch.Generator) -> RolloutBatch:
-    """Rows with random latents, token entropies and responses of different lengths; every other row is correct."""
-    length = 7
-    mask = torch.zeros(rows, length)
-    for r in range(rows):
-        mask[r, 2:2 + 2 + r % 4] = 1.0
-    batch = RolloutBatch(input_ids=torch.zeros(rows, length, dtype=torch.long), attention_mask=torch.ones(rows, length),
-                         response_mask=mask, group_ids=torch.arange(rows))
-    batch.latents = torch.randn(P, rows, length, D, generator=generator)
-    batch.correct = torch.arange(rows) % 2 == 0
-    batch.entropy = torch.rand(rows, generator=generator)
-    batch.token_entropy = torch.rand(rows, length, generator=generator)
+    """The step tests' batch (random latents, lengths 2-5, every other row correct) with token entropies too."""
+    batch = step_batch(rows, generator)
+    batch.token_entropy = torch.rand(batch.response_mask.shape, generator=generator)
     return batch
 
 
