@@ -75,14 +75,14 @@ class EngineSpec:
 
 def _hf(setup: EngineSetup) -> HFRolloutEngine:
     return HFRolloutEngine(setup.policy, setup.tokenizer, setup.max_new_tokens, setup.temperature, setup.top_p,
-                           setup.hparams.get("rollout_batch_size"), whole_weights=setup.whole_weights)
+                           setup.hparams["rollout_batch_size"], whole_weights=setup.whole_weights)
 
 
 def _vllm(setup: EngineSetup) -> VllmRolloutEngine:
     hp = setup.hparams
     return VllmRolloutEngine(setup.policy, setup.tokenizer, resolve_backbone_path(setup.backbone), setup.max_new_tokens,
-                             setup.temperature, setup.top_p, hp.get("vllm_gpu_memory_utilization", 0.3),
-                             hp.get("vllm_max_model_len"), hp.get("vllm_enable_sleep_mode", True))
+                             setup.temperature, setup.top_p, hp["vllm_gpu_memory_utilization"],
+                             hp["vllm_max_model_len"], hp["vllm_enable_sleep_mode"])
 
 
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {

@@ -388,15 +388,15 @@ class ServerRolloutEngine:
 def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
     """The ``server`` engine from the module's ``rollout_server_*`` and ``max_staleness`` options."""
     hp = setup.hparams
-    url = hp.get("rollout_server_url")
+    url = hp["rollout_server_url"]
     parsed = urllib.parse.urlsplit(url or "")
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ConfigError(f"PolicyModule.rollout_engine 'server' needs rollout_server_url, the address `flowkit "
                           f"rollout-server` listens on (e.g. http://127.0.0.1:8000); got {url!r}")
-    return ServerRolloutEngine(setup.policy, setup.tokenizer, url, hp.get("rollout_server_timeout", 300.0),
+    return ServerRolloutEngine(setup.policy, setup.tokenizer, url, hp["rollout_server_timeout"],
                                setup.max_new_tokens, setup.temperature, setup.top_p,
-                               hp.get("rollout_server_sync_every", 1), hp.get("rollout_server_bucket_mb", 256),
-                               hp.get("max_staleness", 0), hp.get("rollout_batch_size"))
+                               hp["rollout_server_sync_every"], hp["rollout_server_bucket_mb"],
+                               hp["max_staleness"], hp["rollout_batch_size"])
 
 
 def response_rows(batch: RolloutBatch, prompt_width: int) -> Iterator[tuple[list[int], list[float]]]:
