@@ -44,21 +44,24 @@ struct Task {
   int64_t b, s, kvh, len, first;
 };
 
+// Index arithmetic divides in 32 bits: the grid, a task's items and the head counts are < 2^31 (plan_blocks checks),
+// and a 64-bit division is a called subroutine whose ABI made ptxas spill registers around it.
 __device__ __forceinline__ Task block_task(const Dims& d, const int64_t* lens, int64_t items, int64_t per_block) {
-  const int64_t tiles = (items + per_block - 1) / per_block, block = blockIdx.x;
-  const int64_t task = block / tiles;
+  const unsigned tiles = (unsigned(items) + unsigned(per_block) - 1) / unsigned(per_block), block = blockIdx.x;
+  const unsigned task = block / tiles, kv_heads = unsigned(d.kv_heads), steps = unsigned(d.steps);
   Task t;
-  t.first = (block % tiles) * per_block;
-  t.kvh = task % d.kv_heads;
-  t.s = (task / d.kv_heads) % d.steps;
-  t.b = task / (d.kv_heads * d.steps);
+  t.first = int64_t(block % tiles) * per_block;
+  t.kvh = task % kv_heads;
+  t.s = (task / kv_heads) % steps;
+  t.b = (task / kv_heads) / steps;
   t.len = min(max(lens[t.b * d.steps + t.s], int64_t(0)), d.context);
   return t;
 }
 
 // Row r = f·G + g of the task's queries is q[b, s, f, kvh·G + g].
 __device__ __forceinline__ int64_t query_row(const Dims& d, const Task& t, int64_t r) {
-  return ((t.b * d.steps + t.s) * d.flow + r / d.group) * d.heads + t.kvh * d.group + r % d.group;
+  const unsigned row = unsigned(r), group = unsigned(d.group);
+  return ((t.b * d.steps + t.s) * d.flow + row / group) * d.heads + t.kvh * d.group + row % group;
 }
 
 // Flow key f of the task is flow_k[b, s, f, kvh].
@@ -71,8 +74,9 @@ template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void load_key_tile(const Dims& d, const Task& t, const scalar_t* ck, const scalar_t* cv,
                               const scalar_t* fk, const scalar_t* fv, int64_t start, acc_t* k_tile, acc_t* v_tile) {
   const int64_t keys = t.len + d.flow, dh = d.head_dim, stride = shared_stride(dh);
-  for (int64_t e = threadIdx.x; e < kTile * dh; e += blockDim.x) {
-    const int64_t jj = e / dh, i = e % dh, j = start + jj;
+  for (unsigned e = threadIdx.x; e < unsigned(kTile * dh); e += blockDim.x) {
+    const unsigned jj = e / unsigned(dh), i = e % unsigned(dh);
+    const int64_t j = start + jj;
     acc_t k = acc_t(0), v = acc_t(0);
     if (j < t.len) {
       const int64_t off = ((t.b * d.kv_heads + t.kvh) * d.context + j) * dh + i;
@@ -88,29 +92,37 @@ __device__ __forceinline__ void load_key_tile(const Dims& d, const Task& t, cons
   }
 }
 
-// `count` query rows of the task from row `first`, each times `scale`, into shared rows (zeros past row R).
+// `count` query rows of the task from row `first`, each times `scale`, into shared rows (zeros past row R); a warp
+// per row, so the row's offset (a 64-bit division) is computed once per row, not per element.
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void load_query_rows(const Dims& d, const Task& t, const scalar_t* src, int64_t first,
                                                 int64_t count, acc_t scale, acc_t* dst) {
   const int64_t rows = d.flow * d.group, dh = d.head_dim, stride = shared_stride(dh);
-  for (int64_t e = threadIdx.x; e < count * dh; e += blockDim.x) {
-    const int64_t r = e / dh, i = e % dh;
-    const bool valid = first + r < rows;
-    dst[r * stride + i] = valid ? static_cast<acc_t>(src[query_row(d, t, first + r) * dh + i]) * scale : acc_t(0);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t r = warp; r < count; r += kWarps) {
+    acc_t* row = dst + r * stride;
+    if (first + r < rows) {
+      const scalar_t* src_row = src + query_row(d, t, first + r) * dh;
+      for (int64_t i = lane; i < dh; i += 32) row[i] = static_cast<acc_t>(src_row[i]) * scale;
+    } else {
+      for (int64_t i = lane; i < dh; i += 32) row[i] = acc_t(0);
+    }
   }
 }
 
 template <typename acc_t>
 __device__ __forceinline__ void zero_rows(int64_t count, int64_t dh, acc_t* dst) {
   const int64_t stride = shared_stride(dh);
-  for (int64_t e = threadIdx.x; e < count * dh; e += blockDim.x) dst[(e / dh) * stride + e % dh] = acc_t(0);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t r = warp; r < count; r += kWarps)
+    for (int64_t i = lane; i < dh; i += 32) dst[r * stride + i] = acc_t(0);
 }
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     flow_attention_fwd_kernel(const scalar_t* q, const scalar_t* fk, const scalar_t* fv, const scalar_t* ck,
                               const scalar_t* cv, const int64_t* lens, scalar_t* out, at::opmath_type<scalar_t>* lse,
-                              Dims d, int64_t rows_per_block) {
+                              Dims d, int64_t rows_per_block, at::opmath_type<scalar_t> scale) {
   using acc_t = at::opmath_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int64_t dh = d.head_dim, stride = shared_stride(dh), task_rows = d.flow * d.group;
@@ -122,7 +134,6 @@ __global__ void __launch_bounds__(kThreads)
   acc_t* v_tile = k_tile + kTile * stride;          // (kTile, stride)
   acc_t* m_s = v_tile + kTile * stride;             // (rows_per_block,)
   acc_t* l_s = m_s + rows_per_block;                // (rows_per_block,)
-  const acc_t scale = acc_t(1) / sqrt(static_cast<acc_t>(dh));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
   load_query_rows(d, t, q, t.first, rows, scale, q_s);
@@ -164,9 +175,9 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < rows * dh; e += blockDim.x) {
-    const int64_t r = e / dh, i = e % dh;
-    out[query_row(d, t, t.first + r) * dh + i] = static_cast<scalar_t>(acc_s[r * stride + i] / l_s[r]);
+  for (int64_t r = warp; r < rows; r += kWarps) {
+    scalar_t* out_row = out + query_row(d, t, t.first + r) * dh;
+    for (int64_t i = lane; i < dh; i += 32) out_row[i] = static_cast<scalar_t>(acc_s[r * stride + i] / l_s[r]);
   }
   for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) lse[query_row(d, t, t.first + r)] = m_s[r] + log(l_s[r]);
 }
@@ -177,7 +188,7 @@ __global__ void __launch_bounds__(kThreads)
     flow_attention_dq_kernel(const scalar_t* grad, const scalar_t* q, const scalar_t* fk, const scalar_t* fv,
                              const scalar_t* ck, const scalar_t* cv, const int64_t* lens, const scalar_t* out,
                              const at::opmath_type<scalar_t>* lse, at::opmath_type<scalar_t>* delta, scalar_t* dq,
-                             Dims d, int64_t rows_per_block) {
+                             Dims d, int64_t rows_per_block, at::opmath_type<scalar_t> scale) {
   using acc_t = at::opmath_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int64_t dh = d.head_dim, stride = shared_stride(dh), task_rows = d.flow * d.group;
@@ -189,7 +200,6 @@ __global__ void __launch_bounds__(kThreads)
   acc_t* k_tile = dq_s + rows_per_block * stride;   // (kTile, stride)
   acc_t* v_tile = k_tile + kTile * stride;          // (kTile, stride)
   acc_t* delta_s = v_tile + kTile * stride;         // (rows_per_block,)
-  const acc_t scale = acc_t(1) / sqrt(static_cast<acc_t>(dh));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
   load_query_rows(d, t, q, t.first, rows, scale, q_s);
@@ -243,7 +253,7 @@ __global__ void __launch_bounds__(kThreads)
     flow_attention_dkv_kernel(const scalar_t* grad, const scalar_t* q, const scalar_t* fk, const scalar_t* fv,
                               const int64_t* lens, const at::opmath_type<scalar_t>* lse,
                               const at::opmath_type<scalar_t>* delta, scalar_t* dfk, scalar_t* dfv, Dims d,
-                              int64_t keys_per_block) {
+                              int64_t keys_per_block, at::opmath_type<scalar_t> scale) {
   using acc_t = at::opmath_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int64_t dh = d.head_dim, stride = shared_stride(dh), task_rows = d.flow * d.group;
@@ -257,7 +267,6 @@ __global__ void __launch_bounds__(kThreads)
   acc_t* do_tile = q_tile + kTile * stride;        // (kTile, stride)
   acc_t* lse_tile = do_tile + kTile * stride;      // (kTile,)
   acc_t* delta_tile = lse_tile + kTile;            // (kTile,)
-  const acc_t scale = acc_t(1) / sqrt(static_cast<acc_t>(dh));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
   // A warp per key row, lanes along it: no 64-bit division per element (its subroutine calls spilled on sm_90).
@@ -328,10 +337,18 @@ BlockPlan plan_blocks(const char* kernel, const char* item, int64_t tasks, int64
   TORCH_CHECK(fitting >= 1, kernel, ": head_dim ", head_dim, " needs ", (fixed + per_item) * element_bytes,
               " bytes of shared memory per block with a single ", item, ", more than this GPU's ", limit,
               " (cudaDevAttrMaxSharedMemoryPerBlockOptin); use FLOWKIT_KERNELS=triton or reference");
+  TORCH_CHECK(items <= INT_MAX, kernel, ": ", items, " ", item, "s per task exceed 32-bit indexing");
   const int64_t per_block = std::min({items, max_per_block, fitting});
   const int64_t blocks = tasks * ((items + per_block - 1) / per_block);
   TORCH_CHECK(blocks <= INT_MAX, kernel, ": ", blocks, " blocks exceed the grid limit");
   return {per_block, size_t((fixed + per_item * per_block) * element_bytes), int(blocks)};
+}
+
+// 1/√dh, computed on the host: on the device a double sqrt calls a slow-path subroutine, and ptxas spilled the dQ
+// kernel's registers around that call.
+template <typename acc_t>
+acc_t softmax_scale(const Dims& d) {
+  return static_cast<acc_t>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
 }
 
 template <typename Kernel>
@@ -363,7 +380,7 @@ std::tuple<at::Tensor, at::Tensor> flow_attention_cuda(const at::Tensor& q_in, c
     flow_attention_fwd_kernel<scalar_t><<<plan.blocks, kThreads, plan.shared_bytes, stream>>>(
         q.data_ptr<scalar_t>(), fk.data_ptr<scalar_t>(), fv.data_ptr<scalar_t>(), ck.data_ptr<scalar_t>(),
         cv.data_ptr<scalar_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(), d,
-        plan.per_block);
+        plan.per_block, softmax_scale<acc_t>(d));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, lse};
@@ -396,7 +413,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flow_attention_backward_cuda(
     flow_attention_dq_kernel<scalar_t><<<rows_plan.blocks, kThreads, rows_plan.shared_bytes, stream>>>(
         grad.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), fk.data_ptr<scalar_t>(), fv.data_ptr<scalar_t>(),
         ck.data_ptr<scalar_t>(), cv.data_ptr<scalar_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-        lse.data_ptr<acc_t>(), delta.data_ptr<acc_t>(), grad_q.data_ptr<scalar_t>(), d, rows_plan.per_block);
+        lse.data_ptr<acc_t>(), delta.data_ptr<acc_t>(), grad_q.data_ptr<scalar_t>(), d, rows_plan.per_block,
+        softmax_scale<acc_t>(d));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // K, V, dK and dV per flow key; the q and dO tiles with their lse and delta
     const BlockPlan keys_plan = plan_blocks("flow_attention_backward (CUDA, dK/dV)", "flow key", tasks, d.flow,
@@ -406,7 +424,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flow_attention_backward_cuda(
     flow_attention_dkv_kernel<scalar_t><<<keys_plan.blocks, kThreads, keys_plan.shared_bytes, stream>>>(
         grad.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), fk.data_ptr<scalar_t>(), fv.data_ptr<scalar_t>(),
         lens.data_ptr<int64_t>(), lse.data_ptr<acc_t>(), delta.data_ptr<acc_t>(), grad_fk.data_ptr<scalar_t>(),
-        grad_fv.data_ptr<scalar_t>(), d, keys_plan.per_block);
+        grad_fv.data_ptr<scalar_t>(), d, keys_plan.per_block, softmax_scale<acc_t>(d));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {grad_q, grad_fk, grad_fv};
