@@ -4,6 +4,16 @@ The runs are the tiny RLFR config shrunk to a step or two of 2 prompts × 2 samp
 """
 
 import ast
+import fcntl
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
 import warnings
 from pathlib import Path
 
@@ -106,6 +116,68 @@ def test_progress_is_one_readable_line_when_stdout_is_not_a_terminal(tmp_path, m
     messages = [str(w.message) for w in caught]
     # Neither warning a user cannot act on: the policy's modes (HF loads in eval mode) and pytest's own argv.
     assert not [m for m in messages if "in eval mode" in m or "args parameter is intended" in m], messages
+
+
+def run_on_a_terminal(args: list[str], timeout: float = 600) -> str:
+    """The output of ``python -m flowkit ARGS`` with stdout and stderr on a 120-column pseudo-terminal."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "flowkit", *args], stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            elif process.poll() is not None:
+                break
+        assert process.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, b"".join(chunks)[-3000:]
+    finally:
+        process.kill()
+        os.close(master)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def screen(out: str) -> list[str]:
+    """What a terminal shows after ``out``: carriage return, newline and cursor-up (tqdm's controls) applied."""
+    rows, row, col = [[]], 0, 0
+    for token in re.findall(r"\x1b\[(\d*)A|(\r)|(\n)|([^\r\n\x1b]+)", out):
+        up, carriage_return, newline, text = token
+        if carriage_return:
+            col = 0
+        elif newline:
+            row, col = row + 1, 0
+            rows.extend([] for _ in range(row + 1 - len(rows)))
+        elif text:
+            line = rows[row]
+            line.extend(" " * (col - len(line)))
+            line[col:col + len(text)] = text
+            col += len(text)
+        else:
+            row = max(0, row - int(up or 1))
+    return ["".join(line).rstrip() for line in rows if "".join(line).strip()]
+
+
+def test_the_step_bar_is_drawn_once_on_a_terminal_and_closed_before_the_end_of_fit_lines(tmp_path):
+    out = run_on_a_terminal(["fit", "--config", CONFIG, *SHORT, "--trainer.max_steps", "2",
+                             "--trainer.val_check_interval", "2", "--trainer.default_root_dir", str(tmp_path / "run")])
+    shown = screen(out)
+    bars = [line for line in shown if line.startswith("step:")]
+    assert len(bars) == 1 and "2/2" in bars[0], shown
+    assert bars[0].rstrip().endswith("]"), bars  # the bar alone: nothing printed onto its line
+
+    def first(prefix: str) -> int:
+        return next(i for i, line in enumerate(shown) if line.startswith(prefix))
+
+    assert shown.index(bars[0]) < first("`Trainer.fit` stopped") < first("exported policy") < first("fit summary")
 
 
 def imports(path: Path) -> set[str]:

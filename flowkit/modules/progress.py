@@ -82,6 +82,14 @@ class RLProgressBar(TQDMProgressBar):
         self.train_progress_bar.n = trainer.global_step  # a resumed run starts where it stopped
         self.train_progress_bar.set_description("step")
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if self.interactive:
+            # tqdm clears a bar below the main one and moves up without a carriage return: the next line printed
+            # (Lightning's "`Trainer.fit` stopped") would start at that bar's last column.
+            sys.stdout.write("\r")
+            sys.stdout.flush()
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
@@ -91,6 +99,10 @@ class RLProgressBar(TQDMProgressBar):
             if self._should_update(step, self.train_progress_bar.total):
                 self.train_progress_bar.n = step
                 self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+            if step >= self.train_progress_bar.total:
+                # Closed at the last step, not at train end: Lightning's "stopped" line and the export lines come
+                # between the two and were printed onto the open bar's line, and the close then drew it again.
+                self.train_progress_bar.close()
             return
         last = _total(trainer) is not None and step >= _total(trainer)
         if trainer.is_global_zero and step != self._last_line_step and (step % self.line_every_n_steps == 0 or last):
