@@ -91,11 +91,13 @@ class SamplingControls:
 
 @dataclass(frozen=True)
 class AdvantageOptions:
-    """``estimator``: ``grpo`` (RLFR eq. 9), ``gae`` (value head, whitened; PPO as TRL) or ``reinforce`` (whitened
-    reward-to-go); ``gamma``, ``lam``: discount and GAE λ; ``scale_rewards``: GRPO's std (``group`` | ``batch`` |
-    ``none``); ``outcome_placement``: GRPO's Â_o on ``every_token`` (the paper) or the ``last_token`` (official);
-    ``entropy_alpha`` > 0 adds "Entropy Adv." (Cheng et al. 2025; RLFR Table 2's logit-space baseline), min(α·H_t,
-    |A_t|/κ) with ``entropy_kappa`` κ, to every advantage (:func:`~flowkit.rl.advantages.entropy_shaped_advantages`)."""
+    """``estimator``: ``grpo`` (RLFR eq. 9), ``rloo`` (eq. 9's form with the leave-one-out baseline), ``gae``
+    (value head, whitened; PPO as TRL), ``reinforce`` (whitened reward-to-go) or another registered one
+    (:func:`~flowkit.rl.advantages.register_advantage`); ``gamma``, ``lam``: discount and GAE λ; ``scale_rewards``:
+    GRPO's std (``group`` | ``batch`` | ``none``); ``outcome_placement``: the outcome advantage on ``every_token``
+    (the paper) or the ``last_token`` (official); ``entropy_alpha`` > 0 adds "Entropy Adv." (Cheng et al. 2025;
+    RLFR Table 2's logit-space baseline), min(α·H_t, |A_t|/κ) with ``entropy_kappa`` κ, to every advantage
+    (:func:`~flowkit.rl.advantages.entropy_shaped_advantages`)."""
 
     estimator: AdvantageName = "grpo"
     gamma: float = 1.0
