@@ -257,3 +257,23 @@ def test_verl_kl_variants_abs_and_straight_through():
         torch.testing.assert_close(straight, kl_estimate(logp, ref, estimator))
         grad, = torch.autograd.grad(straight.sum(), logp)
         torch.testing.assert_close(grad, torch.tensor([[0.5, -1.0]]))
+
+
+def test_loss_context_pieces_by_hand():
+    """aggregated: weights (2, 0.5 | 1, 1), per-token (1, 2 | 3, 4), mask (1, 1 | 1, 0): token-mean (2 + 1 + 3) / 3;
+    seq-mean (1.5 + 3) / 2; over a given denominator 4: 6 / 4. token_ratio clamps the log-ratio at ±20;
+    policy_metrics: the token means of the clipped flags and of logπ_old − logπ."""
+    from flowkit.rl.losses import aggregated, policy_metrics, token_ratio
+
+    per_token = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    weights = torch.tensor([[2.0, 0.5], [1.0, 1.0]])
+    assert aggregated(per_token, mask, LossContext(importance_weights=weights)).item() == pytest.approx(6 / 3)
+    seq = aggregated(per_token, mask, LossContext(aggregation="seq-mean", importance_weights=weights))
+    assert seq.item() == pytest.approx((1.5 + 3.0) / 2)
+    assert aggregated(per_token, mask, LossContext(importance_weights=weights, denominator=4.0)).item() == 1.5
+    ratio = token_ratio(torch.tensor([[0.0, 50.0, math.log(2.0)]]), torch.tensor([[0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(ratio, torch.tensor([[1.0, math.exp(20.0), 2.0]]))
+    metrics = policy_metrics(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2),
+                             torch.tensor([[True, False]]))
+    assert metrics["clip_fraction"].item() == 0.5 and metrics["approx_kl"].item() == pytest.approx((-0.5 + 1.0) / 2)
