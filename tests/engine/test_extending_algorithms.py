@@ -106,7 +106,7 @@ def test_rloo_fits_the_tiny_task_with_leave_one_out_advantages(tmp_path, monkeyp
 
     monkeypatch.setattr(Actor, "loss", recording_loss)
     L.seed_everything(0, verbose=False)
-    module = PolicyModule(advantage="rloo", num_samples=4, max_new_tokens=8, outcome_reward="binary", lr=1e-4,
+    module = PolicyModule(advantage="rloo", num_samples=4, max_new_tokens=28, outcome_reward="binary", lr=1e-4,
                           skip_zero_advantage_rows=False)
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
