@@ -154,8 +154,8 @@ class Actor:
 
     def loss(self, micro: RolloutBatch, out: ActorOutput, denominator: Tensor, tokens: Tensor,
              stats: StepStats) -> Tensor:
-        """This micro-batch's share of its minibatch's loss: the policy loss (``policy_loss``: ``ppo``, ``gspo`` or
-        ``cispo``, :data:`~flowkit.rl.losses.POLICY_LOSSES`) summed over the micro-batch and divided by the
+        """This micro-batch's share of its minibatch's loss: the policy loss (``policy_loss``: ``ppo``, ``gspo``,
+        ``cispo`` or another registered one, :data:`~flowkit.rl.losses.POLICY_LOSSES`) summed over the micro-batch and divided by the
         minibatch's aggregation ``denominator``; − entropy_coef × the token entropy, aggregated alike (verl's
         ``entropy_coeff``); + kl_coef × the KL term (KL in the loss); + vf_coef × the clipped value loss over the
         minibatch's ``tokens`` (``gae``). The shares add up to the minibatch loss whatever the micro-batch size."""
@@ -163,10 +163,9 @@ class Actor:
         anchor, weights = micro.old_logprobs, None
         if micro.rollout_logprobs is not None:
             anchor, weights = self._rollout_correction(micro, out, stats)
-        policy_loss = POLICY_LOSSES[options.policy_loss]
+        policy_loss = POLICY_LOSSES[options.policy_loss].fn
         loss, info = policy_loss(out.logprobs, anchor, micro.advantages, micro.response_mask,
-                                 options.clip_low, options.clip_high, options.aggregation, options.clip_ratio_c,
-                                 weights, denominator, options.max_new_tokens)
+                                 options.context(weights, denominator))
         count = float(micro.response_mask.sum())
         stats.add("train/policy_loss", loss.detach())
         stats.add_weighted("train/clip_fraction", info["clip_fraction"], count)

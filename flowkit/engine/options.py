@@ -6,13 +6,15 @@ and builds these groups; the engine reads only the groups.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from torch import Tensor
+
 from flowkit.errors import ConfigError, check_range
-from flowkit.rl.advantages import ESTIMATORS, AdvantageName, OutcomePlacement, ScaleRewards
+from flowkit.rl.advantages import ESTIMATORS, AdvantageContext, AdvantageName, OutcomePlacement, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
-from flowkit.rl.losses import KL_ESTIMATORS, POLICY_LOSSES, Aggregation, KLEstimator, PolicyLossName
+from flowkit.rl.losses import KL_ESTIMATORS, POLICY_LOSSES, Aggregation, KLEstimator, LossContext, PolicyLossName
 from flowkit.rl.rollout_correction import RolloutCorrection
 
 
@@ -89,11 +91,13 @@ class SamplingControls:
 
 @dataclass(frozen=True)
 class AdvantageOptions:
-    """``estimator``: ``grpo`` (RLFR eq. 9), ``gae`` (value head, whitened; PPO as TRL) or ``reinforce`` (whitened
-    reward-to-go); ``gamma``, ``lam``: discount and GAE λ; ``scale_rewards``: GRPO's std (``group`` | ``batch`` |
-    ``none``); ``outcome_placement``: GRPO's Â_o on ``every_token`` (the paper) or the ``last_token`` (official);
-    ``entropy_alpha`` > 0 adds "Entropy Adv." (Cheng et al. 2025; RLFR Table 2's logit-space baseline), min(α·H_t,
-    |A_t|/κ) with ``entropy_kappa`` κ, to every advantage (:func:`~flowkit.rl.advantages.entropy_shaped_advantages`)."""
+    """``estimator``: ``grpo`` (RLFR eq. 9), ``rloo`` (eq. 9's form with the leave-one-out baseline), ``gae``
+    (value head, whitened; PPO as TRL), ``reinforce`` (whitened reward-to-go) or another registered one
+    (:func:`~flowkit.rl.advantages.register_advantage`); ``gamma``, ``lam``: discount and GAE λ; ``scale_rewards``:
+    GRPO's std (``group`` | ``batch`` | ``none``); ``outcome_placement``: the outcome advantage on ``every_token``
+    (the paper) or the ``last_token`` (official); ``entropy_alpha`` > 0 adds "Entropy Adv." (Cheng et al. 2025;
+    RLFR Table 2's logit-space baseline), min(α·H_t, |A_t|/κ) with ``entropy_kappa`` κ, to every advantage
+    (:func:`~flowkit.rl.advantages.entropy_shaped_advantages`)."""
 
     estimator: AdvantageName = "grpo"
     gamma: float = 1.0
@@ -112,6 +116,10 @@ class AdvantageOptions:
         _one_of(owner, "scale_rewards", self.scale_rewards, ("group", "batch", "none"))
         _one_of(owner, "outcome_placement", self.outcome_placement, ("every_token", "last_token"))
 
+    def context(self) -> AdvantageContext:
+        """What the estimator reads of these options."""
+        return AdvantageContext(self.gamma, self.lam, self.scale_rewards, self.outcome_placement)
+
 
 @dataclass(frozen=True)
 class LossOptions:
@@ -121,7 +129,8 @@ class LossOptions:
     ``value_clip``) of the ``gae`` estimator. ``max_new_tokens``: the generation budget, for ``dr-grpo``.
     ``policy_loss``: the registered policy loss (``ppo`` the clipped surrogate, ``gspo`` its sequence-level ratio,
     ``cispo`` the clipped IS weight; :data:`~flowkit.rl.losses.POLICY_LOSSES`); ``entropy_coef``: weight of the
-    entropy bonus (verl's ``entropy_coeff``; 0 is off)."""
+    entropy bonus (verl's ``entropy_coeff``; 0 is off); ``policy_loss_args``: values of the policy loss's own
+    hyper-parameters, by the names its registration declares (the others keep their declared defaults)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -136,9 +145,15 @@ class LossOptions:
     max_new_tokens: int = 1024
     policy_loss: PolicyLossName = "ppo"
     entropy_coef: float = 0.0
+    policy_loss_args: dict[str, float] = field(default_factory=dict)
 
     def check(self, owner: str) -> None:
         _one_of(owner, "policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
+        accepted = POLICY_LOSSES[self.policy_loss].args
+        unknown = sorted(set(self.policy_loss_args) - set(accepted))
+        if unknown:
+            raise ConfigError(f"{owner}.policy_loss_args: policy_loss {self.policy_loss!r} accepts "
+                              f"{', '.join(sorted(accepted)) or 'no arguments'}, got {', '.join(unknown)}")
         if self.clip_ratio_c is not None and self.policy_loss == "cispo":
             raise ConfigError(f"{owner}.clip_ratio_c applies to policy_loss ppo and gspo (cispo has no min to cap): "
                               "set it to null")
@@ -155,6 +170,13 @@ class LossOptions:
         check_range(owner, "vf_coef", self.vf_coef, 0)
         check_range(owner, "value_clip", self.value_clip, 0, open_low=True)
         check_range(owner, "max_new_tokens", self.max_new_tokens, 1)
+
+    def context(self, importance_weights: Tensor | None, denominator: Tensor) -> LossContext:
+        """The policy loss's context for one micro-batch: these options, the micro-batch's rollout-correction
+        ``importance_weights`` and its minibatch's aggregation ``denominator``."""
+        return LossContext(self.clip_low, self.clip_high, self.clip_ratio_c, self.aggregation, importance_weights,
+                           denominator, self.max_new_tokens,
+                           {**POLICY_LOSSES[self.policy_loss].args, **self.policy_loss_args})
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,7 @@ from flowkit.engine.options import AdvantageOptions, SamplingControls, UpdateOpt
 from flowkit.engine.stats import StepStats
 from flowkit.llm.engines import RolloutEngine
 from flowkit.rewards.base import TokenRewardModel
-from flowkit.rl.advantages import (
-    ESTIMATORS, AdvantageInputs, entropy_shaped_advantages, group_normalized_advantage, whitened,
-)
+from flowkit.rl.advantages import ESTIMATORS, AdvantageInputs, entropy_shaped_advantages, whitened
 from flowkit.rl.losses import aggregation_denominator, kl_shaped_rewards
 
 
@@ -74,7 +72,7 @@ class RLStep:
         self.advantage, self.update, self.num_samples = advantage, update, num_samples
         self.backward, self.step_optimizer = backward, step_optimizer
         self.controls, self.draw_prompts = controls, draw_prompts
-        self.estimator = ESTIMATORS[advantage.estimator]
+        self.estimator, self.estimator_context = ESTIMATORS[advantage.estimator], advantage.context()
 
     def __call__(self, prompts: list[str], answers: list[str], step: int,
                  columns: dict[str, list] | None = None) -> tuple[RolloutBatch, dict[str, Tensor]]:
@@ -93,11 +91,7 @@ class RLStep:
             order = longest_first(sequence_lengths(batch.attention_mask))
             batch = batch.select(order)
             in_loss = None if in_loss is None else in_loss[order]
-        if self.estimator.normalized_outcome:
-            outcome = group_normalized_advantage(batch.outcome_rewards, batch.group_ids,
-                                                 scale_rewards=self.advantage.scale_rewards)
-        else:
-            outcome = batch.outcome_rewards.float()
+        outcome = self.estimator.outcome(batch.outcome_rewards, batch.group_ids, self.estimator_context)
         if self.reward_model is not None:
             self.reward_model.begin_step(step, batch)
         batch.entropy = torch.full((batch.batch_size,), float("nan"), device=batch.input_ids.device)  # NaN: not run
@@ -209,8 +203,7 @@ class RLStep:
                                         options.kl_estimator)
         micro.old_values = None if out.values is None else out.values.detach()
         inputs = AdvantageInputs(outcome[rows], mask, rewards, micro.old_values)
-        micro.advantages, micro.returns = self.estimator.fn(inputs, self.advantage.gamma, self.advantage.lam,
-                                                            self.advantage.outcome_placement)
+        micro.advantages, micro.returns = self.estimator.tokens(inputs, self.estimator_context)
         if self.advantage.entropy_alpha > 0:
             micro.advantages = entropy_shaped_advantages(micro.advantages, out.entropy, mask,
                                                          self.advantage.entropy_alpha, self.advantage.entropy_kappa)

@@ -33,7 +33,7 @@ from flowkit.modules.sft import supervised_start
 from flowkit.rewards.base import TokenRewardModel, check_reward_model
 from flowkit.rewards.functions import build_reward_functions, outcome_rewards
 from flowkit.rewards.grader import grade
-from flowkit.rl.advantages import AdvantageName, ScaleRewards
+from flowkit.rl.advantages import ESTIMATORS, AdvantageName, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
 from flowkit.rl.losses import Aggregation, KLEstimator, PolicyLossName
 from flowkit.rl.metrics import pass_at_k
@@ -310,7 +310,8 @@ class PolicyModule(L.LightningModule):
             # newer transformers name it activation_checkpointing_enable (the old name warns); older ones lack it
             getattr(self.policy, "activation_checkpointing_enable", self.policy.gradient_checkpointing_enable)(
                 {"use_reentrant": False})
-        self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1) if advantage == "gae" else None
+        self.value_head = (torch.nn.Linear(self.policy.config.hidden_size, 1) if ESTIMATORS[advantage].value_head
+                           else None)
         self.reward_model = reward_model
         self.tap = None
         if reward_model is not None and reward_model.percentiles:

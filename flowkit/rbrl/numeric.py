@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from flowkit.rbrl import sac
 from flowkit.rbrl.language import LanguageEnv, mean_episode_returns
 from flowkit.rl.advantages import gae
-from flowkit.rl.losses import clipped_policy_loss, clipped_value_loss
+from flowkit.rl.losses import LossContext, clipped_policy_loss, clipped_value_loss
 
 
 def _mlp(inputs: int, outputs: int, hidden: int) -> nn.Module:
@@ -216,7 +216,7 @@ class NumericPPO:
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
                 every = torch.ones_like(adv)
                 policy_loss, _ = clipped_policy_loss(dist.log_prob(batch["action"][idx]), batch["log_prob"][idx], adv,
-                                                     every, self.clip, self.clip)
+                                                     every, LossContext(clip_low=self.clip, clip_high=self.clip))
                 value = self.critic(batch["state"][idx]).squeeze(-1)
                 value_loss = clipped_value_loss(value, batch["value"][idx], batch["return"][idx], every, self.clip)
                 loss = policy_loss + self.vf_coef * value_loss - self.ent_coef * dist.entropy().mean()

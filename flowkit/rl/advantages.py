@@ -1,13 +1,17 @@
 """Advantage estimators, as pure tensor functions registered by name (verl's ``core_algos`` style).
 
 - ``grpo``: the group-normalised outcome advantage Â_o plus the reward-to-go of the dense token rewards (RLFR eq. 9).
+- ``rloo``: GRPO's form with the leave-one-out baseline instead (Kool et al. 2019; Ahmadian et al. 2024).
 - ``gae``: generalised advantage estimation over the token rewards with a value head, whitened (PPO as TRL's PPO
   trainer runs it for the explanation method, seed 000 App. F; also the numeric PPO baseline of RBRL).
 - ``reinforce``: the whitened reward-to-go, no value head.
 
-Every estimator reads one :class:`AdvantageInputs` (rows are independent, so a micro-batch can be estimated alone)
-and returns (advantages, value targets or None); :data:`ESTIMATORS` says whether it needs a value head and whether
-its advantages are whitened over the whole batch (which needs every row before the first update).
+An estimator (:class:`Estimator`, registered with :func:`register_advantage`) runs in up to three stages, because
+the step scores its rows micro-batch by micro-batch: ``outcome(rewards, group_ids, ctx)`` once over every row of the
+step (the group statistics: GRPO's normalisation, RLOO's baseline); ``tokens(inputs, ctx)`` per micro-batch, on its
+rows alone (:class:`AdvantageInputs`: the rows' outcome advantages, mask, token rewards, values); and, when it
+declares ``whiten``, a whitening over the whole batch after every row was estimated (which needs every row before
+the first update).
 """
 
 from __future__ import annotations
@@ -128,18 +132,53 @@ OutcomePlacement = Literal["every_token", "last_token"]
 
 @dataclass
 class AdvantageInputs:
-    """What an estimator reads, for B rows (any subset of a step's rows).
+    """What an estimator's ``tokens`` stage reads, for B rows (any subset of a step's rows).
 
-    ``outcome``: per row, GRPO's group-normalised Â_o (``grpo``) or the raw outcome reward r_o (``gae``,
-    ``reinforce``: a reward on the last response token). ``token_rewards``: B×S dense rewards on response tokens (a
-    reward model's, KL-shaped when the KL is in the reward) or None. ``values``: B×S value-head estimates V(state
-    before token s) at response tokens, for ``gae``.
+    ``outcome``: per row, the estimator's ``outcome`` stage over the step (GRPO's group-normalised Â_o, RLOO's
+    leave-one-out advantage, or the raw outcome reward r_o for ``gae`` and ``reinforce``). ``token_rewards``: B×S
+    dense rewards on response tokens (a reward model's, KL-shaped when the KL is in the reward) or None. ``values``:
+    B×S value-head estimates V(state before token s) at response tokens, for an estimator with a value head.
     """
 
     outcome: Tensor
     response_mask: Tensor
     token_rewards: Tensor | None = None
     values: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AdvantageContext:
+    """The estimators' settings: discount ``gamma``, GAE's ``lam``, GRPO's ``scale_rewards`` and where an outcome
+    advantage enters the tokens (``outcome_placement``)."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    scale_rewards: ScaleRewards = "group"
+    outcome_placement: OutcomePlacement = "every_token"
+
+
+OutcomeStage = Callable[[Tensor, Tensor, AdvantageContext], Tensor]
+TokenStage = Callable[[AdvantageInputs, AdvantageContext], tuple[Tensor, Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator (see the module docstring for its stages).
+
+    ``outcome(rewards, group_ids, ctx)``: N outcome rewards and N group ids (the prompt index of each row) of every
+    row of the step → the N rows' outcome terms. ``tokens(inputs, ctx)`` → (B×S advantages, B×S value targets or
+    None). ``value_head``: it reads ``inputs.values`` and returns value targets (the policy gets a value head).
+    ``whiten``: its advantages are whitened over the whole batch after every row is estimated.
+    """
+
+    outcome: OutcomeStage
+    tokens: TokenStage
+    value_head: bool
+    whiten: bool
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+AdvantageName = Literal["grpo", "rloo", "gae", "reinforce"]
 
 
 def _outcome_at_last_token(inputs: AdvantageInputs) -> Tensor:
@@ -152,42 +191,63 @@ def _outcome_at_last_token(inputs: AdvantageInputs) -> Tensor:
     return rewards
 
 
-def grpo_advantages(inputs: AdvantageInputs, gamma: float, lam: float,
-                    placement: OutcomePlacement = "every_token") -> tuple[Tensor, None]:
+def outcome_and_reward_to_go(inputs: AdvantageInputs, ctx: AdvantageContext) -> tuple[Tensor, None]:
     """RLFR eq. 9: A_k = Σ_{s≥k} γ^{s−k} r_s + Â_o (``every_token``, the paper) or the official code's form with Â_o
-    a reward on the last token, discounted with the token rewards (``last_token``; equal at γ = 1)."""
-    if placement == "last_token":
-        return reward_to_go(_outcome_at_last_token(inputs), inputs.response_mask, gamma), None
-    return token_advantages(inputs.outcome, inputs.response_mask, inputs.token_rewards, gamma), None
+    a reward on the last token, discounted with the token rewards (``last_token``; equal at γ = 1). No value head."""
+    if ctx.outcome_placement == "last_token":
+        return reward_to_go(_outcome_at_last_token(inputs), inputs.response_mask, ctx.gamma), None
+    return token_advantages(inputs.outcome, inputs.response_mask, inputs.token_rewards, ctx.gamma), None
 
 
-def gae_advantages(inputs: AdvantageInputs, gamma: float, lam: float,
-                   placement: OutcomePlacement = "every_token") -> tuple[Tensor, Tensor]:
+def gae_tokens(inputs: AdvantageInputs, ctx: AdvantageContext) -> tuple[Tensor, Tensor]:
     """GAE(γ, λ) over the token rewards with r_o on the last token, against the value head (TRL's PPO)."""
     if inputs.values is None:
         raise ValueError("the gae estimator needs value-head estimates")
-    return sequence_gae(_outcome_at_last_token(inputs), inputs.values, inputs.response_mask, gamma, lam)
+    return sequence_gae(_outcome_at_last_token(inputs), inputs.values, inputs.response_mask, ctx.gamma, ctx.lam)
 
 
-def reinforce_advantages(inputs: AdvantageInputs, gamma: float, lam: float,
-                         placement: OutcomePlacement = "every_token") -> tuple[Tensor, None]:
+def reinforce_tokens(inputs: AdvantageInputs, ctx: AdvantageContext) -> tuple[Tensor, None]:
     """The reward-to-go of the token rewards with r_o on the last token (whitened over the batch afterwards)."""
-    return reward_to_go(_outcome_at_last_token(inputs), inputs.response_mask, gamma), None
+    return reward_to_go(_outcome_at_last_token(inputs), inputs.response_mask, ctx.gamma), None
 
 
-@dataclass(frozen=True)
-class Estimator:
-    """An advantage estimator: ``fn(inputs, gamma, lam, placement) -> (advantages, returns | None)``."""
+def register_advantage(name: str, tokens: TokenStage = outcome_and_reward_to_go, value_head: bool = False,
+                       whiten: bool = False) -> Callable[[OutcomeStage], OutcomeStage]:
+    """Registers the decorated ``outcome(rewards, group_ids, ctx)`` stage as estimator ``name`` with its
+    ``tokens`` stage (default: the outcome term on the tokens plus the reward-to-go, GRPO's eq. 9) and its flags
+    (:class:`Estimator`)."""
 
-    fn: Callable[..., tuple[Tensor, Tensor | None]]
-    normalized_outcome: bool  # reads GRPO's group-normalised Â_o (else the raw outcome reward)
-    value_head: bool  # needs V estimates, returns value targets
-    whiten: bool  # advantages whitened over the whole batch, after every row is estimated
+    def register(outcome: OutcomeStage) -> OutcomeStage:
+        ESTIMATORS[name] = Estimator(outcome, tokens, value_head, whiten)
+        return outcome
+
+    return register
 
 
-ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator(grpo_advantages, normalized_outcome=True, value_head=False, whiten=False),
-    "gae": Estimator(gae_advantages, normalized_outcome=False, value_head=True, whiten=True),
-    "reinforce": Estimator(reinforce_advantages, normalized_outcome=False, value_head=False, whiten=True),
-}
-AdvantageName = Literal["grpo", "gae", "reinforce"]
+@register_advantage("grpo")
+def grpo_outcome(rewards: Tensor, group_ids: Tensor, ctx: AdvantageContext) -> Tensor:
+    """GRPO's Â_o, :func:`group_normalized_advantage` with ``ctx.scale_rewards``."""
+    return group_normalized_advantage(rewards, group_ids, scale_rewards=ctx.scale_rewards)
+
+
+@register_advantage("reinforce", tokens=reinforce_tokens, whiten=True)
+@register_advantage("gae", tokens=gae_tokens, value_head=True, whiten=True)
+def raw_outcome(rewards: Tensor, group_ids: Tensor, ctx: AdvantageContext) -> Tensor:
+    """No group baseline: the outcome reward itself (``gae``'s baseline is its value head; ``reinforce`` is
+    whitened over the batch)."""
+    return rewards.float()
+
+
+@register_advantage("rloo")
+def rloo_outcome(rewards: Tensor, group_ids: Tensor, ctx: AdvantageContext) -> Tensor:
+    """RLOO's leave-one-out advantage (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!";
+    Ahmadian et al. 2024, "Back to Basics", RLOO): A_i = r_i − 1/(k−1) Σ_{j≠i} r_j over the k rows of row i's
+    group, i.e. k/(k−1)·(r_i − mean_group) — unbiased, as the baseline does not depend on r_i, and not scaled by a
+    std (``scale_rewards`` is GRPO's). A group of one row has no other sample to compare with: its advantage is 0."""
+    rewards = rewards.float()
+    groups, inverse = torch.unique(group_ids, return_inverse=True)
+    count = torch.zeros(len(groups), device=rewards.device).index_add_(0, inverse, torch.ones_like(rewards))
+    total = torch.zeros(len(groups), device=rewards.device).index_add_(0, inverse, rewards)
+    others = count[inverse] - 1
+    baseline = (total[inverse] - rewards) / others.clamp(min=1)
+    return torch.where(others > 0, rewards - baseline, torch.zeros_like(rewards))

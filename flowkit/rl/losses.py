@@ -1,10 +1,11 @@
-"""Policy-gradient losses, registered by name with one signature (:data:`POLICY_LOSSES`: ``ppo`` the PPO/GRPO clipped
-surrogate, ``gspo`` its sequence-level importance ratio, ``cispo`` the clipped IS weight), the KL estimators and the
-clipped value loss."""
+"""Policy-gradient losses, registered by name with one signature ``fn(logprobs, old_logprobs, advantages, mask, ctx)``
+(:data:`POLICY_LOSSES`: ``ppo`` the PPO/GRPO clipped surrogate, ``gspo`` its sequence-level importance ratio,
+``cispo`` the clipped IS weight; ``ctx`` a :class:`LossContext`), the KL estimators and the clipped value loss."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -55,26 +56,73 @@ def masked_aggregate(values: Tensor, mask: Tensor, aggregation: Aggregation = "t
     return masked_sum(values, mask, aggregation) / aggregation_denominator(mask, aggregation, max_new_tokens)
 
 
-PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+@dataclass(frozen=True)
+class LossContext:
+    """What a policy loss reads besides its four B×S tensors.
+
+    Attributes:
+        clip_low, clip_high: the ratio's clip range [1 − ε_low, 1 + ε_high] (DAPO's asymmetric ``clip_high``).
+        clip_ratio_c: dual clip (Ye et al. 2020, verl's ``clip_ratio_c``, typically 3): for A < 0 the per-token
+            loss is capped at −c·A, so a huge ratio on a negative-advantage token cannot blow up the step.
+            Must be > 1; None is off.
+        aggregation: how per-token losses become one number (:func:`masked_aggregate`).
+        importance_weights: B×S detached per-token weights multiplied into the loss, e.g. the truncated
+            importance-sampling correction min(exp(logπ_old − logπ_rollout), cap) for a rollout engine whose
+            sampler differs from the trainer (verl / TRL); None is 1.
+        denominator: the whole minibatch's :func:`aggregation_denominator` when this call sees one micro-batch of
+            it; the micro-batches' losses then add up to the minibatch loss. None: this call's own rows.
+        max_new_tokens: the generation budget, for ``dr-grpo``.
+        args: the loss's own hyper-parameters by name: the defaults its :func:`register_policy_loss` declared,
+            overridden by the ``policy_loss_args`` option.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    aggregation: Aggregation = "token-mean"
+    importance_weights: Tensor | None = None
+    denominator: Tensor | float | None = None
+    max_new_tokens: int | None = None
+    args: Mapping[str, float] = field(default_factory=dict)
+
+
+PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, LossContext], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss: the function and the hyper-parameters it accepts in ``ctx.args``, with defaults."""
+
+    fn: PolicyLossFn
+    args: Mapping[str, float]
+
+
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 PolicyLossName = Literal["ppo", "gspo", "cispo"]
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Registers a policy loss under ``name`` (verl's ``register_policy_loss``). Every loss takes
-    ``(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, aggregation, clip_ratio_c, importance_weights,
-    denominator, max_new_tokens)`` as :func:`clipped_policy_loss` and returns (loss, detached ``clip_fraction`` and
-    ``approx_kl``)."""
+def register_policy_loss(name: str, **args: float) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Registers ``fn(logprobs, old_logprobs, advantages, mask, ctx)`` under ``name`` (verl's
+    ``register_policy_loss``); ``args`` names the loss's own hyper-parameters with their defaults, which it reads as
+    ``ctx.args[name]``. A loss returns (loss, detached ``clip_fraction`` and ``approx_kl``)."""
 
-    def register(fn: PolicyLoss) -> PolicyLoss:
-        POLICY_LOSSES[name] = fn
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSSES[name] = PolicyLoss(fn, dict(args))
         return fn
 
     return register
 
 
-def _aggregated(per_token: Tensor, mask: Tensor, aggregation: Aggregation, denominator: Tensor | float | None,
-                max_new_tokens: int | None) -> Tensor:
+def aggregated(per_token: Tensor, mask: Tensor, ctx: LossContext) -> Tensor:
+    """``ctx.importance_weights`` × ``per_token``, aggregated over ``mask`` as ``ctx`` says: ``masked_sum /
+    ctx.denominator``, the minibatch's aggregate or this micro-batch's share of it."""
+    if ctx.importance_weights is not None:
+        per_token = per_token * ctx.importance_weights
+    return _share(per_token, mask, ctx.aggregation, ctx.denominator, ctx.max_new_tokens)
+
+
+def _share(per_token: Tensor, mask: Tensor, aggregation: Aggregation, denominator: Tensor | float | None,
+           max_new_tokens: int | None) -> Tensor:
     """``masked_sum / denominator``: the minibatch's aggregate, or this micro-batch's share of it."""
     if denominator is None:
         denominator = aggregation_denominator(mask, aggregation, max_new_tokens)
@@ -88,58 +136,40 @@ def _dual_clipped(per_token: Tensor, advantages: Tensor, clip_ratio_c: float | N
     return torch.where(advantages < 0, torch.minimum(per_token, -clip_ratio_c * advantages), per_token)
 
 
-@register_policy_loss("ppo")
-def clipped_policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    aggregation: Aggregation = "token-mean",
-    clip_ratio_c: float | None = None,
-    importance_weights: Tensor | None = None,
-    denominator: Tensor | float | None = None,
-    max_new_tokens: int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) with ρ = exp(logπ − logπ_old), aggregated over ``mask``; the log-ratio
-    is clamped to ±:data:`LOG_RATIO_BOUND` first (verl), so an outlier token cannot overflow exp.
+def token_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
+    """ρ = exp(logπ − logπ_old) per token, the log-ratio clamped to ±:data:`LOG_RATIO_BOUND` first (verl), so an
+    outlier token cannot overflow exp."""
+    return torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
-    Args:
-        clip_ratio_c: dual clip (Ye et al. 2020, verl's ``clip_ratio_c``, typically 3): for A < 0 the per-token
-            loss is capped at −c·A, so a huge ratio on a negative-advantage token cannot blow up the step.
-            Must be > 1; None is off.
-        importance_weights: B×S detached per-token weights multiplied into the loss, e.g. the truncated
-            importance-sampling correction min(exp(logπ_old − logπ_rollout), cap) for a rollout engine whose
-            sampler differs from the trainer (verl / TRL); None is 1.
-        denominator: the whole minibatch's :func:`aggregation_denominator` when this call sees one micro-batch of
-            it; the micro-batches' losses then add up to the minibatch loss. None: this call's own rows.
-        max_new_tokens: the generation budget, for ``dr-grpo``.
+
+def policy_metrics(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, clipped: Tensor) -> dict[str, Tensor]:
+    """The detached metrics every policy loss returns: ``clip_fraction``, the token mean of the bool ``clipped``,
+    and ``approx_kl``, the token mean of logπ_old − logπ (over this call's tokens)."""
+    with torch.no_grad():
+        return {"clip_fraction": masked_aggregate(clipped.float(), mask, "token-mean"),
+                "approx_kl": masked_aggregate(old_logprobs - logprobs, mask, "token-mean")}
+
+
+@register_policy_loss("ppo")
+def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                        ctx: LossContext = LossContext()) -> tuple[Tensor, dict[str, Tensor]]:
+    """−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) with ρ = :func:`token_ratio` (PPO, Schulman et al. 2017, eq. 7),
+    dual-clipped, weighted and aggregated over ``mask`` as ``ctx`` says (:class:`LossContext`).
 
     Returns:
         The loss and, detached, ``clip_fraction`` and ``approx_kl`` (token means over this call's tokens).
     """
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    return _clipped_surrogate(ratio, logprobs, old_logprobs, advantages, mask, clip_low, clip_high, aggregation,
-                              clip_ratio_c, importance_weights, denominator, max_new_tokens)
+    return _clipped_surrogate(token_ratio(logprobs, old_logprobs), logprobs, old_logprobs, advantages, mask, ctx)
 
 
 def _clipped_surrogate(ratio: Tensor, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                       clip_low: float, clip_high: float, aggregation: Aggregation, clip_ratio_c: float | None,
-                       importance_weights: Tensor | None, denominator: Tensor | float | None,
-                       max_new_tokens: int | None) -> tuple[Tensor, dict[str, Tensor]]:
+                       ctx: LossContext) -> tuple[Tensor, dict[str, Tensor]]:
     """max(−ρA, −clip(ρ, 1−ε_low, 1+ε_high)A) per token for a given ratio ρ (token-level: PPO; sequence-level:
     GSPO), then the dual clip, the importance weights and the aggregation."""
     unclipped = -ratio * advantages
-    clipped = -ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
-    per_token = _dual_clipped(torch.maximum(unclipped, clipped), advantages, clip_ratio_c)
-    if importance_weights is not None:
-        per_token = per_token * importance_weights
-    loss = _aggregated(per_token, mask, aggregation, denominator, max_new_tokens)
-    with torch.no_grad():
-        clip_fraction = masked_aggregate((clipped > unclipped).float(), mask, "token-mean")
-        approx_kl = masked_aggregate(old_logprobs - logprobs, mask, "token-mean")
-    return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
+    clipped = -ratio.clamp(1 - ctx.clip_low, 1 + ctx.clip_high) * advantages
+    per_token = _dual_clipped(torch.maximum(unclipped, clipped), advantages, ctx.clip_ratio_c)
+    return aggregated(per_token, mask, ctx), policy_metrics(logprobs, old_logprobs, mask, clipped > unclipped)
 
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -151,19 +181,8 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
 
 
 @register_policy_loss("gspo")
-def gspo_policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    aggregation: Aggregation = "token-mean",
-    clip_ratio_c: float | None = None,
-    importance_weights: Tensor | None = None,
-    denominator: Tensor | float | None = None,
-    max_new_tokens: int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                     ctx: LossContext = LossContext()) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in its token form GSPO-token (the paper's
     eq. 13; verl ``loss_mode: gspo``): the clipped surrogate of :func:`clipped_policy_loss` with every token's ratio
     replaced by s_i,t = sg[s_i] · π(y_i,t) / sg[π(y_i,t)], s_i = exp(mean_t log(π/π_old)) the row's
@@ -175,42 +194,24 @@ def gspo_policy_loss(
     call, which micro-batches (they split rows, not tokens) always give."""
     log_sequence = sequence_log_ratio(logprobs, old_logprobs, mask)
     ratio = torch.exp(log_sequence.detach() + logprobs - logprobs.detach())
-    return _clipped_surrogate(ratio, logprobs, old_logprobs, advantages, mask, clip_low, clip_high, aggregation,
-                              clip_ratio_c, importance_weights, denominator, max_new_tokens)
+    return _clipped_surrogate(ratio, logprobs, old_logprobs, advantages, mask, ctx)
 
 
 @register_policy_loss("cispo")
-def cispo_policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    aggregation: Aggregation = "token-mean",
-    clip_ratio_c: float | None = None,
-    importance_weights: Tensor | None = None,
-    denominator: Tensor | float | None = None,
-    max_new_tokens: int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                      ctx: LossContext = LossContext()) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4–5; verl ``loss_mode: cispo``): −sg(r̂)·A·∇log π per token with
     r̂ = clip(ρ, 1−ε_low, 1+ε_high), the importance weight clipped and detached, so a token whose ratio left the
     range still gets its (bounded) gradient instead of none. Written as −sg(r̂)·A·exp(log π − sg(log π)): the
     gradient of verl's −sg(r̂)·A·log π, with the value −r̂·A, comparable to the clipped surrogate's. MiniMax-M1
     clips only above (a large ``clip_low``); ``clip_fraction`` counts tokens whose weight was clipped. No dual clip
     (``clip_ratio_c`` must be None: there is no max to cap)."""
-    if clip_ratio_c is not None:
+    if ctx.clip_ratio_c is not None:
         raise ValueError("cispo has no dual clip: clip_ratio_c must be None")
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    ratio = token_ratio(logprobs, old_logprobs)
+    weight = ratio.clamp(1 - ctx.clip_low, 1 + ctx.clip_high).detach()
     per_token = -weight * advantages * torch.exp(logprobs - logprobs.detach())
-    if importance_weights is not None:
-        per_token = per_token * importance_weights
-    loss = _aggregated(per_token, mask, aggregation, denominator, max_new_tokens)
-    with torch.no_grad():
-        clip_fraction = masked_aggregate((weight != ratio).float(), mask, "token-mean")
-        approx_kl = masked_aggregate(old_logprobs - logprobs, mask, "token-mean")
-    return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
+    return aggregated(per_token, mask, ctx), policy_metrics(logprobs, old_logprobs, mask, weight != ratio)
 
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+"]
@@ -249,8 +250,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, aggregation
                denominator: Tensor | float | None = None, max_new_tokens: int | None = None,
                estimator: KLEstimator = "k3") -> Tensor:
     """The KL term of the loss: :func:`kl_estimate` aggregated over ``mask`` (k3 by default, as verl's
-    ``low_var_kl``). ``denominator`` / ``max_new_tokens`` as in :func:`clipped_policy_loss`."""
-    return _aggregated(kl_estimate(logprobs, ref_logprobs, estimator), mask, aggregation, denominator, max_new_tokens)
+    ``low_var_kl``). ``denominator`` / ``max_new_tokens`` as in :class:`LossContext`."""
+    return _share(kl_estimate(logprobs, ref_logprobs, estimator), mask, aggregation, denominator, max_new_tokens)
 
 
 def kl_shaped_rewards(token_rewards: Tensor | None, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,

@@ -146,3 +146,16 @@ def test_non_finite_token_rewards_stop_the_step_before_any_optimizer_step(single
     with pytest.raises(NonFiniteStep, match="token rewards"):
         step(["a", "b"], ["1", "2"], 0)
     assert steps == []
+
+
+def test_rloo_step_hands_each_row_its_leave_one_out_advantage(single_thread):
+    """Groups of 2 with outcomes (1, 0) and (0, 0): RLOO gives 1 − 0 and 0 − 1, then 0 and 0 (skipped rows); with
+    the reward model's −0.1 per token, the reward-to-go is added as for GRPO."""
+    actor, reward = FakeActor(), RecordingReward()
+    step, _, _ = make_step(actor, reward, UpdateOptions(micro_batch_size=1), AdvantageOptions(estimator="rloo"))
+    step(["a", "b"], ["1", "2"], 0)
+    outcome = torch.tensor([1.0, -1.0, 0.0, 0.0])
+    to_go = torch.tensor([-0.3, -0.2, -0.1])
+    assert len(actor.advantages) == 4  # a reward model reads every row: none is skipped
+    for row, seen in enumerate(actor.advantages):
+        torch.testing.assert_close(seen[0, PROMPT:], outcome[row] + to_go)

@@ -73,7 +73,7 @@ def test_the_actors_loss_applies_the_correction(single_thread, correction):
     the clipped surrogate with, per token, weight 2 (token TIS at cap 2), 0 (MIS at cap 2: ρ leaves the band),
     min(4^length, e^20) (sequence TIS: ∏ρ, the log bounded at 20), or the rollout's log-probs as PPO's anchor."""
     from flowkit.engine import Actor, LossOptions, StepStats, UpdateOptions
-    from flowkit.rl.losses import aggregation_denominator, clipped_policy_loss
+    from flowkit.rl.losses import LossContext, aggregation_denominator, clipped_policy_loss
     from flowkit.rl.rollout_correction import RolloutCorrection
 
     torch.manual_seed(0)
@@ -97,8 +97,8 @@ def test_the_actors_loss_applies_the_correction(single_thread, correction):
         weights = torch.exp((mask.sum(-1, keepdim=True) * torch.log(torch.tensor(4.0))).clamp(max=20.0)) * mask
     else:
         anchor = batch.rollout_logprobs
-    expected, _ = clipped_policy_loss(out.logprobs, anchor, batch.advantages, mask, importance_weights=weights,
-                                      denominator=denominator)
+    expected, _ = clipped_policy_loss(out.logprobs, anchor, batch.advantages, mask,
+                                      LossContext(importance_weights=weights, denominator=denominator))
     torch.testing.assert_close(loss, expected)
     assert not torch.allclose(loss, clipped_policy_loss(out.logprobs, batch.old_logprobs, batch.advantages, mask,
-                                                         denominator=denominator)[0])  # the correction did something
+                                                         LossContext(denominator=denominator))[0])  # the correction did something

@@ -1,10 +1,21 @@
+import typing
+
 import pytest
 import torch
 
 from flowkit.rl.advantages import (
+    ESTIMATORS,
+    AdvantageContext,
+    AdvantageInputs,
+    AdvantageName,
     entropy_shaped_advantages,
+    gae_tokens,
     group_normalized_advantage,
+    outcome_and_reward_to_go,
+    raw_outcome,
+    reinforce_tokens,
     reward_to_go,
+    rloo_outcome,
     token_advantages,
 )
 
@@ -88,3 +99,65 @@ def test_entropy_shaped_advantages_detach_the_entropy():
 def test_entropy_shaped_advantages_reject_sign_flipping_settings(alpha, kappa):
     with pytest.raises(ValueError, match="kappa > 1"):
         entropy_shaped_advantages(torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1), alpha, kappa)
+
+
+def test_rloo_leaves_each_row_out_of_its_own_baseline_by_hand():
+    """A_i = r_i − mean of the other rows of its group. Group 0 (1, 0, 0, 1): 1 − 1/3, 0 − 2/3, 0 − 2/3, 1 − 1/3;
+    group 1 (1, 1): 0; group 2, one row: no other sample, 0."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    expected = torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(rloo_outcome(rewards, groups, AdvantageContext()), expected)
+    # interleaved group ids: rows 0, 2 form group 5 (1, 3), rows 1, 3 group 2 (2, 6)
+    interleaved = rloo_outcome(torch.tensor([1.0, 2.0, 3.0, 6.0]), torch.tensor([5, 2, 5, 2]), AdvantageContext())
+    torch.testing.assert_close(interleaved, torch.tensor([1.0 - 3.0, 2.0 - 6.0, 3.0 - 1.0, 6.0 - 2.0]))
+
+
+def test_rloo_ignores_scale_rewards_and_rescales_the_centred_reward_by_k_over_k_minus_1():
+    rewards = torch.tensor([0.3, -1.2, 2.0, 0.5, 4.0, 1.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    centered = group_normalized_advantage(rewards, groups, scale_rewards="none")
+    for scale in ("group", "batch", "none"):
+        torch.testing.assert_close(rloo_outcome(rewards, groups, AdvantageContext(scale_rewards=scale)),
+                                   centered * 3 / 2)
+
+
+def test_estimators_are_registered_with_their_stages_and_flags():
+    assert set(typing.get_args(AdvantageName)) == set(ESTIMATORS)  # the config's Literal lists every registered one
+    flags = {name: (e.value_head, e.whiten) for name, e in ESTIMATORS.items()}
+    assert flags == {"grpo": (False, False), "rloo": (False, False), "gae": (True, True), "reinforce": (False, True)}
+    assert ESTIMATORS["rloo"].outcome is rloo_outcome and ESTIMATORS["rloo"].tokens is outcome_and_reward_to_go
+    assert ESTIMATORS["gae"].outcome is raw_outcome is ESTIMATORS["reinforce"].outcome
+    assert (ESTIMATORS["gae"].tokens, ESTIMATORS["reinforce"].tokens) == (gae_tokens, reinforce_tokens)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_grpo_outcome_stage_is_the_group_normalised_advantage_bit_for_bit(scale):
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 3, (12,), generator=generator).float() * 0.5
+    groups = torch.arange(3).repeat_interleave(4)
+    ours = ESTIMATORS["grpo"].outcome(rewards, groups, AdvantageContext(scale_rewards=scale))
+    assert torch.equal(ours, group_normalized_advantage(rewards, groups, scale_rewards=scale))
+    assert torch.equal(raw_outcome(rewards.half(), groups, AdvantageContext()), rewards)  # gae / reinforce: r_o
+
+
+def test_token_stages_by_hand():
+    """One row, prompt then two response tokens, token rewards (0, −0.1, −0.2), outcome term 1, γ = 0.5.
+    every_token: Â_o + reward-to-go = 1 + (−0.1 − 0.1, −0.2) = (0.8, 0.8). last_token and reinforce: rewards
+    (−0.1, −0.2 + 1) → to-go (−0.1 + 0.4, 0.8). gae (λ = 1) with V = (0.5, 0.2): δ = (−0.1 + 0.5·0.2 − 0.5, 0.8 − 0.2)
+    = (−0.5, 0.6), A = (−0.5 + 0.5·0.6, 0.6) = (−0.2, 0.6), returns A + V = (0.3, 0.8)."""
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    inputs = AdvantageInputs(torch.tensor([1.0]), mask, torch.tensor([[0.0, -0.1, -0.2]]))
+    every, none = outcome_and_reward_to_go(inputs, AdvantageContext(gamma=0.5))
+    torch.testing.assert_close(every, torch.tensor([[0.0, 0.8, 0.8]]))
+    assert none is None
+    last = torch.tensor([[0.0, 0.3, 0.8]])
+    torch.testing.assert_close(outcome_and_reward_to_go(inputs, AdvantageContext(0.5, outcome_placement="last_token"))[0],
+                               last)
+    torch.testing.assert_close(reinforce_tokens(inputs, AdvantageContext(gamma=0.5))[0], last)
+    with pytest.raises(ValueError, match="value-head"):
+        gae_tokens(inputs, AdvantageContext())
+    valued = AdvantageInputs(inputs.outcome, mask, inputs.token_rewards, torch.tensor([[0.0, 0.5, 0.2]]))
+    advantages, returns = gae_tokens(valued, AdvantageContext(gamma=0.5, lam=1.0))
+    torch.testing.assert_close(advantages, torch.tensor([[0.0, -0.2, 0.6]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.0, 0.3, 0.8]]))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowkit.rl.losses import (
-    POLICY_LOSSES, aggregation_denominator, cispo_policy_loss, clipped_policy_loss, gspo_policy_loss, kl_estimate,
+    POLICY_LOSSES, LossContext, aggregation_denominator, cispo_policy_loss, clipped_policy_loss, gspo_policy_loss, kl_estimate,
     kl_penalty,
 )
 from flowkit.rl.metrics import pass_at_k
@@ -16,7 +16,7 @@ def test_clipped_policy_loss_by_hand():
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios 1.5, 0.5, 1.1
     adv = torch.tensor([[1.0, 1.0, -2.0]])
     mask = torch.ones(1, 3)
-    loss, info = clipped_policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    loss, info = clipped_policy_loss(new, old, adv, mask, LossContext(clip_low=0.2, clip_high=0.2))
     # min(ρA, clip(ρ)A): 1.2 (clipped), 0.5 (unclipped is smaller), -2.2 (unclipped is smaller)
     assert loss.item() == pytest.approx(-(1.2 + 0.5 - 2.2) / 3)
     assert info["clip_fraction"].item() == pytest.approx(1 / 3)
@@ -27,9 +27,10 @@ def test_clip_high_is_asymmetric_and_seq_mean_differs_from_token_mean():
     new = torch.log(torch.tensor([[1.5, 1.5], [1.5, 1.0]]))
     adv = torch.ones(2, 2)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    token, _ = clipped_policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="token-mean")
+    token, _ = clipped_policy_loss(new, old, adv, mask, LossContext(0.2, 0.28, aggregation="token-mean"))
     assert token.item() == pytest.approx(-1.28)
-    seq, _ = clipped_policy_loss(new, old, adv * torch.tensor([[1.0], [2.0]]), mask, 0.2, 0.28, "seq-mean")
+    seq, _ = clipped_policy_loss(new, old, adv * torch.tensor([[1.0], [2.0]]), mask,
+                             LossContext(0.2, 0.28, aggregation="seq-mean"))
     assert seq.item() == pytest.approx(-(1.28 + 2.56) / 2)
 
 
@@ -70,10 +71,10 @@ def test_dr_grpo_divides_by_rows_times_max_new_tokens():
     zero = torch.zeros(2, 3)
     adv = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    loss, _ = clipped_policy_loss(zero, zero, adv, mask, aggregation="dr-grpo", max_new_tokens=4)
+    loss, _ = clipped_policy_loss(zero, zero, adv, mask, LossContext(aggregation="dr-grpo", max_new_tokens=4))
     assert loss.item() == pytest.approx(-(1 + 2 + 3) / (2 * 4))  # ratio 1: −A summed, over B·max_new_tokens
     with pytest.raises(ValueError, match="max_new_tokens"):
-        clipped_policy_loss(zero, zero, adv, mask, aggregation="dr-grpo")
+        clipped_policy_loss(zero, zero, adv, mask, LossContext(aggregation="dr-grpo"))
 
 
 def test_dual_clip_caps_negative_advantage_tokens_at_c():
@@ -81,16 +82,17 @@ def test_dual_clip_caps_negative_advantage_tokens_at_c():
     new = torch.log(torch.tensor([[5.0, 5.0]]))  # ratio 5 on both tokens
     adv = torch.tensor([[-1.0, 1.0]])
     mask = torch.ones(1, 2)
-    plain, _ = clipped_policy_loss(new, old, adv, mask, 0.2, 0.2)
+    plain, _ = clipped_policy_loss(new, old, adv, mask, LossContext(0.2, 0.2))
     assert plain.item() == pytest.approx((5.0 - 1.2) / 2)  # A<0: max(5, 1.2) = 5; A>0: max(−5, −1.2) = −1.2
-    dual, _ = clipped_policy_loss(new, old, adv, mask, 0.2, 0.2, clip_ratio_c=3.0)
+    dual, _ = clipped_policy_loss(new, old, adv, mask, LossContext(0.2, 0.2, clip_ratio_c=3.0))
     assert dual.item() == pytest.approx((3.0 - 1.2) / 2)  # A<0 capped at −c·A = 3; A>0 unchanged
 
 
 def test_importance_weights_scale_each_token():
     zero = torch.zeros(1, 2)
     adv = torch.tensor([[1.0, 1.0]])
-    loss, _ = clipped_policy_loss(zero, zero, adv, torch.ones(1, 2), importance_weights=torch.tensor([[0.5, 2.0]]))
+    loss, _ = clipped_policy_loss(zero, zero, adv, torch.ones(1, 2),
+                                  LossContext(importance_weights=torch.tensor([[0.5, 2.0]])))
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
 
 
@@ -101,10 +103,10 @@ def test_micro_batch_losses_over_the_minibatch_denominator_add_up(aggregation, p
     new, old, adv = (torch.randn(5, 6, generator=generator) * 0.1 for _ in range(3))
     mask = (torch.rand(5, 6, generator=generator) > 0.3).float()
     mask[2] = 0.0  # an empty response counts in no aggregation but dr-grpo's B
-    loss = POLICY_LOSSES[policy_loss]
-    whole, _ = loss(new, old, adv, mask, aggregation=aggregation, max_new_tokens=6)
+    loss = POLICY_LOSSES[policy_loss].fn
+    whole, _ = loss(new, old, adv, mask, LossContext(aggregation=aggregation, max_new_tokens=6))
     denominator = aggregation_denominator(mask, aggregation, max_new_tokens=6)
-    parts = [loss(new[r], old[r], adv[r], mask[r], aggregation=aggregation, denominator=denominator)[0]
+    parts = [loss(new[r], old[r], adv[r], mask[r], LossContext(aggregation=aggregation, denominator=denominator))[0]
              for r in (slice(0, 1), slice(1, 4), slice(4, 5))]
     assert sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)
     kl_whole = kl_penalty(new, old, mask, aggregation, max_new_tokens=6)
@@ -124,7 +126,7 @@ def test_an_outlier_token_keeps_the_loss_and_gradient_finite():
     logprobs = torch.tensor([[0.0, 100.0, -1.0]], requires_grad=True)
     old = torch.tensor([[0.0, 0.0, -1.0]])
     mask = torch.ones(1, 3)
-    loss, _ = clipped_policy_loss(logprobs, old, torch.tensor([[1.0, -1.0, 1.0]]), mask, clip_ratio_c=None)
+    loss, _ = clipped_policy_loss(logprobs, old, torch.tensor([[1.0, -1.0, 1.0]]), mask, LossContext(clip_ratio_c=None))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
     # tokens 0 and 2: ρ = 1, A = 1 → −1 each; token 1: A = −1, ρ = e^20 (clamped) → max(e^20, 1.2) = e^20
@@ -152,13 +154,14 @@ def test_kl_estimators_by_hand_and_as_verl_defines_them():
 
 
 def test_policy_losses_are_registered_by_name_with_one_signature():
-    assert POLICY_LOSSES == {"ppo": clipped_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
+    assert {name: loss.fn for name, loss in POLICY_LOSSES.items()} == {
+        "ppo": clipped_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
+    assert all(loss.args == {} for loss in POLICY_LOSSES.values())  # the built-in losses read only the shared fields
     generator = torch.Generator().manual_seed(1)
     new, old, adv = (torch.randn(3, 4, generator=generator) * 0.1 for _ in range(3))
-    for name, loss in POLICY_LOSSES.items():  # every argument by name, as the actor calls them
-        value, info = loss(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(3, 4), clip_low=0.2,
-                           clip_high=0.28, aggregation="token-mean", clip_ratio_c=None, importance_weights=None,
-                           denominator=None, max_new_tokens=4)
+    ctx = LossContext(clip_low=0.2, clip_high=0.28, aggregation="token-mean", max_new_tokens=4)
+    for name, loss in POLICY_LOSSES.items():  # every tensor by name and one context, as the actor calls them
+        value, info = loss.fn(logprobs=new, old_logprobs=old, advantages=adv, mask=torch.ones(3, 4), ctx=ctx)
         assert value.dim() == 0 and set(info) == {"clip_fraction", "approx_kl"}, name
 
 
@@ -171,12 +174,12 @@ def test_gspo_by_hand():
     adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     s = math.sqrt(1.35)
-    loss, info = gspo_policy_loss(new, old, adv, mask, 0.2, 0.2)
+    loss, info = gspo_policy_loss(new, old, adv, mask, LossContext(0.2, 0.2))
     assert loss.item() == pytest.approx((-2 * s + 2 * 2.0) / 4)
     loss.backward()
     torch.testing.assert_close(new.grad, torch.tensor([[-s / 4, -s / 4, 0.0], [0.5, 0.5, 0.0]]))
     assert info["clip_fraction"].item() == 0.0  # row 1's clip is inactive (the unclipped branch is larger)
-    clipped, info = gspo_policy_loss(new.detach(), old, -adv, mask, 0.2, 0.2)  # row 1 with A = +1: clipped at 1.2
+    clipped, info = gspo_policy_loss(new.detach(), old, -adv, mask, LossContext(0.2, 0.2))  # row 1 with A = +1: clipped at 1.2
     assert clipped.item() == pytest.approx((2 * s - 2 * 1.2) / 4)
     assert info["clip_fraction"].item() == 0.5
 
@@ -196,7 +199,7 @@ def test_gspo_is_sequence_level_gspo_as_trl_defines_it_with_constant_row_advanta
     per_token = -torch.minimum(w * adv, w.clamp(0.8, 1.28) * adv)
     trl = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     trl_grad, = torch.autograd.grad(trl, new)
-    ours, _ = gspo_policy_loss(new, old, adv, mask, 0.2, 0.28, "seq-mean")
+    ours, _ = gspo_policy_loss(new, old, adv, mask, LossContext(0.2, 0.28, aggregation="seq-mean"))
     ours_grad, = torch.autograd.grad(ours, new)
     torch.testing.assert_close(ours, trl)
     torch.testing.assert_close(ours_grad, trl_grad)
@@ -216,7 +219,7 @@ def test_gspo_token_as_verl_defines_it_with_token_advantages():
     per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
     verl = ((per_token * mask).sum(-1) / lengths).mean()
     verl_grad, = torch.autograd.grad(verl, new)
-    ours, _ = gspo_policy_loss(new, old, adv, mask, 0.2, 0.2, "seq-mean")
+    ours, _ = gspo_policy_loss(new, old, adv, mask, LossContext(0.2, 0.2, aggregation="seq-mean"))
     ours_grad, = torch.autograd.grad(ours, new)
     torch.testing.assert_close(ours, verl)
     torch.testing.assert_close(ours_grad, verl_grad)
@@ -230,7 +233,7 @@ def test_cispo_by_hand_and_as_verl_defines_it():
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()
     adv = torch.tensor([[1.0, 1.0, -2.0]])
     mask = torch.ones(1, 3)
-    loss, info = cispo_policy_loss(new, old, adv, mask, 0.2, 0.2)
+    loss, info = cispo_policy_loss(new, old, adv, mask, LossContext(0.2, 0.2))
     assert loss.item() == pytest.approx((-1.2 - 0.8 + 2.2) / 3)
     assert info["clip_fraction"].item() == pytest.approx(2 / 3)
     grad, = torch.autograd.grad(loss, new)
@@ -240,7 +243,7 @@ def test_cispo_by_hand_and_as_verl_defines_it():
     verl_grad, = torch.autograd.grad(verl, new)
     torch.testing.assert_close(grad, verl_grad)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        cispo_policy_loss(new, old, adv, mask, clip_ratio_c=3.0)
+        cispo_policy_loss(new, old, adv, mask, LossContext(clip_ratio_c=3.0))
 
 
 def test_verl_kl_variants_abs_and_straight_through():
@@ -254,3 +257,23 @@ def test_verl_kl_variants_abs_and_straight_through():
         torch.testing.assert_close(straight, kl_estimate(logp, ref, estimator))
         grad, = torch.autograd.grad(straight.sum(), logp)
         torch.testing.assert_close(grad, torch.tensor([[0.5, -1.0]]))
+
+
+def test_loss_context_pieces_by_hand():
+    """aggregated: weights (2, 0.5 | 1, 1), per-token (1, 2 | 3, 4), mask (1, 1 | 1, 0): token-mean (2 + 1 + 3) / 3;
+    seq-mean (1.5 + 3) / 2; over a given denominator 4: 6 / 4. token_ratio clamps the log-ratio at ±20;
+    policy_metrics: the token means of the clipped flags and of logπ_old − logπ."""
+    from flowkit.rl.losses import aggregated, policy_metrics, token_ratio
+
+    per_token = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    weights = torch.tensor([[2.0, 0.5], [1.0, 1.0]])
+    assert aggregated(per_token, mask, LossContext(importance_weights=weights)).item() == pytest.approx(6 / 3)
+    seq = aggregated(per_token, mask, LossContext(aggregation="seq-mean", importance_weights=weights))
+    assert seq.item() == pytest.approx((1.5 + 3.0) / 2)
+    assert aggregated(per_token, mask, LossContext(importance_weights=weights, denominator=4.0)).item() == 1.5
+    ratio = token_ratio(torch.tensor([[0.0, 50.0, math.log(2.0)]]), torch.tensor([[0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(ratio, torch.tensor([[1.0, math.exp(20.0), 2.0]]))
+    metrics = policy_metrics(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2),
+                             torch.tensor([[True, False]]))
+    assert metrics["clip_fraction"].item() == 0.5 and metrics["approx_kl"].item() == pytest.approx((-0.5 + 1.0) / 2)

@@ -2,11 +2,12 @@
 
 import torch
 
-from flowkit.rl.advantages import AdvantageInputs, grpo_advantages, token_advantages
+from flowkit.rl.advantages import AdvantageContext, AdvantageInputs, outcome_and_reward_to_go, token_advantages
 
 
 def outcome_at_last_token_advantages(outcome, mask, token_rewards, gamma):
-    return grpo_advantages(AdvantageInputs(outcome, mask, token_rewards), gamma, 1.0, placement="last_token")[0]
+    context = AdvantageContext(gamma=gamma, outcome_placement="last_token")
+    return outcome_and_reward_to_go(AdvantageInputs(outcome, mask, token_rewards), context)[0]
 
 
 def test_outcome_at_last_token_by_hand():
