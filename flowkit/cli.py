@@ -15,12 +15,14 @@ subcommand's options::
 and make it a plugin: an installed package names it in the entry-point group ``flowkit.subcommands`` (see
 :func:`load_plugins`), and ``flowkit my-report --config ...`` runs it with the same config machinery as ``fit``.
 
-This module imports neither torch nor Lightning at its top (they take seconds): ``--help`` is answered from a cache
-(:func:`cached_help`), and :mod:`flowkit.lightning_cli` is imported only when a command runs.
+This module imports neither torch nor Lightning at its top (they take seconds): ``flowkit --help`` is built without
+them (:func:`print_overview` reads the built-in commands' docstrings from their source), ``flowkit COMMAND --help``
+is answered from a cache (:func:`cached_help`), and :mod:`flowkit.lightning_cli` is imported only when a command runs.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import difflib
 import hashlib
@@ -34,6 +36,7 @@ import os
 import re
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from flowkit.errors import ConfigError, RunError
@@ -42,7 +45,14 @@ from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
 
 PLUGIN_GROUP = "flowkit.subcommands"
-LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+# Lightning's commands as flowkit runs them (their Trainer docstrings speak of epochs and dataloaders)
+LIGHTNING_COMMANDS = {
+    "fit": "Train the model: RL steps (after any flow pretraining) until trainer.max_steps, then export.",
+    "validate": "Evaluate a checkpoint (--ckpt_path) on the validation sets.",
+    "test": "Evaluate a checkpoint (--ckpt_path) on the test sets.",
+    "predict": "Run the model's predict_step over the data module's predict set.",
+}
+COMMANDS_DIR = Path(__file__).resolve().parent / "commands"
 PLUGIN_WARNINGS: list[str] = []  # the last load_plugins() warnings
 LAZY_ATTRIBUTES = ("FlowkitCLI", "FlowkitTrainer", "place_run")
 
@@ -72,7 +82,7 @@ def load_plugins() -> list[str]:
     """
     warnings_printed = PLUGIN_WARNINGS
     warnings_printed.clear()
-    taken = {*LIGHTNING_COMMANDS, *SUBCOMMANDS, *STANDALONE}  # flowkit's own commands (loaded before plugins)
+    taken = {*LIGHTNING_COMMANDS, *builtin_commands(), *SUBCOMMANDS, *STANDALONE}  # flowkit's and a launcher's
     for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
         try:
             if entry.name in taken:
@@ -103,6 +113,9 @@ def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _put_working_directory_on_path()
     argv = sys.argv[1:] if args is None else list(args)
+    if len(argv) == 1 and argv[0] in HELP_FLAGS:
+        print_overview()
+        return
     if args is None and _is_help_request(argv):  # a console `--help` (callers passing `args` get argparse's exit)
         cached_help(argv, lambda: _run(args, argv))
         return
@@ -129,14 +142,70 @@ def _run(args: list[str] | None, argv: list[str]) -> None:
         sys.exit(2)
 
 
-# --------------------------------------------------------------------------------------------- help cache
+# --------------------------------------------------------------------------------------------- help
 HELP_FLAGS = ("-h", "--help")
 
 
+def builtin_commands() -> dict[str, tuple[str, str]]:
+    """flowkit's own commands, ``{name: (kind, first docstring line)}`` with kind ``subcommand`` or ``standalone``,
+    read from the ``@subcommand("name")`` / ``@standalone("name")`` decorators in ``flowkit/commands/*.py`` without
+    importing them (they import torch and Lightning)."""
+    found = {}
+    for path in sorted(COMMANDS_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for decorator in node.decorator_list:
+                if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Name)
+                        and decorator.func.id in ("subcommand", "standalone") and decorator.args
+                        and isinstance(decorator.args[0], ast.Constant)):
+                    found[decorator.args[0].value] = (decorator.func.id, _first_line(ast.get_docstring(node)))
+    return found
+
+
+def print_overview() -> None:
+    """``flowkit --help``: every command with its first docstring line (plugins' included), no torch import."""
+    load_plugins()  # a plugin's own imports are its own
+    builtin = builtin_commands()
+    with_config = dict(LIGHTNING_COMMANDS)
+    with_config.update({name: doc for name, (kind, doc) in builtin.items() if kind == "subcommand"})
+    with_config.update({name: _first_line(fn.__doc__) for name, fn in SUBCOMMANDS.items()})
+    other = {name: doc for name, (kind, doc) in builtin.items() if kind == "standalone"}
+    other.update({name: _first_line(fn.__doc__) for name, fn in STANDALONE.items()})
+    width = max(map(len, [*with_config, *other])) + 2
+    text_width = max(40, shutil.get_terminal_size().columns - width - 4)
+
+    def rows(commands: dict[str, str]) -> list[str]:
+        lines = []
+        for name, doc in commands.items():
+            wrapped = textwrap.wrap(doc, text_width) or [""]
+            lines.append(f"  {name:<{width}}{wrapped[0]}")
+            lines += [" " * (width + 2) + more for more in wrapped[1:]]
+        return lines
+
+    print("\n".join([
+        "usage: flowkit COMMAND [--config CONFIG.yaml] [--section.option VALUE ...]",
+        "       flowkit COMMAND --help    (the command's options)",
+        "",
+        "flowkit: RL for language models with flow-matching rewards, on PyTorch Lightning.",
+        "",
+        "commands with a config (model, data, trainer; see `flowkit fit --help`):",
+        *rows(with_config),
+        "",
+        "other commands:",
+        *rows(other),
+        "",
+        "Start with: flowkit fit --config configs/rlfr_tiny.yaml",
+    ]))
+
+
+def _first_line(doc: str | None) -> str:
+    return " ".join(((doc or "").strip().split("\n\n") or [""])[0].split())
+
+
 def _is_help_request(argv: list[str]) -> bool:
-    """``flowkit --help`` or ``flowkit COMMAND --help``: text that depends only on the installed code."""
-    return (len(argv) == 1 and argv[0] in HELP_FLAGS) or (
-        len(argv) == 2 and argv[1] in HELP_FLAGS and not argv[0].startswith("-"))
+    """``flowkit COMMAND --help``: text that depends only on the installed code."""
+    return len(argv) == 2 and argv[1] in HELP_FLAGS and not argv[0].startswith("-")
 
 
 def cached_help(argv: list[str], build) -> None:

@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
-from flowkit.cli import did_you_mean
+from flowkit.cli import LIGHTNING_COMMANDS, did_you_mean
 from flowkit.checkpointing import (
     EXPORTED_KEY, HPC_CHECKPOINT_GLOB, VALIDATION_INTERRUPTED_KEY, RunDirectoryLock, checkpoint_metadata,
     fault_tolerance_defaults, lock_run_directory, newest_checkpoint, requeued_slurm_job, tensors_only_loading,
@@ -33,7 +33,7 @@ from flowkit.errors import ConfigError
 from flowkit.modules.callbacks import ExportArtifacts
 from flowkit.modules.completions import CompletionLogs
 from flowkit.modules.summary import ParameterSummary, RunSummary
-from flowkit.registry import STANDALONE, SUBCOMMANDS
+from flowkit.registry import SUBCOMMANDS
 
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "RunCSVLogger", "place_run"]
 
@@ -71,8 +71,7 @@ class FlowkitTrainer(Trainer):
 
 
 def _command_description(command: str) -> str:
-    fn = SUBCOMMANDS.get(command) or getattr(Trainer, command)
-    first = ((fn.__doc__ or "").strip().splitlines() or [""])[0]
+    first = LIGHTNING_COMMANDS.get(command) or ((SUBCOMMANDS[command].__doc__ or "").strip().splitlines() or [""])[0]
     return (f"{first} The options below are Lightning's and the command's; the model's and the data's are listed by "
             f"`flowkit {command} --model.help flowkit.modules.PolicyModule` and `--data.help "
             "flowkit.modules.RolloutDataModule` (or another class), and set as `--model.init_args.NAME`.")
@@ -87,11 +86,6 @@ class FlowkitCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", fault_tolerance_defaults())
         for name, fn in SUBCOMMANDS.items():
             setattr(FlowkitTrainer, name, _trainer_method(fn))
-        if STANDALONE:  # `flowkit --help` names the commands that LightningCLI's parser does not know
-            others = "; ".join(f"flowkit {name}: {(fn.__doc__ or '').strip().splitlines()[0]}"
-                               for name, fn in STANDALONE.items())
-            kwargs["parser_kwargs"] = {"epilog": f"other commands (each has --help): {others}",
-                                       **(kwargs.get("parser_kwargs") or {})}
         # Lightning's --optimizer / --lr_scheduler would replace the module's own configure_optimizers, which
         # flowkit's modules need (PolicyModule: one AdamW over the policy, value-head and reward-model groups).
         kwargs.setdefault("auto_configure_optimizers", False)
