@@ -394,7 +394,8 @@ def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets(monkeyp
     def server_end():
         channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, TIMEOUT_S,
                                 torch.device("cpu"))
-        result["version"] = channel.receive(lambda name, tensor: received.setdefault(name, tensor.clone()) is not None)
+        result["version"] = channel.receive(
+            lambda stream: sum(received.setdefault(name, tensor.clone()) is not None for name, tensor in stream))
 
     thread = threading.Thread(target=server_end)
     thread.start()
