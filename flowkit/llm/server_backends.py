@@ -91,6 +91,9 @@ class VllmServerBackend:
         on_gpu = current_platform.is_cuda_alike()
         self.device = torch.device("cuda" if on_gpu else "cpu")
         self.llm = build_llm(path, torch_dtype(dtype), 0, on_gpu, gpu_memory_utilization, max_model_len)
+        # a fresh engine's first generation is slow (once over 20 s on a loaded 2-core CPU, later ones about 1 s):
+        # it runs here, before the server listens, not inside a trainer's first request and its timeout
+        sample(self.llm, [[self.tokenizer.eos_token_id or 0]], 1, sampling_params(None, 1, 0.0, 1.0))
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  rollout_batch_size: int | None) -> tuple[Rows, bool]:
