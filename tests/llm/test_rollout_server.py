@@ -26,7 +26,7 @@ from flowkit.llm.server_engine import ServerRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from rollout_server_process import BACKENDS, RolloutServer, free_port, served_greedy  # noqa: E402
+from rollout_server_process import BACKENDS, HAS_VLLM, RolloutServer, free_port, served_greedy  # noqa: E402
 
 PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
 TIMEOUT_S = 20.0  # the engine's bound on every wait, in these tests
@@ -158,6 +158,15 @@ def test_server_down_is_one_line_naming_the_address():
     with pytest.raises(ConfigError, match=f"rollout server at {url}: unreachable") as err:
         ServerRolloutEngine(model, tokenizer, url, timeout_s=5.0)
     assert "\n" not in str(err.value) and time.monotonic() - start < 5.0
+
+
+def test_the_vllm_backend_without_vllm_is_a_one_line_config_error():
+    from flowkit.llm.server_backends import VllmServerBackend
+
+    if HAS_VLLM:
+        pytest.skip("vLLM is installed")
+    with pytest.raises(ConfigError, match=r"^flowkit rollout-server --backend vllm needs vLLM .*or use --backend hf$"):
+        VllmServerBackend("bundled:tiny_adder", "float32", 0.9, None)
 
 
 def test_a_server_that_never_answers_is_one_line_within_the_timeout():
