@@ -94,7 +94,8 @@ def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_
         assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
     version = next((tmp_path / "run").glob("version_*"))
     steps = metrics(version)
-    assert sorted(steps) == [1, 2, 3] and float(steps[1]["flow/loss"]) > 0
+    # the flow stepped (κ 2) once the server's samples had 2 accepted rows, in whichever step that was
+    assert sorted(steps) == [1, 2, 3] and any(float(values["flow/loss"]) > 0 for values in steps.values())
     assert [float(steps[step]["rollout/staleness_max"]) for step in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert float(steps[3]["rollout/regenerated_rows"]) == 0.0
     assert "val/heldout/pass@1" in steps[3]
