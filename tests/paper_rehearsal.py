@@ -1,7 +1,8 @@
 """Dress rehearsals of the paper configs: the YAML as shipped, run through the ``flowkit`` CLI on 2 CPU ranks.
 
 Only what a CPU machine cannot hold is overridden: the backbone (a bundled tiny model), the accelerator (cpu),
-the devices (2), the step count, the data (bundled) and the lengths. Everything else — the DeepSpeed strategy and
+the devices (2), the step count, the data (bundled), the lengths, and for rlfr_qwen_async.yaml the address its
+rollout server listens on (a free port of the test's). Everything else — the DeepSpeed strategy and
 its ZeRO config, ``bf16-mixed``, micro-batches, gradient checkpointing, the chunked LM head, the flow reward — is the
 file's. The lengths are chosen so that ranks disagree the way they do at scale: responses of different lengths,
 different numbers of accepted rollouts, and several LM-head and flow-scoring chunks per micro-batch.
@@ -26,25 +27,29 @@ _SHRUNK_RUN = [
     "--trainer.enable_model_summary", "false",
 ]
 
+# rlfr_qwen.yaml's and rlfr_qwen_async.yaml's (the same job, generation on a rollout server) shared overrides
+_RLFR_QWEN = [
+    "--model.init_args.backbone", "bundled:tiny_adder",
+    "--model.init_args.max_new_tokens", "28",
+    "--model.init_args.rollout_batch_size", "8",        # 2 generate calls (decoding batches on a server) per rank
+    "--model.init_args.lm_head_chunk_size", "8",        # ~10 LM-head chunks per micro-batch of 4
+    "--model.init_args.reward_model.init_args.max_rows_per_call", "48",  # 16 tokens × 3 layers per field call
+    "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several flow-loss pieces per update
+    "--model.init_args.reward_model.init_args.kappa", "2",  # the online flow step comes in step 1
+    "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
+    "--data.init_args.eval_paths", "{heldout: bundled:arithmetic/val.jsonl}",
+    "--data.init_args.max_val_examples", "8",
+    "--data.init_args.prompt_key", "prompt",
+    "--data.init_args.prompt_template", "{prompt}",
+    "--data.init_args.batch_size", "4",                 # 2 prompts × 8 samples per rank
+    "--data.init_args.val_batch_size", "4",
+]
+
 # What each paper config needs beyond _SHRUNK_RUN: backbone, data and lengths.
 OVERRIDES: dict[str, list[str]] = {
-    "rlfr_qwen.yaml": [
-        "--model.init_args.backbone", "bundled:tiny_adder",
-        "--model.init_args.max_new_tokens", "28",
-        "--model.init_args.rollout_batch_size", "8",        # 2 generate calls per rank
-        "--model.init_args.lm_head_chunk_size", "8",        # ~10 LM-head chunks per micro-batch of 4
-        "--model.init_args.vllm_max_model_len", "128",
-        "--model.init_args.reward_model.init_args.max_rows_per_call", "48",  # 16 tokens × 3 layers per field call
-        "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several flow-loss pieces per update
-        "--model.init_args.reward_model.init_args.kappa", "2",  # the online flow step comes in step 1
-        "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
-        "--data.init_args.eval_paths", "{heldout: bundled:arithmetic/val.jsonl}",
-        "--data.init_args.max_val_examples", "8",
-        "--data.init_args.prompt_key", "prompt",
-        "--data.init_args.prompt_template", "{prompt}",
-        "--data.init_args.batch_size", "4",                 # 2 prompts × 8 samples per rank
-        "--data.init_args.val_batch_size", "4",
-    ],
+    "rlfr_qwen.yaml": [*_RLFR_QWEN, "--model.init_args.vllm_max_model_len", "128"],
+    # the rollout server (its address, a free port, is the test's to add): no vLLM setting of its own
+    "rlfr_qwen_async.yaml": _RLFR_QWEN,
     # the official online protocol: micro-batches of 1 row (16 per rank and step), 8 minibatches of 2 rows
     "rlfr_qwen_official.yaml": [
         "--model.init_args.backbone", "bundled:tiny_adder",
@@ -101,13 +106,13 @@ def env() -> dict[str, str]:
 
 def command(config: str, root: Path, steps: int, *extra: str) -> list[str]:
     """``flowkit fit`` of ``configs/<config>`` for ``steps`` RL (or pretraining) steps, into ``root``; rlfr_qwen.yaml
-    validates once at the end, explain_llama.yaml evaluates at its round's start and at the end."""
+    and rlfr_qwen_async.yaml validate once at the end, explain_llama.yaml evaluates at its round's start and at the end."""
     flowkit = str(Path(sys.executable).parent / "flowkit")  # this interpreter's (the vLLM venv's under its tests)
     if config == "explain_llama.yaml":  # one round of one pass: as many RL steps as batches of contexts
         length = ["--data.init_args.num_train", str(steps * EXPLANATION_BATCH)]
     else:
         length = ["--trainer.max_steps", str(steps)]
-        if config == "rlfr_qwen.yaml":
+        if config in ("rlfr_qwen.yaml", "rlfr_qwen_async.yaml"):
             length += ["--trainer.val_check_interval", str(steps)]
     return [flowkit, "fit", "--config", str(CONFIGS / config), *_SHRUNK_RUN, *OVERRIDES[config], *length,
             "--trainer.default_root_dir", str(root / "run"), *extra]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def env() -> dict[str, str]:
 
 
 def command(root: Path, steps: int, *extra: str, subcommand: str = "fit") -> list[str]:
-    flowkit = shutil.which("flowkit") or "flowkit"
+    flowkit = str(Path(sys.executable).parent / "flowkit")  # this interpreter's (the vLLM venv's under its tests)
     return [flowkit, subcommand, "--config", str(CONFIG), *TINY, "--trainer.max_steps", str(steps),
             "--trainer.default_root_dir", str(root / "runs" / "rlfr_tiny"), *extra]
 

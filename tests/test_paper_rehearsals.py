@@ -69,6 +69,44 @@ def test_rlfr_qwen_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
     assert (version / "export" / "flow.safetensors").is_file() and (version / "export" / "hf_policy").is_dir()
 
 
+def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_step(tmp_path):
+    """rlfr_qwen_async.yaml as shipped (ZeRO-3, bf16, the server engine, ``max_staleness: 1``, token TIS) on 2 ranks
+    plus one ``flowkit rollout-server`` process (HF backend) on loopback: 3 steps, validation, export. The ranks stay
+    in step where they disagree; step 1 samples the weights it trains (nothing prefetched yet), steps 2 and 3 rows
+    generated while the step before trained, one version behind, none regenerated; and at the end the server holds
+    the trained weights (its greedy decode is theirs). The server runs in fp32 (the config's header starts it in
+    bf16): it holds the pushed bf16 values exactly, so its decode is compared with the trained weights' exactly."""
+    from rollout_server_process import RolloutServer, served_greedy
+
+    from flowkit.llm.backbone import load_backbone
+    from flowkit.llm.rollout import HFRolloutEngine
+
+    server = RolloutServer(tmp_path / "server.log", timeout_s=600)
+    try:
+        paper_rehearsal.run("rlfr_qwen_async.yaml", tmp_path, 3, "--model.init_args.rollout_server_url", server.url,
+                            *probed(tmp_path))
+        weights = assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
+        prompts = ["47+38=", "12+13=", "7+5="]
+        served = served_greedy(server.url, prompts, version=3, max_new_tokens=28, timeout_s=120)
+    finally:
+        server.kill()
+    for site in ("lm_head", "flow_scoring", "flow_pieces"):
+        assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
+    version = next((tmp_path / "run").glob("version_*"))
+    steps = metrics(version)
+    # the flow stepped (κ 2) once the server's samples had 2 accepted rows, in whichever step that was
+    assert sorted(steps) == [1, 2, 3] and any(float(values["flow/loss"]) > 0 for values in steps.values())
+    assert [float(steps[step]["rollout/staleness_max"]) for step in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert float(steps[3]["rollout/regenerated_rows"]) == 0.0
+    assert "val/heldout/pass@1" in steps[3]
+    assert (version / "export" / "flow.safetensors").is_file() and (version / "export" / "hf_policy").is_dir()
+    trained, tokenizer = load_backbone("bundled:tiny_adder")
+    trained.load_state_dict({k.removeprefix("end/policy."): v for k, v in weights.items()
+                             if k.startswith("end/policy.")}, strict=False)
+    mine = HFRolloutEngine(trained, tokenizer, max_new_tokens=28).generate(prompts, 1, temperature=0)
+    assert served == [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
+
+
 def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_path):
     """rlfr_qwen_official.yaml as shipped (the official per-micro-batch flow update, 8 minibatches) on 2 ZeRO-3 ranks,
     with DAPO's controls on: ranks accept different numbers of rows and keep different numbers of groups, and still

@@ -11,12 +11,13 @@ It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib on
                             → the device it moves tensors on (cuda: NCCL, both sides on GPUs; cpu: gloo)
     POST /weights           {version}: receive one push on that channel (buckets), then load it
 
-Generation runs flowkit's HF decoding loop (:class:`flowkit.llm.rollout.HFRolloutEngine`) on the server's model;
-a push waits for the generation in flight and generations wait for a push in progress (one lock), so every reply
+Generation runs on the server's own copy of the model (``--backend``, :mod:`flowkit.llm.server_backends`):
+flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``vllm``, built as the colocated
+engine builds it; the pushed weights go through vLLM's loader). A push waits for the generation in flight and generations wait for a push in progress (one lock), so every reply
 comes from one policy version. Every answer carries the server's ``instance`` id: a trainer notices a restart.
 Start it before the trainer::
 
-    flowkit rollout-server --backbone Qwen/Qwen2.5-Math-7B --dtype bfloat16 --host 0.0.0.0 --port 8000
+    flowkit rollout-server --backbone Qwen/Qwen2.5-Math-7B --dtype bfloat16 --host 0.0.0.0 --port 8000 --backend vllm
 """
 
 from __future__ import annotations
@@ -31,24 +32,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import HFRolloutEngine
-from flowkit.llm.server_engine import WeightChannel, model_identity, response_rows
+from flowkit.llm.server_backends import HFServerBackend, VllmServerBackend
+from flowkit.llm.server_engine import WeightChannel, model_identity
+from flowkit.llm.vllm_engine import seed_sampling
 from flowkit.registry import standalone
 
 log = logging.getLogger(__name__)
 
 
 class RolloutService:
-    """The server's state: its model and HF engine, the policy version it holds, the weight channel, one lock."""
+    """The server's state: its backend (model and generator), the policy version it holds, the weight channel, one
+    lock."""
 
-    def __init__(self, backbone: str, dtype: str, device: str, timeout_s: float):
-        self.backbone, self.timeout_s = backbone, timeout_s
-        self.device = torch.device(device)
-        model, self.tokenizer = load_backbone(backbone, dtype)
-        self.model = model.to(self.device).eval()
-        self.engine = HFRolloutEngine(self.model, self.tokenizer)
-        self.parameters = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names are pushed
+    def __init__(self, backend: HFServerBackend | VllmServerBackend, backbone: str, timeout_s: float):
+        self.backend, self.backbone, self.timeout_s = backend, backbone, timeout_s
+        self.tokenizer = backend.tokenizer
         self.instance = uuid.uuid4().hex
         self.version = 0
         self.channel: WeightChannel | None = None
@@ -56,7 +54,8 @@ class RolloutService:
         self.ready = threading.Condition()  # guards the model and the version; notified when a push lands
 
     def info(self) -> dict:
-        return {"model": self.backbone, "identity": model_identity(self.model, self.tokenizer), "version": self.version}
+        return {"model": self.backbone, "identity": model_identity(self.backend.config, self.tokenizer),
+                "version": self.version}
 
     def generate(self, request: dict) -> dict:
         with self.ready:
@@ -64,25 +63,21 @@ class RolloutService:
                 raise TimeoutError(f"holds policy version {self.version}; version {request['min_version']} was not "
                                    f"pushed within {request['wait_s']:g} s")
             started = time.time()
-            engine = self.engine
-            engine.max_new_tokens, engine.top_p = request["max_new_tokens"], request["top_p"]
-            engine.rollout_batch_size = request.get("rollout_batch_size")
             if request["temperature"] > 0:
-                torch.manual_seed(request["seed"])
+                seed_sampling(request["seed"])
             prompts = request["prompts"]
-            batch = engine.generate(prompts, request["n"], temperature=request["temperature"])
-            encoded = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
-            rows = list(response_rows(batch, encoded["input_ids"].shape[1]))
-            return {"prompt_ids": [row[mask.bool()].tolist() for row, mask in
-                                   zip(encoded["input_ids"], encoded["attention_mask"])],
-                    "tokens": [tokens for tokens, _ in rows], "logprobs": [logprobs for _, logprobs in rows],
-                    "nonfinite": engine.saw_nonfinite_logits, "version": self.version,
+            rows, nonfinite = self.backend.generate(prompts, request["n"], request["temperature"], request["top_p"],
+                                                    request["max_new_tokens"], request.get("rollout_batch_size"))
+            encoded = self.tokenizer(prompts)
+            return {"prompt_ids": encoded["input_ids"], "tokens": [tokens for tokens, _ in rows],
+                    "logprobs": [logprobs for _, logprobs in rows], "nonfinite": nonfinite, "version": self.version,
                     "started": started, "finished": time.time()}
 
     def connect(self, request: dict) -> dict:
         """Join the trainer's store and group in the background: the trainer forms its side after this answer."""
         store = WeightChannel.join_store(request["host"], request["port"], self.timeout_s)
-        device = self.device if request["device"] == "cuda" and self.device.type == "cuda" else torch.device("cpu")
+        device = self.backend.device if request["device"] == "cuda" and self.backend.device.type == "cuda" \
+            else torch.device("cpu")
         self.channel = None
         self.joined = joined = threading.Event()
 
@@ -104,7 +99,7 @@ class RolloutService:
                 return
             with self.ready:
                 try:
-                    received, loaded = self.channel.receive(self._load)
+                    received, loaded = self.channel.receive(self.backend.load)
                 except RuntimeError as err:  # the trainer gone or past the timeout: its weights are incomplete
                     log.error("push of version %d failed: %s", version, err)
                     self.channel = None
@@ -114,17 +109,6 @@ class RolloutService:
             log.info("policy version %d loaded (%d tensors)", received, loaded)
 
         threading.Thread(target=receive, daemon=True).start()
-
-    def _load(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy a pushed weight into the model; False (not loaded, the trainer reports it) for a name or shape
-        the model does not have."""
-        parameter = self.parameters.get(name)
-        if parameter is None or parameter.shape != tensor.shape:
-            log.error("pushed weight %s %s is not one of %s's", name, tuple(tensor.shape), self.backbone)
-            return False
-        with torch.no_grad():
-            parameter.copy_(tensor)
-        return True
 
 
 def make_server(service: RolloutService, host: str, port: int) -> ThreadingHTTPServer:
@@ -173,12 +157,23 @@ def rollout_server_command(argv: list[str]) -> None:
     parser.add_argument("--dtype", default="float32", help="parameter dtype (bfloat16 for real models)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: one the OS picks, printed)")
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf",
+                        help="what generates: flowkit's HF decoding loop, or vLLM's engine (pip install flowkit[vllm])")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where the model runs (default: the GPU if there is one)")
+                        help="where the hf backend's model runs (default: the GPU if there is one; vllm: vLLM's own)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="vllm: share of the GPU's memory for weights and KV cache (CPU: VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="vllm: longest prompt + response its KV cache is planned for (default: the model's)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait on a trainer may take")
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    service = RolloutService(options.backbone, options.dtype, options.device, options.timeout)
+    if options.backend == "vllm":
+        backend = VllmServerBackend(options.backbone, options.dtype, options.gpu_memory_utilization,
+                                    options.max_model_len)
+    else:
+        backend = HFServerBackend(options.backbone, options.dtype, options.device)
+    service = RolloutService(backend, options.backbone, options.timeout)
     server = make_server(service, options.host, options.port)
     print(f"rollout server for {options.backbone} at http://{options.host}:{server.server_address[1]}", flush=True)
     try:

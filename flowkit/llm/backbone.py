@@ -101,10 +101,7 @@ def load_backbone(
             )
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # e.g. truncated or mismatched weights
         raise BackboneError(f"cannot load the weights of {path!r}: {_first_line(err)}") from None
-    tokenizer = load_tokenizer(path, trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return model, load_tokenizer(path, trust_remote_code)
 
 
 def _check_safetensors_weights(directory: Path) -> None:
@@ -133,7 +130,7 @@ def _weights_bar_only_on_a_terminal() -> Iterator[None]:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer saved at ``path``.
+    """The tokenizer saved at ``path``, padding with its EOS token if it names no padding token of its own.
 
     A tokenizer saved as a plain ``TokenizersBackend`` (the tiny char/word tokenizers) is loaded as saved:
     ``AutoTokenizer`` would swap in the architecture's own class (``Qwen2Tokenizer``), whose byte-level
@@ -141,8 +138,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     """
     config = Path(path) / "tokenizer_config.json"
     if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") == "TokenizersBackend":
-        return TokenizersBackend.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = TokenizersBackend.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:

@@ -8,7 +8,7 @@ batch gives the same logits as the generation did.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -339,6 +339,21 @@ def pack_rollouts(tokenizer: PreTrainedTokenizerBase, encoded: dict[str, Tensor]
         rollout_logprobs=None if rollout_logprobs is None else torch.cat(
             [prompt_zeros, rollout_logprobs * response_mask], dim=1),
     )
+
+
+def pack_response_rows(tokenizer: PreTrainedTokenizerBase, encoded: dict[str, Tensor],
+                       rows: Iterable[tuple[list[int], list[float]]], prompts: list[str], n: int,
+                       answers: list[str] | None) -> RolloutBatch:
+    """:func:`pack_rollouts` of responses given row by row as (token ids, sampler log-probs) — an engine that samples
+    elsewhere (vLLM, a rollout server) — right-padded into one tensor each."""
+    rows = list(rows)
+    width = max(1, max(len(tokens) for tokens, _ in rows))
+    generated = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    sampler_logprobs = torch.zeros(generated.shape)
+    for row, (tokens, logprobs) in enumerate(rows):
+        generated[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        sampler_logprobs[row, :len(tokens)] = torch.tensor(logprobs)
+    return pack_rollouts(tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
 
 
 def encode_pairs(

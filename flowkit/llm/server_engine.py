@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.errors import ConfigError
-from flowkit.llm.rollout import pack_rollouts
+from flowkit.llm.rollout import pack_response_rows
 from flowkit.llm.vllm_engine import policy_weights
 
 if TYPE_CHECKING:
@@ -53,9 +53,8 @@ IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size
 _ALIGN = 64  # byte offset of every tensor in a bucket, so each is viewed in place as its own dtype
 
 
-def model_identity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+def model_identity(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """What identifies a model for the weight push: its config's :data:`IDENTITY_FIELDS` and the tokenizer's size."""
-    config = model.config
     return {**{field: getattr(config, field, None) for field in IDENTITY_FIELDS}, "tokenizer_size": len(tokenizer)}
 
 
@@ -138,18 +137,23 @@ class WeightChannel:
         self._send_json({"version": version, "entries": entries, "bytes": offset, "last": last})
         self._broadcast(payload, 0)
 
-    def receive(self, load: Callable[[str, Tensor], bool]) -> tuple[int, int]:
-        """Receive one push (the server), handing each tensor to ``load`` (False: not loaded); acknowledges it and
-        returns (version, tensors loaded)."""
-        loaded = 0
-        while True:
-            header = self._receive_json()
-            payload = torch.empty(header["bytes"], dtype=torch.uint8, device=self.device)
-            self._broadcast(payload, 0)
-            for name, dtype, shape, start, nbytes in header["entries"]:
-                loaded += load(name, payload[start:start + nbytes].view(getattr(torch, dtype)).view(shape))
-            if header["last"]:
-                break
+    def receive(self, load: Callable[[Iterator[tuple[str, Tensor]]], int]) -> tuple[int, int]:
+        """Receive one push (the server): ``load`` consumes its ``(name, tensor)`` stream as the buckets arrive and
+        returns how many tensors it loaded; then the push is acknowledged. Returns (version, tensors loaded)."""
+        header: dict = {}
+
+        def tensors() -> Iterator[tuple[str, Tensor]]:
+            while not header.get("last"):
+                header.update(self._receive_json())
+                payload = torch.empty(header["bytes"], dtype=torch.uint8, device=self.device)
+                self._broadcast(payload, 0)
+                for name, dtype, shape, start, nbytes in header["entries"]:
+                    yield name, payload[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+
+        stream = tensors()
+        loaded = load(stream)
+        for _ in stream:  # a loader that stopped early: the rest of the push still comes off the channel
+            pass
         self._broadcast(torch.tensor([header["version"], loaded], device=self.device), 1)
         return header["version"], loaded
 
@@ -207,7 +211,7 @@ class ServerRolloutEngine:
             raise ConfigError(str(err)) from None
         self.instance = info["instance"]
         differing = [f"{key} {info['identity'].get(key)} (trainer: {value})"
-                     for key, value in model_identity(model, tokenizer).items() if info["identity"].get(key) != value]
+                     for key, value in model_identity(model.config, tokenizer).items() if info["identity"].get(key) != value]
         if differing:
             raise ConfigError(f"rollout server at {self.url} serves another model ({info['model']}: "
                               f"{', '.join(differing)})")
@@ -355,7 +359,7 @@ class ServerRolloutEngine:
     def _generation_request(self, prompts: list[str], n: int, temperature: float) -> dict:
         """The request; the server waits (bounded) until it holds at least the weights last pushed (``min_version``:
         on a rank other than 0 the push may still be on its way)."""
-        seed = int(torch.randint(0, 2**62, ())) if temperature > 0 else 0
+        seed = int(torch.randint(0, 2**32, ())) if temperature > 0 else 0  # NumPy's seed range (vLLM draws from it)
         return {"prompts": prompts, "n": n, "temperature": temperature, "top_p": self.top_p,
                 "max_new_tokens": self.max_new_tokens, "rollout_batch_size": self.rollout_batch_size, "seed": seed,
                 "min_version": self.pushed_version or 0, "wait_s": self.timeout_s / 2}  # the server's error first
@@ -365,14 +369,8 @@ class ServerRolloutEngine:
         ours = [row[mask.bool()].tolist() for row, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
         if ours != reply["prompt_ids"]:
             raise RuntimeError(f"rollout server at {self.url} tokenizes the prompts differently from the trainer")
-        pad = self.tokenizer.pad_token_id
-        width = max(1, max(len(tokens) for tokens in reply["tokens"]))
-        generated = torch.full((len(reply["tokens"]), width), pad, dtype=torch.long)
-        sampler_logprobs = torch.zeros(generated.shape)
-        for row, (tokens, logprobs) in enumerate(zip(reply["tokens"], reply["logprobs"])):
-            generated[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            sampler_logprobs[row, :len(tokens)] = torch.tensor(logprobs)
-        batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
+        batch = pack_response_rows(self.tokenizer, encoded, zip(reply["tokens"], reply["logprobs"]), prompts, n,
+                                   answers)
         self.saw_nonfinite_logits = bool(reply["nonfinite"])
         batch.policy_versions = torch.full((batch.batch_size,), reply["version"])
         return batch.to(next(self.model.parameters()).device)
@@ -397,14 +395,6 @@ def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
                                setup.max_new_tokens, setup.temperature, setup.top_p,
                                hp["rollout_server_sync_every"], hp["rollout_server_bucket_mb"],
                                hp["max_staleness"], hp["rollout_batch_size"])
-
-
-def response_rows(batch: RolloutBatch, prompt_width: int) -> Iterator[tuple[list[int], list[float]]]:
-    """Each row's response token ids and sampler log-probs (the server's reply), from an HF engine's batch whose
-    prompts take ``prompt_width`` columns."""
-    mask = batch.response_mask[:, prompt_width:].bool()
-    for ids, logprobs, keep in zip(batch.input_ids[:, prompt_width:], batch.rollout_logprobs[:, prompt_width:], mask):
-        yield ids[keep].tolist(), logprobs[keep].tolist()
 
 
 def _local_address_towards(url: str) -> str:

