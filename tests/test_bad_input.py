@@ -393,7 +393,7 @@ def test_nonfinite_rewards_skip_the_step_without_touching_weights(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="flowkit.modules.policy"):
         module = fit_one_batch(tmp_path, "skip", bad_value)
     assert module.skipped_steps == 1
-    assert "skipping RL step 0: non-finite advantages, token rewards" in caplog.text
+    assert "skipping RL step 1: non-finite advantages, token rewards" in caplog.text
     for name, weight in module.named_parameters():
         assert torch.equal(weight, module.initial_weights[name]), name
     assert not module.optimizers().optimizer.state  # no optimizer step was taken
@@ -402,7 +402,7 @@ def test_nonfinite_rewards_skip_the_step_without_touching_weights(tmp_path, capl
 
 
 def test_nonfinite_rewards_fail_when_configured(tmp_path):
-    with pytest.raises(FloatingPointError, match=r"non-finite advantages, token rewards \(from FlowReward.score\) at step 0"):
+    with pytest.raises(FloatingPointError, match=r"non-finite advantages, token rewards \(from FlowReward.score\) at step 1"):
         fit_one_batch(tmp_path, "fail", float("nan"))
 
 

@@ -53,7 +53,7 @@ def test_a_nan_flow_loss_skips_the_step_and_leaves_the_policy_finite(tmp_path, c
                         limit_val_batches=0, callbacks=[NanLoss(step=0, loss="flow")])
     with caplog.at_level(logging.WARNING, logger="flowkit.modules.policy"):
         trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
-    assert "skipping RL step 0: non-finite flow loss (1 skipped so far)" in caplog.text
+    assert "skipping RL step 1: non-finite flow loss (1 skipped so far)" in caplog.text
     assert module.skipped_steps == 1 and trainer.global_step == 1  # the skipped batch, then one that trained
     for group in ("policy.", "reward_model."):
         weights = {n: p for n, p in module.named_parameters() if n.startswith(group) and p.requires_grad}
@@ -77,7 +77,7 @@ def test_nan_weights_at_the_start_stop_in_one_line_before_any_step(tmp_path):
 
 @pytest.mark.slow  # three CLI runs: the run that breaks, the export of a poisoned checkpoint, the resume
 def test_weights_that_turn_non_finite_stop_the_run_at_the_last_good_checkpoint_which_resume_uses(tmp_path):
-    """From step 1 on the learning rate is NaN (as a schedule dividing by zero makes it): the step's weights are NaN.
+    """From step 2 on (global_step 1) the learning rate is NaN (as a schedule dividing by zero makes it): the weights turn NaN.
     The run stops in one line naming last.ckpt (step 1, all finite), writes no checkpoint or export from the broken
     weights, and `--ckpt_path last` resumes from it. `flowkit export` of a checkpoint holding NaN (one written before
     this guard) is one line."""
@@ -88,7 +88,7 @@ def test_weights_that_turn_non_finite_stop_the_run_at_the_last_good_checkpoint_w
     broken = cli_errors.fit(tmp_path, 3, *every_step, "--trainer.callbacks+=fault_injection.LearningRateJump",
                             "--trainer.callbacks.step", "1", "--trainer.callbacks.lr", ".nan")
     assert cli_errors.one_line_error(broken, max_lines=None) == (
-        "error: the optimizer step of RL step 1 made the policy weights, flow weights non-finite (a learning rate too "
+        "error: the optimizer step of RL step 2 made the policy weights, flow weights non-finite (a learning rate too "
         f"high?); nothing was saved from them, the last good checkpoint is {last}: resume it with --ckpt_path {last} "
         "once the cause is fixed")
     checkpoint = torch.load(last, weights_only=True)
@@ -114,20 +114,20 @@ def test_weights_that_turn_non_finite_stop_the_run_at_the_last_good_checkpoint_w
 
 @pytest.mark.slow  # two DDP ranks through the CLI
 def test_ranks_skip_together_when_only_one_ranks_loss_is_nan(tmp_path):
-    """Rank 1's policy loss is NaN at step 0, rank 0's is not: both ranks skip the step (a rank skipping alone would
-    leave the other waiting in the gradient all-reduce), then train step 0 again and end with the same weights."""
+    """Rank 1's policy loss is NaN at step 1, rank 0's is not: both ranks skip the step (a rank skipping alone would
+    leave the other waiting in the gradient all-reduce), then train step 1 again and end with the same weights."""
     result = rlfr_run.run(tmp_path, 1, "--trainer.devices", "2", "--trainer.strategy", "ddp",
                           "--data.init_args.val_path", "null",
                           "--trainer.callbacks+=fault_injection.NanLoss", "--trainer.callbacks.step", "0",
                           "--trainer.callbacks.rank", "1",
                           "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out",
                           str(tmp_path / "weights"), timeout=600)
-    assert "skipping RL step 0: non-finite policy loss (1 skipped so far)" in result.stderr
-    assert "skipping RL step 0: non-finite values on another rank (1 skipped so far)" in result.stderr
+    assert "skipping RL step 1: non-finite policy loss (1 skipped so far)" in result.stderr
+    assert "skipping RL step 1: non-finite values on another rank (1 skipped so far)" in result.stderr
     rank0, rank1 = (load_file(str(tmp_path / "weights" / f"rank{rank}.safetensors")) for rank in (0, 1))
     moved = [name for name in rank0
              if name.startswith("end/") and not torch.equal(rank0[name], rank0[name.replace("end/", "start/")])]
-    assert moved  # step 0, trained after the skip
+    assert moved  # step 1, trained after the skip
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
         assert bool(torch.isfinite(rank0[name]).all()), name

@@ -482,7 +482,7 @@ class PolicyModule(L.LightningModule):
         raise_if_nonfinite(nonfinite_groups(optimizer.param_groups, groups, "gradients"))
         if self.hparams.max_grad_norm is not None:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
-        step = self.global_step  # the step counts the optimizer step
+        step = self.global_step + 1  # the step in progress, counted from 1 as in metrics.csv and the bar
         step_groups(optimizer, groups)
         optimizer.zero_grad()
         bad = nonfinite_groups(optimizer.param_groups, groups, "weights")
@@ -515,7 +515,8 @@ class PolicyModule(L.LightningModule):
         if self.reward_model is not None:  # name the method that produced them
             bad = [f"{what} (from {type(self.reward_model).__name__}.score)" if what == "token rewards" else what
                    for what in bad]
-        message = f"non-finite {', '.join(bad)} at step {self.global_step}"
+        step = self.global_step + 1  # the step in progress, counted from 1 as in metrics.csv and the bar
+        message = f"non-finite {', '.join(bad)} at step {step}"
         if self.hparams.nonfinite == "fail":
             raise NonFiniteTraining(message)
         self.optimizers().zero_grad()
@@ -528,7 +529,7 @@ class PolicyModule(L.LightningModule):
             self._stop_nonfinite(f"{self.consecutive_skips} RL steps in a row were skipped (max_consecutive_skips "
                                  f"{limit}; the last one: {message}): the weights or the reward model are probably "
                                  "broken")
-        log.warning("skipping RL step %d: non-finite %s (%d skipped so far)", self.global_step, ", ".join(bad), self.skipped_steps)
+        log.warning("skipping RL step %d: non-finite %s (%d skipped so far)", step, ", ".join(bad), self.skipped_steps)
         self.log("train/skipped_steps", float(self.skipped_steps))
         return None
 
