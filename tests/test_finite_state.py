@@ -78,9 +78,9 @@ def test_nan_weights_at_the_start_stop_in_one_line_before_any_step(tmp_path):
 @pytest.mark.slow  # three CLI runs: the run that breaks, the export of a poisoned checkpoint, the resume
 def test_weights_that_turn_non_finite_stop_the_run_at_the_last_good_checkpoint_which_resume_uses(tmp_path):
     """From step 2 on (global_step 1) the learning rate is NaN (as a schedule dividing by zero makes it): the weights
-    turn NaN. The run stops in one line naming last.ckpt (step 1, all finite), writes no checkpoint or export from the broken
-    weights, and `--ckpt_path last` resumes from it. `flowkit export` of a checkpoint holding NaN (one written before
-    this guard) is one line."""
+    turn NaN. The run stops in one line naming last.ckpt (step 1, all finite), writes no checkpoint or export from the
+    broken weights, and `--ckpt_path last` resumes from it. `flowkit export` of a checkpoint holding NaN (one written
+    before this guard) is one line."""
     (tmp_path / "every_step.yaml").write_text(EVERY_STEP)
     every_step = ["--config", str(tmp_path / "every_step.yaml")]
     run_dir = tmp_path / "runs" / "rlfr_tiny"
