@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flowkit.checkpointing import load_trained_weights
+from flowkit.checkpointing.safe_loading import load_trained_weights
 from flowkit.registry import subcommand
 from flowkit.data.records import load_records
 from flowkit.errors import ConfigError

@@ -14,7 +14,7 @@ from torch.distributed import ReduceOp
 from torchmetrics import MeanMetric
 
 from flowkit.batch import RolloutBatch, pad_columns
-from flowkit.checkpointing import resume_checkpoint
+from flowkit.checkpointing.resume import resume_checkpoint
 from flowkit.distributed import all_reduce_int
 from flowkit.engine import (
     Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
