@@ -11,7 +11,7 @@ It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib on
                             → the device it moves tensors on (cuda: NCCL, both sides on GPUs; cpu: gloo)
     POST /weights           {version}: receive one push on that channel (buckets), then load it
 
-Generation runs flowkit's HF decoding loop (:class:`flowkit.llm.rollout.HFRolloutEngine`) on the server's model;
+Generation runs flowkit's HF decoding loop (:class:`flowkit.llm.hf_engine.HFRolloutEngine`) on the server's model;
 a push waits for the generation in flight and generations wait for a push in progress (one lock), so every reply
 comes from one policy version. Every answer carries the server's ``instance`` id: a trainer notices a restart.
 Start it before the trainer::
@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import WeightChannel, model_identity, response_rows
 from flowkit.registry import standalone
 

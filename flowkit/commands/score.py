@@ -13,7 +13,7 @@ from flowkit.checkpointing.safe_loading import load_trained_weights
 from flowkit.registry import subcommand
 from flowkit.data.records import load_records
 from flowkit.errors import ConfigError
-from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.packing import encode_pairs
 from flowkit.modules.completions import render_html
 from flowkit.rewards.flow_reward import FlowReward
 from flowkit.seeding import flow_noise_seed

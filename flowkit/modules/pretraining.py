@@ -17,7 +17,7 @@ from flowkit.checkpointing.preemption import PreemptionCheckpoint, PretrainingPr
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import ExpertLatentCache, expert_latents
+from flowkit.llm.expert_latents import ExpertLatentCache, expert_latents
 from flowkit.modules.optim import LR_DECAYS, LrDecay, flow_pretraining_schedule
 from flowkit.modules.progress import LoopProgress
 from flowkit.rewards.flow_reward import FlowReward
