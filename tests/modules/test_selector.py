@@ -11,7 +11,8 @@ import yaml
 
 from flowkit.cli import main
 from flowkit.errors import ConfigError
-from flowkit.modules.selector import RuleEnvDataModule, SelectorModule
+from flowkit.modules.rule_data import RuleEnvDataModule
+from flowkit.modules.selector import SelectorModule
 from flowkit.rbrl import comparison
 from flowkit.rbrl.comparison import format_results, same_as_fixed_rule
 from flowkit.rbrl.agent import Observation, fixed_rule_chooser
