@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from flowkit.errors import ConfigError, require
 from flowkit.rbrl.agent import Observation, RuleAgent, StepRecord
-from flowkit.rbrl.backends import ChatBackend
+from flowkit.llm.chat_backends import ChatBackend
 from flowkit.rbrl.encoder import EmbeddingCache
 from flowkit.rbrl.envs import ENVIRONMENTS, make_env
 from flowkit.rbrl.judges import Judge

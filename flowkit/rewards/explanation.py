@@ -28,7 +28,7 @@ from flowkit.explain.reward_model import ExplanationFlowModel, ExplanationInputs
 from flowkit.explain.sentence_rewards import sentence_rewards_from_probs
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.chat import PROMPT_FORMATS, PromptFormat, resolve_prompt_format
-from flowkit.rbrl.backends import ChatBackend
+from flowkit.llm.chat_backends import ChatBackend
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.seeding import run_seed
 
@@ -66,7 +66,7 @@ class ExplanationReward(TokenRewardModel):
         proxies: the K_p proxy LLMs that judge explanations for the flow's data (paper: 3); null is the bundled toy's.
         evaluators: local LLMs that judge explanation accuracy in evaluation; they should not be training proxies
             (else accuracy is judged by the models the flow was fitted to). Null: the proxies (with a warning).
-        judge: a chat backend (e.g. ``flowkit.rbrl.backends.HTTPChatBackend``, an OpenAI-compatible endpoint) asked
+        judge: a chat backend (e.g. ``flowkit.llm.chat_backends.HTTPChatBackend``, an OpenAI-compatible endpoint) asked
             which decision an explanation implies, as the paper's GPT-4o judge (:class:`GenerativeEvaluator`), in
             addition to ``evaluators``; judge_temperature: its sampling temperature.
         backbone: the frozen LLM whose last layer the flow reads; null (default): the policy with its LoRA adapters
