@@ -4,7 +4,8 @@ Each response token t gets r_t = beta · (σ(w·h_t + b) − ½), where h_t is t
 layer and the probe (w, b) is trained online, on every step's rollouts, to predict from a rollout's mean latent
 whether its answer is correct. It uses every part of the reward-model contract (:mod:`flowkit.rewards.base`: a
 :class:`~flowkit.rewards.TokenRewardModel` whose ``begin_step`` returns a step scorer with ``score``, ``end_step``
-and ``metrics``) and is small enough to read in one go; CI trains it for two RL steps (tests/test_examples.py). Run it from the repository root
+and ``metrics``) and is small enough to read in one go; CI trains it for two RL steps (tests/test_examples.py).
+Run it from the repository root
 (the working directory is on ``sys.path``, so ``examples.`` imports)::
 
     flowkit fit --config configs/grpo_tiny.yaml --trainer.default_root_dir runs/probe \\

@@ -62,7 +62,8 @@ class FlowkitTrainer(Trainer):
     """Lightning's Trainer; :class:`FlowkitCLI` attaches the registered subcommands to it as methods.
 
     ``requested_ckpt_path`` is the checkpoint ``fit`` resumes, known from the start of the fit
-    (:func:`~flowkit.checkpointing.resume.resume_checkpoint`; Lightning's ``ckpt_path`` is set only when it restores it).
+    (:func:`~flowkit.checkpointing.resume.resume_checkpoint`; Lightning's ``ckpt_path`` is set only when it restores
+    it).
     """
 
     requested_ckpt_path: str | None = None

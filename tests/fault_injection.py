@@ -44,7 +44,8 @@ class NanLoss(L.Callback):
             def poisoned(step, batch):  # the step's online loss pieces return NaN
                 scorer = real(step, batch)
                 end_step = scorer.end_step
-                scorer.end_step = lambda batch: [lambda piece=piece: piece() * float("nan") for piece in end_step(batch)]
+                scorer.end_step = lambda batch: [lambda piece=piece: piece() * float("nan")
+                                                 for piece in end_step(batch)]
                 return scorer
             reward.begin_step = poisoned
             self._restore = lambda: setattr(reward, "begin_step", real)

@@ -82,7 +82,8 @@ class RLStep:
                  columns: dict[str, list] | None = None) -> tuple[RolloutBatch, dict[str, Tensor]]:
         """Generate, score and train on one prompt batch (``columns``: the data's other fields, one value per prompt,
         which the reward model reads from ``RolloutBatch.columns``); returns the batch (with rewards, token rewards,
-        entropies; longest row first under ``micro_batch_tokens``) and the step's statistics and timings. Raises
+        entropies; longest row first under ``micro_batch_tokens``) and the step's statistics, timings and step scorer's
+        metrics. Raises
         :class:`NonFiniteStep`."""
         timings = {"time/generate_s": 0.0}
         batch = self._generated(prompts, answers, columns, timings)
@@ -320,10 +321,10 @@ class RLStep:
     def _finish_minibatch(self, batch: RolloutBatch, stats: StepStats, timings: dict[str, float],
                           losses: LossCheck, scorer: StepScorer | None,
                           policy_groups: Collection[str] = ("policy", "value")) -> None:
-        """The reward model's online loss (``scorer``: given on the first minibatch only; piece by piece), then the optimizer step of
-        ``policy_groups`` (and the reward model's) — unless a policy or flow loss was not finite: then the step is
-        skipped (on every rank) before ``step_optimizer``'s shared gradient clipping would spread one group's NaN
-        gradients into the other's."""
+        """The step scorer's online loss (``scorer`` is given on the first minibatch only; piece by piece), then the
+        optimizer step of ``policy_groups`` (and the reward model's) — unless a policy or flow loss was not finite:
+        then the step is skipped (on every rank) before ``step_optimizer``'s shared gradient clipping would spread one
+        group's NaN gradients into the other's."""
         groups = set(policy_groups)
         if isinstance(scorer, LearnsOnline):
             start = time.perf_counter()

@@ -1,8 +1,8 @@
 """Forwards over a :class:`~flowkit.batch.RolloutBatch`, positioned as during generation.
 
 Layout: each row is ``[left padding][prompt][response][right padding]`` — the layout HF ``generate``
-produces (:mod:`flowkit.batch`). Positions are derived from the attention mask (see :func:`position_ids`), so a forward over a
-batch gives the same logits as the generation did.
+produces (:mod:`flowkit.batch`). Positions are derived from the attention mask (see :func:`position_ids`), so a
+forward over a batch gives the same logits as the generation did.
 """
 
 from __future__ import annotations

@@ -35,12 +35,12 @@ def pretrain_flow_reward(trainer: L.Trainer, policy: torch.nn.Module, tokenizer,
 
     Its state (reward-model weights, optimizer, schedule, noise generator, steps done, whether it finished) is saved
     to ``flow_pretrain.ckpt`` in the checkpoint directory when it finishes, and when SIGTERM stops it: then the process
-    exits 0 (:class:`~flowkit.checkpointing.preemption.PretrainingPreempted`). A run of the job with no Lightning checkpoint to
-    resume (``--ckpt_path last`` before the first one exists) continues from that file: a stopped pretraining skips
-    the batches already seen and trains only the remaining steps of this run's ``steps``; a finished one is kept as it
-    is (its weights loaded, nothing trained), with a one-line note when ``steps`` changed since. Every rank runs the
-    same steps on the same batches (the noise and the batch order follow the run's seed), so the ranks' flows stay
-    equal.
+    exits 0 (:class:`~flowkit.checkpointing.preemption.PretrainingPreempted`). A run of the job with no Lightning
+    checkpoint to resume (``--ckpt_path last`` before the first one exists) continues from that file: a stopped
+    pretraining skips the batches already seen and trains only the remaining steps of this run's ``steps``; a
+    finished one is kept as it is (its weights loaded, nothing trained), with a one-line note when ``steps`` changed
+    since. Every rank runs the same steps on the same batches (the noise and the batch order follow the run's seed),
+    so the ranks' flows stay equal.
     """
     device = next(policy.parameters()).device if device is None else torch.device(device)
     policy.to(device)

@@ -23,7 +23,8 @@ def append_curve_point(path: Path, point: dict[str, Any]) -> None:
         f.write(json.dumps(point) + "\n")
 
 
-def write_final_report(dm: RuleEnvDataModule, greedy_rule: Callable, sampled_chooser: Callable, directory: Path) -> None:
+def write_final_report(dm: RuleEnvDataModule, greedy_rule: Callable, sampled_chooser: Callable,
+                       directory: Path) -> None:
     """Evaluate, over the DataModule ``dm``'s evaluation seeds, the selector (``greedy_rule``, ``sampled_chooser``)
     against uniform-random rule choice, every fixed rule and the rule-free baselines; print the table — flagging a
     selector that behaves as one fixed rule — and write it to ``directory/results.json``."""

@@ -90,7 +90,8 @@ class EvaluatesPolicy(Protocol):
     """A reward model with its own validation metrics (replacing pass@k of the math grader)."""
 
     def evaluate(self, prompts: dict[str, list], generate: Callable) -> dict[str, tuple[float, float]]:
-        """``{name: (value, weight)}`` for a validation batch; ``generate(texts, n, temperature)`` samples the policy."""
+        """``{name: (value, weight)}`` for a validation batch; ``generate(texts, n, temperature)`` samples the
+        policy."""
         ...
 
 

@@ -62,8 +62,9 @@ class FlowReward(TokenRewardModel):
             pretraining): the pieces are backpropagated one at a time, so this bounds the field's activations held
             for a backward whatever the number and length of the rollouts (README "Memory at paper scale"); the loss
             does not change. None: one piece.
-        seed: base seed of the reward noise (step s uses :func:`~flowkit.seeding.flow_noise_seed` so rewards are reproducible) and of
-            the field's initialisation, which runs on its own RNG so it never shifts the policy's sampling.
+        seed: base seed of the reward noise (step s draws from :func:`~flowkit.seeding.flow_noise_seed`, so rewards
+            are reproducible) and of the field's initialisation, which runs on its own RNG so it never shifts the
+            policy's sampling.
             ``None`` (default): the run's global seed (``seed_everything``); an int pins it.
         rejection_metric: which rollouts train the flow online (:mod:`flowkit.rl.rejection`): ``correct``
             (official ``batch_correct``), ``entropy`` (mean entropy above the batch median), ``both``; with

@@ -57,7 +57,8 @@ class FlowStep:
         """B bool: the rows the online update may weigh — the correct ones when only correct rows can (``correct``,
         ``both``, ``correct+token_entropy`` with ``soft_weight`` 0), else every row (an entropy metric's batch
         median is known only after the last micro-batch; a soft weight weighs rejected rows too)."""
-        if self.reward.rejection_metric in ("correct", "both", "correct+token_entropy") and self.reward.soft_weight == 0:
+        reward = self.reward
+        if reward.rejection_metric in ("correct", "both", "correct+token_entropy") and reward.soft_weight == 0:
             return batch.correct.bool()
         return torch.ones_like(batch.correct, dtype=torch.bool)
 
@@ -143,7 +144,8 @@ class FlowStep:
             if candidate.entropy is None:
                 tokens = scored.float()
             else:
-                tokens = entropy_quantile_weights(candidate.entropy, scored, reward.entropy_quantile, reward.soft_weight)
+                tokens = entropy_quantile_weights(candidate.entropy, scored, reward.entropy_quantile,
+                                                  reward.soft_weight)
                 kept_fracs.append(float(tokens.sum() / scored.sum().clamp(min=1)))
             share = float(row_weights[candidate.row]) / micro_totals[candidate.micro_batch] / len(self.micro_batches)
             token_weights.append(tokens * (share / float(tokens.sum())) if tokens.sum() > 0 else tokens)

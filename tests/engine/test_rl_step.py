@@ -134,8 +134,8 @@ def test_a_begin_step_without_a_step_scorer_is_one_line_naming_it(single_thread)
             return None
 
     step, backwards, steps = make_step(FakeActor(), NoScorer())
-    with pytest.raises(RewardModelError, match=r"^NoScorer\.begin_step must return a step scorer with "
-                                               r"score\(micro, rows\) \(flowkit\.rewards\.StepScorer\); it returned a NoneType$"):
+    with pytest.raises(RewardModelError, match=r"^NoScorer\.begin_step must return a step scorer with score\(micro, "
+                                               r"rows\) \(flowkit\.rewards\.StepScorer\); it returned a NoneType$"):
         step(["a", "b"], ["1", "2"], 0)
     assert backwards == [] and steps == []
 

@@ -72,7 +72,8 @@ def per_token_flow_loss(batch: RolloutBatch, rows: list[int],
     for r in rows:
         scored = scored_token_mask(batch.response_mask[r:r + 1], condition)[0]
         tokens += [(r, int(j)) for j in scored.nonzero().flatten()]
-    eps = kernels.flow_noise((len(tokens), P, 1, D), seed=flow_noise_seed(SEED, STEP, online_loss=True))  # (token, layer, t, d)
+    eps = kernels.flow_noise((len(tokens), P, 1, D),  # (token, layer, t, d)
+                             seed=flow_noise_seed(SEED, STEP, online_loss=True))
     x1 = torch.stack([batch.latents[:, r, j] for r, j in tokens])  # token × layer × d
     per = ((x1[:, :, None] - eps) ** 2).mean(dim=(1, 2, 3))
     return {token: float(value) for token, value in zip(tokens, per)}
