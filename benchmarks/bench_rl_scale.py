@@ -58,22 +58,29 @@ class StepPhases(L.Callback):
         self.device, self.steps, self.flow_reward_s, self.flow_pieces = device, [], 0.0, 0
 
     def wrap_reward(self, reward: FlowReward) -> None:
-        original, original_update = reward.score, reward.end_step
+        begin_step = reward.begin_step
 
-        def timed(*args, **kwargs):
-            synchronize(self.device)
-            start = time.perf_counter()
-            out = original(*args, **kwargs)
-            synchronize(self.device)
-            self.flow_reward_s += time.perf_counter() - start
-            return out
+        def wrapped(step, batch):  # each step's scorer: its score timed, its online-loss pieces counted
+            scorer = begin_step(step, batch)
+            original, original_update = scorer.score, scorer.end_step
 
-        def counted(*args, **kwargs):
-            pieces = original_update(*args, **kwargs)
-            self.flow_pieces += len(pieces)
-            return pieces
+            def timed(*args, **kwargs):
+                synchronize(self.device)
+                start = time.perf_counter()
+                out = original(*args, **kwargs)
+                synchronize(self.device)
+                self.flow_reward_s += time.perf_counter() - start
+                return out
 
-        reward.score, reward.end_step = timed, counted
+            def counted(*args, **kwargs):
+                pieces = original_update(*args, **kwargs)
+                self.flow_pieces += len(pieces)
+                return pieces
+
+            scorer.score, scorer.end_step = timed, counted
+            return scorer
+
+        reward.begin_step = wrapped
 
     def on_train_batch_start(self, *args):
         synchronize(self.device)

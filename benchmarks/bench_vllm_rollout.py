@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 import torch  # noqa: E402
 
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path  # noqa: E402
-from flowkit.llm.rollout import HFRolloutEngine  # noqa: E402
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine  # noqa: E402
 from flowkit.modules import RolloutDataModule  # noqa: E402
 

@@ -54,3 +54,9 @@ def check_nonempty(owner: str, name: str, values: Sized) -> None:
 class NonFiniteTraining(RunError, FloatingPointError):
     """Training cannot go on from non-finite state (NaN or inf weights, or every step skipped); nothing was saved
     from it. The message names the last good checkpoint, which ``--ckpt_path last`` resumes."""
+
+
+def require(condition: bool, message: str) -> None:
+    """A one-line :class:`ConfigError` saying ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)

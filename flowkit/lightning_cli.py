@@ -25,10 +25,13 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
 from flowkit.cli import LIGHTNING_COMMANDS, did_you_mean
-from flowkit.checkpointing import (
-    EXPORTED_KEY, HPC_CHECKPOINT_GLOB, VALIDATION_INTERRUPTED_KEY, RunDirectoryLock, checkpoint_metadata,
-    fault_tolerance_defaults, lock_run_directory, newest_checkpoint, requeued_slurm_job, tensors_only_loading,
+from flowkit.checkpointing import fault_tolerance_defaults
+from flowkit.checkpointing.preemption import VALIDATION_INTERRUPTED_KEY
+from flowkit.checkpointing.resume import (
+    EXPORTED_KEY, HPC_CHECKPOINT_GLOB, checkpoint_metadata, newest_checkpoint, requeued_slurm_job,
 )
+from flowkit.checkpointing.run_lock import RunDirectoryLock, lock_run_directory
+from flowkit.checkpointing.safe_loading import tensors_only_loading
 from flowkit.errors import ConfigError
 from flowkit.modules.callbacks import ExportArtifacts
 from flowkit.modules.completions import CompletionLogs
@@ -59,7 +62,8 @@ class FlowkitTrainer(Trainer):
     """Lightning's Trainer; :class:`FlowkitCLI` attaches the registered subcommands to it as methods.
 
     ``requested_ckpt_path`` is the checkpoint ``fit`` resumes, known from the start of the fit
-    (:func:`~flowkit.checkpointing.resume_checkpoint`; Lightning's ``ckpt_path`` is set only when it restores it).
+    (:func:`~flowkit.checkpointing.resume.resume_checkpoint`; Lightning's ``ckpt_path`` is set only when it restores
+    it).
     """
 
     requested_ckpt_path: str | None = None

@@ -49,7 +49,7 @@ from lightning.pytorch.strategies import (
 )
 from torch.optim import Optimizer
 
-from flowkit.checkpointing import tensors_only_loading
+from flowkit.checkpointing.safe_loading import tensors_only_loading
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from flowkit.data.long_addition import ALPHABET, DEFAULT_OPERANDS, OPERAND_COUNTS, max_new_tokens, write_splits
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.sft import completion_tensors
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 from flowkit.rewards.grader import grade

@@ -39,9 +39,16 @@ class NanLoss(L.Callback):
             self._restore = lambda: setattr(actor, "loss", real)
         else:
             reward = pl_module.reward_model
-            real = reward.end_step
-            reward.end_step = lambda batch: [lambda piece=piece: piece() * float("nan") for piece in real(batch)]
-            self._restore = lambda: setattr(reward, "end_step", real)
+            real = reward.begin_step
+
+            def poisoned(step, batch):  # the step's online loss pieces return NaN
+                scorer = real(step, batch)
+                end_step = scorer.end_step
+                scorer.end_step = lambda batch: [lambda piece=piece: piece() * float("nan")
+                                                 for piece in end_step(batch)]
+                return scorer
+            reward.begin_step = poisoned
+            self._restore = lambda: setattr(reward, "begin_step", real)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self._restore is not None:

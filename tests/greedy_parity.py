@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lightning as L
 
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.strategies import whole_weights_for_generation
 
 # Three prompts per rank, different on each rank, from the tiny adder's task.

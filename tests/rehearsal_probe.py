@@ -32,14 +32,14 @@ class RehearsalProbe(L.Callback):
             head_calls.append((len(states), 1))
             return as_forward_of(module, function, states)
         logprobs._as_forward_of = recording_head
-        agree = FlowReward._agreed_over_ranks
+        agree = FlowReward.agreed_over_ranks
         records = self.records["flow_pieces"]
 
         def recording_pieces(reward, pieces):
             agreed = agree(reward, pieces)
             records.append((len(pieces), len(agreed)))
             return agreed
-        FlowReward._agreed_over_ranks = recording_pieces
+        FlowReward.agreed_over_ranks = recording_pieces
 
     def _recording(self, agreed_call_count, site):
         records = self.records[site]

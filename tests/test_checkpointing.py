@@ -15,13 +15,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import flowkit.checkpointing as checkpointing
-from flowkit.checkpointing import (
-    AtomicCheckpointIO,
-    PreemptionCheckpoint,
-    RNGStateCheckpoint,
-    lock_run_directory,
-)
+import flowkit.checkpointing.atomic_files as atomic_files
+from flowkit.checkpointing.atomic_files import AtomicCheckpointIO
+from flowkit.checkpointing.preemption import PreemptionCheckpoint
+from flowkit.checkpointing.rng_state import RNGStateCheckpoint
+from flowkit.checkpointing.run_lock import lock_run_directory
 from flowkit.errors import RunError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,10 +46,10 @@ SLOW_WRITER = """
 import sys, time
 from pathlib import Path
 import torch
-import flowkit.checkpointing as checkpointing
+import flowkit.checkpointing.atomic_files as atomic_files
 
 target, marker = Path(sys.argv[1]), Path(sys.argv[2])
-io = checkpointing.AtomicCheckpointIO()
+io = atomic_files.AtomicCheckpointIO()
 io.save_checkpoint({"step": 1, "weights": torch.arange(1000.0)}, target)
 
 real_save = torch.save
@@ -65,7 +63,7 @@ def slow_save(obj, f):
     f.flush()
     marker.touch()
     time.sleep(600)
-checkpointing.torch.save = slow_save
+atomic_files.torch.save = slow_save
 io.save_checkpoint({"step": 2, "weights": torch.arange(100000.0)}, target)
 """
 
@@ -152,7 +150,7 @@ import sys, time
 from pathlib import Path
 import lightning as L, torch
 from torch.utils.data import DataLoader, TensorDataset
-from flowkit.checkpointing import PreemptionCheckpoint
+from flowkit.checkpointing.preemption import PreemptionCheckpoint
 
 root, marker = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -235,7 +233,7 @@ def test_without_keep_previous_nothing_is_kept_and_an_unreadable_checkpoint_is_o
 def test_a_checkpoint_holding_objects_is_refused_not_replaced_by_the_previous_one(tmp_path):
     from test_security import Payload
 
-    from flowkit.checkpointing import UnsafeCheckpointError, tensors_only_loading
+    from flowkit.checkpointing.safe_loading import UnsafeCheckpointError, tensors_only_loading
 
     io, target, marker = AtomicCheckpointIO(), tmp_path / "last.ckpt", tmp_path / "marker"
     io.save_checkpoint({"global_step": 1}, target)
@@ -255,7 +253,7 @@ def test_a_failed_write_names_the_file_and_leaves_the_checkpoint_as_it_was(tmp_p
         real_save({"partial": torch.zeros(10)}, f)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpointing.torch, "save", disk_full)
+    monkeypatch.setattr(atomic_files.torch, "save", disk_full)
     with pytest.raises(RunError, match=rf"^cannot write checkpoint {target}: No space left on device; last.ckpt there "
                                        "is unchanged$"):
         io.save_checkpoint({"global_step": 2}, target)
@@ -268,7 +266,7 @@ def test_a_failed_write_names_the_file_and_leaves_the_checkpoint_as_it_was(tmp_p
 
 
 def test_export_of_an_unreadable_checkpoint_is_one_line_naming_the_one_before_it(tmp_path):
-    from flowkit.checkpointing import consolidated_state_dict
+    from flowkit.checkpointing.safe_loading import consolidated_state_dict
 
     io, target = AtomicCheckpointIO(), tmp_path / "last.ckpt"
     for step in (1, 2):

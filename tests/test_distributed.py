@@ -83,9 +83,9 @@ def worker(rank: int, store: str, out: str) -> None:
     batch = RolloutBatch(input_ids=ids, attention_mask=torch.ones(3, 11), response_mask=mask,
                          group_ids=torch.arange(3))
     batch.latents, batch.correct, batch.entropy = latents, torch.ones(3, dtype=torch.bool), torch.rand(3)
-    reward.begin_step(0, batch)
-    reward.score(batch, torch.arange(3))
-    pieces = reward.end_step(batch)
+    scorer = reward.begin_step(0, batch)
+    scorer.score(batch, torch.arange(3))
+    pieces = scorer.end_step(batch)
     results["pieces"] = len(pieces)
     counts["update field"] = 0
     for piece in pieces:

@@ -46,13 +46,18 @@ def project(tmp_path, source: str):
 def test_a_score_of_the_wrong_shape_is_one_line_naming_the_method(tmp_path):
     project(tmp_path, '''
         class PerRow(TokenRewardModel):
+            def begin_step(self, step, batch):
+                return PerRowStep()
+
+
+        class PerRowStep:
             def score(self, micro, rows):
                 return torch.zeros(len(rows))  # one reward per row, not per token
     ''')
     result = flowkit(tmp_path, "fit", "--config", str(CONFIG), *ONE_STEP, "--trainer.default_root_dir", "runs/shape",
                      "--model.init_args.reward_model", "my_rewards.PerRow")
     line = cli_errors.one_line_error(result, max_lines=None)
-    assert line.startswith("error: PerRow.score must return a floating tensor of shape (4, "), line
+    assert line.startswith("error: PerRowStep.score must return a floating tensor of shape (4, "), line
     assert "(b×S, like micro.response_mask) on cpu; it returned a torch.float32 tensor of shape (4,) on cpu" in line
 
 
@@ -62,8 +67,8 @@ def test_a_reward_model_written_to_another_interface_is_one_line(tmp_path):
             def bind(self, hidden_size, layer_positions):
                 self.hidden_size = hidden_size
 
-            def score(self, micro, rows):
-                return torch.zeros(micro.response_mask.shape)
+            def begin_step(self, step, batch):
+                return None
     ''')
     result = flowkit(tmp_path, "fit", "--config", str(CONFIG), *ONE_STEP, "--trainer.default_root_dir", "runs/old",
                      "--model.init_args.reward_model", "my_rewards.OldApi")

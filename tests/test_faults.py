@@ -21,7 +21,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from flowkit.checkpointing import AtomicCheckpointIO, lock_run_directory
+from flowkit.checkpointing.atomic_files import AtomicCheckpointIO
+from flowkit.checkpointing.run_lock import lock_run_directory
 from flowkit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +121,7 @@ def pretrained_flow(root: Path, steps: int, sigterm_in_step: int | None = None) 
 
 
 def test_pretraining_stopped_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path, single_thread):
-    from flowkit.checkpointing import PretrainingPreempted
+    from flowkit.checkpointing.preemption import PretrainingPreempted
 
     straight = pretrained_flow(tmp_path / "straight", 5)
     with pytest.raises(PretrainingPreempted):
@@ -168,7 +169,7 @@ class KillBeforeExport(L.Callback):
 
 def toy_fit(root: Path, max_steps: int, every: int, mode: str) -> None:
     """``mode``: ``sigterm`` (at step 3), ``kill-before-export`` (SIGKILL after the final checkpoint) or ``resume``."""
-    from flowkit.checkpointing import PreemptionCheckpoint
+    from flowkit.checkpointing.preemption import PreemptionCheckpoint
     from flowkit.modules.callbacks import ExportArtifacts
 
     root = Path(root)
@@ -217,7 +218,7 @@ def test_kill_after_the_final_checkpoint_still_ends_with_the_export(tmp_path):
 WRITER = """
 import sys
 import torch
-from flowkit.checkpointing import AtomicCheckpointIO
+from flowkit.checkpointing.atomic_files import AtomicCheckpointIO
 
 target, writer, saves = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 io = AtomicCheckpointIO()

@@ -79,7 +79,7 @@ def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_
     from rollout_server_process import RolloutServer, served_greedy
 
     from flowkit.llm.backbone import load_backbone
-    from flowkit.llm.rollout import HFRolloutEngine
+    from flowkit.llm.hf_engine import HFRolloutEngine
 
     server = RolloutServer(tmp_path / "server.log", timeout_s=600)
     try:

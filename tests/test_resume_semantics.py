@@ -249,7 +249,8 @@ def zero_resume(root: Path, stage: int, ranks: int, steps: int, *extra: str) -> 
 def test_zero_resumes_at_another_number_of_ranks(tmp_path, stage):
     """2 → 1 → 2 ranks: each resume starts from the saved weights exactly (DeepSpeed's universal checkpoint carries
     the fp32 weights and Adam moments whole, whatever the number of ranks that saved them)."""
-    from flowkit.checkpointing import checkpoint_metadata, consolidated_state_dict
+    from flowkit.checkpointing.resume import checkpoint_metadata
+    from flowkit.checkpointing.safe_loading import consolidated_state_dict
     from flowkit.strategies import zero_checkpoint_ranks
 
     last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"

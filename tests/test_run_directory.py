@@ -14,7 +14,8 @@ import pytest
 import rlfr_run
 import torch
 
-from flowkit.checkpointing import LOCK_NAME, AtomicCheckpointIO, PlantedFileError, _temporary_path, lock_run_directory
+from flowkit.checkpointing.atomic_files import AtomicCheckpointIO, PlantedFileError, _temporary_path
+from flowkit.checkpointing.run_lock import LOCK_NAME, lock_run_directory
 
 SECRET = "must stay as it is\n"
 

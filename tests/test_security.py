@@ -14,7 +14,7 @@ import rlfr_run
 import tiny_zero_job
 import torch
 
-from flowkit.checkpointing import UnsafeCheckpointError, consolidated_state_dict
+from flowkit.checkpointing.safe_loading import UnsafeCheckpointError, consolidated_state_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_ADDER = ROOT / "flowkit" / "assets" / "tiny_adder"

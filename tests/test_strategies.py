@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from safetensors.torch import load_file
 
-from flowkit.checkpointing import consolidated_state_dict, load_trained_weights
+from flowkit.checkpointing.safe_loading import consolidated_state_dict, load_trained_weights
 from flowkit.strategies import (
     CPUDeepSpeedStrategy,
     FlowkitDeepSpeedStrategy,

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from flowkit.registry import subcommand
-from flowkit.modules.selector import RuleEnvDataModule, SelectorModule
+from flowkit.modules.rule_data import RuleEnvDataModule
+from flowkit.modules.selector import SelectorModule
 from flowkit.rbrl.agent import StepRecord, run_episode
 
 

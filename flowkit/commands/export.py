@@ -14,11 +14,8 @@ Usage (same config as training, so the module is rebuilt with the same shapes)::
 
 from __future__ import annotations
 
-from flowkit.checkpointing import (
-    check_output_directory,
-    load_trained_weights,
-    replaced_directory,
-)
+from flowkit.checkpointing.artifacts import check_output_directory, replaced_directory
+from flowkit.checkpointing.safe_loading import load_trained_weights
 from flowkit.registry import subcommand
 
 

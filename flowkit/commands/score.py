@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flowkit.checkpointing import load_trained_weights
+from flowkit.checkpointing.safe_loading import load_trained_weights
 from flowkit.registry import subcommand
 from flowkit.data.records import load_records
 from flowkit.errors import ConfigError
-from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.packing import encode_pairs
 from flowkit.modules.completions import render_html
+from flowkit.rewards.flow_reward import FlowReward
+from flowkit.seeding import flow_noise_seed
 
 
 @subcommand("score")
@@ -40,10 +42,10 @@ def score(
         checkpoint: a Lightning checkpoint of the PolicyModule (``.ckpt`` file or DeepSpeed ZeRO directory);
             default: the config's weights.
         batch_size: pairs per forward.
-        step: the noise step (rewards use seed + 1000·step, as in training).
+        step: the noise step (:func:`~flowkit.seeding.flow_noise_seed`, as in training).
     """
     reward = getattr(model, "reward_model", None)
-    if reward is None or not hasattr(reward, "deviation_scores"):
+    if not isinstance(reward, FlowReward):
         raise SystemExit("flowkit score needs a PolicyModule whose reward_model is a FlowReward")
     outputs = [Path(path) for path in (output, html_output) if path]
     for path in outputs:  # before any work: a bad output path must not cost the scoring run
@@ -62,7 +64,7 @@ def score(
         chunk = records[start:start + batch_size]
         batch = encode_pairs(model.tokenizer, [r["prompt"] for r in chunk], [r["response"] for r in chunk])
         batch = model.score_rollouts(batch.to(model.device))
-        deviations = reward.deviation_scores(batch.latents, batch.response_mask, reward.seed + 1000 * step)
+        deviations = reward.deviation_scores(batch.latents, batch.response_mask, flow_noise_seed(reward.seed, step))
         rewards = reward.token_rewards(batch, step)
         for i, record in enumerate(chunk):
             positions = batch.response_mask[i].nonzero().flatten().tolist()

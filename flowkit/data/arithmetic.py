@@ -12,7 +12,7 @@ a post-processor that prepends ``<bos>``, so ``tokenizer(prompt)`` already yield
     <bos> p r o m p t | s o l u t i o n <eos>
     \\---- prompt ----/ \\--- response ---/
 
-:func:`flowkit.llm.sft.completion_tensors` (SFT) and :func:`flowkit.llm.rollout.encode_pairs` (RL, flow
+:func:`flowkit.llm.sft.completion_tensors` (SFT) and :func:`flowkit.llm.packing.encode_pairs` (RL, flow
 pretraining) build exactly this sequence; the response (solution + ``<eos>``) is what the loss, the latents
 and the rewards cover.
 """

@@ -18,7 +18,8 @@ from flowkit.distributed import zero3_sharded
 from flowkit.engine.options import LossOptions, UpdateOptions
 from flowkit.engine.stats import StepStats
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import forward_hidden, forward_hidden_shared_prompts
+from flowkit.llm.forward import forward_hidden
+from flowkit.llm.kv_cache import forward_hidden_shared_prompts
 from flowkit.rl.logprobs import lm_head_logprobs
 from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_aggregate, masked_sum
 from flowkit.rl.rollout_correction import (

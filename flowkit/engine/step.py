@@ -35,7 +35,9 @@ from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, se
 from flowkit.engine.options import AdvantageOptions, SamplingControls, UpdateOptions
 from flowkit.engine.stats import StepStats
 from flowkit.llm.engines import RolloutEngine
-from flowkit.rewards.base import TokenRewardModel
+from flowkit.rewards.base import (
+    LearnsOnline, ReportsMetrics, StepScorer, TokenRewardModel, check_step_scorer, check_token_rewards,
+)
 from flowkit.rl.advantages import ESTIMATORS, AdvantageInputs, entropy_shaped_advantages, whitened
 from flowkit.rl.losses import aggregation_denominator, kl_shaped_rewards
 
@@ -78,7 +80,8 @@ class RLStep:
                  columns: dict[str, list] | None = None) -> tuple[RolloutBatch, dict[str, Tensor]]:
         """Generate, score and train on one prompt batch (``columns``: the data's other fields, one value per prompt,
         which the reward model reads from ``RolloutBatch.columns``); returns the batch (with rewards, token rewards,
-        entropies; longest row first under ``micro_batch_tokens``) and the step's statistics and timings. Raises
+        entropies; longest row first under ``micro_batch_tokens``) and the step's statistics, timings and step scorer's
+        metrics. Raises
         :class:`NonFiniteStep`."""
         timings = {"time/generate_s": 0.0}
         batch = self._generated(prompts, answers, columns, timings)
@@ -92,20 +95,20 @@ class RLStep:
             batch = batch.select(order)
             in_loss = None if in_loss is None else in_loss[order]
         outcome = self.estimator.outcome(batch.outcome_rewards, batch.group_ids, self.estimator_context)
-        if self.reward_model is not None:
-            self.reward_model.begin_step(step, batch)
+        scorer = None if self.reward_model is None else check_step_scorer(self.reward_model,
+                                                                           self.reward_model.begin_step(step, batch))
         batch.entropy = torch.full((batch.batch_size,), float("nan"), device=batch.input_ids.device)  # NaN: not run
         frozen = self.reward_model is not None and self.reward_model.freezes_policy(step)
         fused = self._fused() and not frozen
         if not fused:
             score_start = time.perf_counter()
-            self._score(batch, outcome)
+            self._score(batch, outcome, scorer)
             timings["time/score_s"] = time.perf_counter() - score_start
         update_start = time.perf_counter()
-        stats = (self._reward_model_only(batch, timings) if frozen
-                 else self._update(batch, outcome, fused, timings, order, in_loss))
+        stats = (self._reward_model_only(batch, timings, scorer) if frozen
+                 else self._update(batch, outcome, fused, timings, order, in_loss, scorer))
         timings["time/update_s"] = time.perf_counter() - update_start - timings.get("time/reward_model_s", 0.0)
-        return batch, {**timings, **control_stats, **stats}
+        return batch, {**timings, **control_stats, **stats, **_reward_model_metrics(scorer)}
 
     # ------------------------------------------------------------------------------------------ sampling controls
     def _generated(self, prompts: list[str], answers: list[str], columns: dict[str, list] | None,
@@ -180,7 +183,8 @@ class RLStep:
         return self.update.updates == 1 and not self.estimator.whiten
 
     # ------------------------------------------------------------------------------------------ scoring
-    def _fill(self, micro: RolloutBatch, rows: Tensor, out: ActorOutput, outcome: Tensor, batch: RolloutBatch) -> None:
+    def _fill(self, micro: RolloutBatch, rows: Tensor, out: ActorOutput, outcome: Tensor, batch: RolloutBatch,
+              scorer: StepScorer | None) -> None:
         """What the update needs of a micro-batch, right after its forward: old log-probs (the forward's, detached),
         entropies, reference log-probs, token rewards (the reward model reads the latents, then they go), values and
         advantages."""
@@ -189,9 +193,9 @@ class RLStep:
         micro.entropy = batch.entropy[rows] = (out.entropy.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         if self.actor.reference is not None:
             micro.ref_logprobs = self.actor.reference_logprobs(micro)
-        if self.reward_model is not None:
+        if scorer is not None:
             micro.latents, micro.token_entropy = out.latents, out.entropy.detach()
-            micro.token_rewards = self.reward_model.score(micro, rows)
+            micro.token_rewards = check_token_rewards(type(scorer).__name__, scorer.score(micro, rows), micro)
             micro.latents = None
             if batch.token_rewards is None:  # the step's batch keeps them (completion logs read them)
                 batch.token_rewards = torch.zeros(batch.response_mask.shape, device=mask.device)
@@ -209,7 +213,7 @@ class RLStep:
                                                          self.advantage.entropy_alpha, self.advantage.entropy_kappa)
 
     @torch.no_grad()
-    def _score(self, batch: RolloutBatch, outcome: Tensor) -> None:
+    def _score(self, batch: RolloutBatch, outcome: Tensor, scorer: StepScorer | None) -> None:
         """A no-grad pass in micro-batches fixing old log-probs, token rewards, values and advantages for every row
         (before updates that change the policy: μ > 1, several minibatches, or a batch-wide whitening)."""
         length = batch.input_ids.shape[1]
@@ -217,7 +221,7 @@ class RLStep:
         parts: dict[str, list[Tensor]] = {name: [] for name in names}
         for rows in self._micro_batches(batch):  # runs of consecutive rows, in order
             micro = batch.select(rows).trimmed()
-            self._fill(micro, rows, self.actor.forward(micro, tap=True), outcome, batch)
+            self._fill(micro, rows, self.actor.forward(micro, tap=True), outcome, batch, scorer)
             raise_if_nonfinite(_nonfinite(micro))
             for name in names:
                 if getattr(micro, name) is not None:
@@ -229,7 +233,7 @@ class RLStep:
 
     # ------------------------------------------------------------------------------------------ update
     def _update(self, batch: RolloutBatch, outcome: Tensor, fused: bool, timings: dict[str, float],
-                order: Tensor | None, in_loss: Tensor | None = None) -> dict[str, Tensor]:
+                order: Tensor | None, in_loss: Tensor | None, scorer: StepScorer | None) -> dict[str, Tensor]:
         """``ppo_epochs`` passes × ``num_minibatches`` minibatches, each micro-batched and ended by one optimizer step;
         ``fused``: one pass whose forward also scores (old log-probs = its own, detached: ρ = 1 with gradient ∇logπ).
         A minibatch holds the same generated rows whatever ``order`` the batch is in. ``in_loss`` (B float): rows
@@ -257,22 +261,23 @@ class RLStep:
                 micro = mini.select(rows).trimmed()
                 out = self.actor.forward(micro, tap=fused)
                 if fused:
-                    self._fill(micro, rows, out, outcome, batch)
+                    self._fill(micro, rows, out, outcome, batch, scorer)
                     raise_if_nonfinite(_nonfinite(micro))
                 if mini_in_loss is not None:
                     micro = dataclasses.replace(micro, response_mask=micro.response_mask * mini_in_loss[rows, None])
                 loss = self.actor.loss(micro, out, denominator, tokens, stats)
                 losses.note("policy loss", loss)
                 self.backward(loss)
-            self._finish_minibatch(batch, stats, timings, losses, with_reward=index == 0)
+            self._finish_minibatch(batch, stats, timings, losses, scorer if index == 0 else None)
         return stats.means()
 
-    def _reward_model_only(self, batch: RolloutBatch, timings: dict[str, float]) -> dict[str, Tensor]:
+    def _reward_model_only(self, batch: RolloutBatch, timings: dict[str, float],
+                           scorer: StepScorer | None) -> dict[str, Tensor]:
         """A step whose policy is frozen (:meth:`TokenRewardModel.freezes_policy`, e.g. the flow's warm-up): the
         scoring pass ran, the reward model's online loss is backpropagated and only its group moves (every rank
         alike: the step index decides)."""
         stats = StepStats()
-        self._finish_minibatch(batch, stats, timings, LossCheck(), with_reward=True, policy_groups=())
+        self._finish_minibatch(batch, stats, timings, LossCheck(), scorer, policy_groups=())
         return stats.means()
 
     def _rows_with_gradient(self, mini: RolloutBatch, outcome: Tensor, fused: bool) -> Tensor | None:
@@ -307,16 +312,16 @@ class RLStep:
         return [index[run] for run in runs] + [None] * (count - len(runs))
 
     def _finish_minibatch(self, batch: RolloutBatch, stats: StepStats, timings: dict[str, float],
-                          losses: LossCheck, with_reward: bool,
+                          losses: LossCheck, scorer: StepScorer | None,
                           policy_groups: Collection[str] = ("policy", "value")) -> None:
-        """The reward model's online loss (first minibatch only, piece by piece), then the optimizer step of
-        ``policy_groups`` (and the reward model's) — unless a policy or flow loss was not finite: then the step is
-        skipped (on every rank) before ``step_optimizer``'s shared gradient clipping would spread one group's NaN
-        gradients into the other's."""
+        """The step scorer's online loss (``scorer`` is given on the first minibatch only; piece by piece), then the
+        optimizer step of ``policy_groups`` (and the reward model's) — unless a policy or flow loss was not finite:
+        then the step is skipped (on every rank) before ``step_optimizer``'s shared gradient clipping would spread one
+        group's NaN gradients into the other's."""
         groups = set(policy_groups)
-        if with_reward and self.reward_model is not None:
+        if isinstance(scorer, LearnsOnline):
             start = time.perf_counter()
-            pieces = self.reward_model.end_step(batch)
+            pieces = scorer.end_step(batch)
             for piece in pieces:
                 loss = piece()
                 losses.note("flow loss", loss)
@@ -327,6 +332,13 @@ class RLStep:
         stats.close_minibatch()
         raise_if_nonfinite(losses.nonfinite())
         self.step_optimizer(groups)  # the reward model only moves on the minibatch that carried its loss
+
+
+def _reward_model_metrics(scorer: StepScorer | None) -> dict[str, float]:
+    """The step scorer's own scalars; a key without a prefix gets ``reward_model/`` (``flowkit plot`` draws them)."""
+    if not isinstance(scorer, ReportsMetrics):
+        return {}
+    return {key if "/" in key else f"reward_model/{key}": value for key, value in scorer.metrics().items()}
 
 
 def _informative_rows(batch: RolloutBatch) -> Tensor:

@@ -27,7 +27,7 @@ from flowkit.errors import ConfigError
 from flowkit.explain.prompts import PROXY_ANSWER
 from flowkit.explain.proxy import proxy_probabilities
 from flowkit.llm.chat import PromptFormat, resolve_prompt_format
-from flowkit.rbrl.backends import ChatBackend, ChatBackendError, FailureStreak, check_temperature
+from flowkit.llm.chat_backends import ChatBackend, ChatBackendError, FailureStreak, check_temperature
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,9 @@ class GenerativeEvaluator:
     A reply that names no single decision (a refusal, several decisions, prose) is the judge's answer "no
     decision": its row is uniform (1/|A|, never right under :func:`explanation_accuracy`), it is counted in
     ``undecided`` and the run's first one is logged as a warning (the rest at INFO). A backend failure
-    (:class:`~flowkit.rbrl.backends.ChatBackendError`, after the backend's own retries and deadline) is no answer:
+    (:class:`~flowkit.llm.chat_backends.ChatBackendError`, after the backend's own retries and deadline) is no answer:
     the row is uniform too, counted in ``failures.total``, and ``max_consecutive_failures`` failed calls in a row
-    stop the run with a one-line error (:class:`~flowkit.rbrl.backends.FailureStreak`).
+    stop the run with a one-line error (:class:`~flowkit.llm.chat_backends.FailureStreak`).
 
     ``temperature``: the paper gives none for its judge; the default 0 makes a judgement reproducible (None:
     the backend's own). ``max_tokens``: the reply's budget (a number needs a few tokens; None: the backend's).

@@ -21,7 +21,7 @@ import torch
 
 from flowkit.batch import RolloutBatch
 from flowkit.llm.backbone import resolve_backbone_path
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import build_server_engine
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from flowkit.llm.backbone import load_backbone, load_tokenizer, resolve_backbone_path, torch_dtype
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.vllm_engine import build_llm, load_weights, require_vllm, sample, sampling_params
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.errors import ConfigError
-from flowkit.llm.rollout import pack_response_rows
+from flowkit.llm.packing import pack_response_rows
 from flowkit.llm.vllm_engine import policy_weights
 
 if TYPE_CHECKING:

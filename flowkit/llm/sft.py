@@ -12,7 +12,7 @@ def completion_tensors(
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on the prompt and padding).
 
     Row tokens are ``tokenizer(prompt)`` + ``tokenizer(completion, add_special_tokens=False)`` (+ EOS): the
-    same tokens :func:`flowkit.llm.rollout.encode_pairs` gives RL and flow pretraining, so what a model is
+    same tokens :func:`flowkit.llm.packing.encode_pairs` gives RL and flow pretraining, so what a model is
     fine-tuned on is exactly what it later generates and is scored on.
     """
     rows = []

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import zero3_sharded
 from flowkit.errors import ConfigError
-from flowkit.llm.rollout import pack_response_rows
+from flowkit.llm.packing import pack_response_rows
 
 
 def require_vllm(who: str = "PolicyModule.rollout_engine 'vllm'", instead: str = "use rollout_engine: hf") -> None:
@@ -229,7 +229,7 @@ class _SamplingRandomness:
 class VllmRolloutEngine:
     """Samples ``n`` responses per prompt with a colocated ``vllm.LLM``, in the HF engine's layout.
 
-    The :class:`RolloutBatch` is laid out as :meth:`flowkit.llm.rollout.HFRolloutEngine.generate` lays it out
+    The :class:`RolloutBatch` is laid out as :meth:`flowkit.llm.hf_engine.HFRolloutEngine.generate` lays it out
     (left-padded prompt, then the response right-padded; ``response_mask`` up to and including the first EOS;
     rows of prompt i at i·n … i·n+n−1), plus ``rollout_logprobs``: at the position of each response token,
     vLLM's log-probability of sampling it — after temperature and top-p (``logprobs_mode="processed_logprobs"``),

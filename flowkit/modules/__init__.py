@@ -6,7 +6,8 @@ from flowkit.modules.datamodule import RolloutDataModule
 from flowkit.modules.explanation import ExplanationDataModule, ExplanationRewardModule, ExplanationRounds
 from flowkit.modules.pretraining import FlowRewardModule
 from flowkit.modules.policy import PolicyModule
-from flowkit.modules.selector import RuleEnvDataModule, SelectorModule
+from flowkit.modules.rule_data import RuleEnvDataModule
+from flowkit.modules.selector import SelectorModule
 from flowkit.modules.summary import ParameterSummary, RunSummary
 
 __all__ = [

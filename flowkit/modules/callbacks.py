@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lightning as L
 
-from flowkit.checkpointing import replaced_directory
+from flowkit.checkpointing.artifacts import replaced_directory
 from flowkit.strategies import full_parameters
 
 
@@ -15,7 +15,7 @@ class ExportArtifacts(L.Callback):
 
     The module must define ``export_artifacts(directory) -> dict[str, Path]`` (the policy in HF format
     and the flow in safetensors for :class:`~flowkit.modules.policy.PolicyModule`). The directory is
-    replaced whole (:func:`~flowkit.checkpointing.replaced_directory`). A fit that trains nothing because it
+    replaced whole (:func:`~flowkit.checkpointing.artifacts.replaced_directory`). A fit that trains nothing because it
     resumed a finished run (killed after its final checkpoint, before the export) exports too, at its end.
     """
 

@@ -26,7 +26,7 @@ from flowkit.explain.proxy import proxy_probabilities, rejection_mask
 from flowkit.explain.reward_model import ExplanationFlowModel, explanation_inputs
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.chat import PromptFormat, resolve_prompt_format
-from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.packing import encode_pairs
 from flowkit.modules.datamodule import RolloutDataModule
 from flowkit.rewards.explanation import ExplanationReward, load_frozen
 

@@ -14,7 +14,7 @@ from torch.distributed import ReduceOp
 from torchmetrics import MeanMetric
 
 from flowkit.batch import RolloutBatch, pad_columns
-from flowkit.checkpointing import resume_checkpoint
+from flowkit.checkpointing.resume import resume_checkpoint
 from flowkit.distributed import all_reduce_int
 from flowkit.engine import (
     Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
@@ -30,7 +30,9 @@ from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.modules.optim import LR_DECAYS, LrDecay, require_fp32_master_weights, step_groups
 from flowkit.modules.pretraining import pretrain_flow_reward
 from flowkit.modules.sft import supervised_start
-from flowkit.rewards.base import TokenRewardModel, check_reward_model
+from flowkit.rewards.base import (
+    EvaluatesPolicy, ExportsWeights, PretrainsOnLatents, TokenRewardModel, check_reward_model,
+)
 from flowkit.rewards.functions import build_reward_functions, outcome_rewards
 from flowkit.rewards.grader import grade
 from flowkit.rl.advantages import ESTIMATORS, AdvantageName, ScaleRewards
@@ -136,7 +138,7 @@ class PolicyModule(L.LightningModule):
         max_consecutive_skips: with ``nonfinite: skip``, fail (with the reason) after this many RL steps in a
             row were skipped, e.g. NaN weights that no step can repair; None never fails.
         rollout_engine: a name of :data:`flowkit.llm.engines.ROLLOUT_ENGINES`: ``hf`` (flowkit's decoding loop over
-            the policy itself, :class:`~flowkit.llm.rollout.HFRolloutEngine`) or ``vllm``: a vLLM engine colocated in
+            the policy itself, :class:`~flowkit.llm.hf_engine.HFRolloutEngine`) or ``vllm``: a vLLM engine colocated in
             this process, one per rank (``pip install flowkit[vllm]``), into which the policy's weights are synced
             after every training step (LoRA merged, ZeRO-3 gathered). Both return their sampler's log-probs for
             ``rollout_correction``. ``rollout_batch_size`` applies to ``hf`` only (vLLM schedules its own batches).
@@ -357,7 +359,7 @@ class PolicyModule(L.LightningModule):
         """Offline start (RLFR §3.2): :func:`~flowkit.modules.pretraining.pretrain_flow_reward` with the policy frozen,
         ``flow_pretrain_steps`` steps at ``flow_lr``, on ``device`` (default: where the policy is)."""
         hp = self.hparams
-        if self.reward_model is None or not hasattr(self.reward_model, "pretrain_losses") or self.tap is None:
+        if not isinstance(self.reward_model, PretrainsOnLatents) or self.tap is None:
             raise ValueError("flow_pretrain_steps > 0 needs a reward model with latents and pretrain_losses (FlowReward)")
         pretrain_flow_reward(self.trainer, self.policy, self.tokenizer, self.tap, self.reward_model,
                              hp.flow_pretrain_steps, hp.flow_pretrain_batch_size, hp.flow_lr, hp.flow_pretrain_lr_decay,
@@ -427,11 +429,8 @@ class PolicyModule(L.LightningModule):
             **self._staleness_metrics(batch),
             **stats,
         }
-        if self.reward_model is not None:
+        if self.reward_model is not None:  # the model's own scalars came with the step's stats
             metrics.update(_token_reward_statistics(batch))
-            # the model's own scalars; a key without a prefix gets one (flowkit plot draws reward_model/*)
-            metrics.update({key if "/" in key else f"reward_model/{key}": value
-                            for key, value in self.reward_model.step_metrics().items()})
         self.log_dict({k: float(v) for k, v in metrics.items()}, batch_size=batch.batch_size)
         self.log("reward", batch.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
         self.log("acc", batch.correct.float().mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
@@ -519,9 +518,7 @@ class PolicyModule(L.LightningModule):
         message = f"non-finite {', '.join(bad)} at step {step}"
         if self.hparams.nonfinite == "fail":
             raise NonFiniteTraining(message)
-        self.optimizers().zero_grad()
-        if self.reward_model is not None:
-            self.reward_model.step_metrics()  # drop the skipped step's partial accumulations
+        self.optimizers().zero_grad()  # the skipped step's scorer, and what it accumulated, went with the step
         self.skipped_steps += 1
         self.consecutive_skips += 1
         limit = self.hparams.max_consecutive_skips
@@ -652,7 +649,7 @@ class PolicyModule(L.LightningModule):
         """pass@1 and pass@k of the math grader on each eval set; a reward model with its own ``evaluate`` (e.g. the
         explanation reward's judged accuracy) reports that instead."""
         name = self.val_set_names[dataloader_idx]
-        if hasattr(self.reward_model, "evaluate"):
+        if isinstance(self.reward_model, EvaluatesPolicy):
             generate = lambda texts, n, temperature: self.engine.generate(texts, n, None, temperature=temperature)  # noqa: E731
             for key, (value, weight) in self.reward_model.evaluate(prompts, generate).items():
                 if weight:
@@ -679,7 +676,7 @@ class PolicyModule(L.LightningModule):
         paths = {"policy": directory / "hf_policy"}
         self.policy.save_pretrained(paths["policy"], safe_serialization=True)
         self.tokenizer.save_pretrained(paths["policy"])
-        if self.reward_model is not None and hasattr(self.reward_model, "save_field"):
+        if isinstance(self.reward_model, ExportsWeights):
             paths["flow"] = directory / "flow.safetensors"
             self.reward_model.save_field(paths["flow"])
         return paths
@@ -719,8 +716,9 @@ def _check_module_options(owner: str, reward_model: TokenRewardModel | None, out
     if rollout_batch_size is not None and (rollout_batch_size < 1 or rollout_batch_size % num_samples):
         raise ConfigError(f"{owner}.rollout_batch_size must be a positive multiple of num_samples ({num_samples}) "
                           f"(or null), got {rollout_batch_size}")
-    pretrainable = reward_model is not None and hasattr(reward_model, "pretrain_losses") and bool(reward_model.percentiles)
-    if flow_pretrain_steps > 0 and not pretrainable:
+    if flow_pretrain_steps > 0 and not (isinstance(reward_model, PretrainsOnLatents) and reward_model.percentiles):
+        missing = "percentiles" if isinstance(reward_model, PretrainsOnLatents) else "pretrain_losses"
         raise ConfigError(f"{owner}.flow_pretrain_steps {flow_pretrain_steps} needs a reward_model with latents to "
-                          f"pretrain (a FlowReward), got {type(reward_model).__name__ if reward_model else None}; "
+                          f"pretrain (flowkit.rewards.PretrainsOnLatents, e.g. a FlowReward); "
+                          f"{type(reward_model).__name__ if reward_model else None} has no {missing}; "
                           "set flow_pretrain_steps 0")

@@ -12,11 +12,12 @@ from typing import Any
 import lightning as L
 import torch
 
-from flowkit.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint, PretrainingPreempted, sigterm_stops
+from flowkit.checkpointing.atomic_files import AtomicCheckpointIO
+from flowkit.checkpointing.preemption import PreemptionCheckpoint, PretrainingPreempted, sigterm_stops
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.rollout import ExpertLatentCache, expert_latents
+from flowkit.llm.expert_latents import ExpertLatentCache, expert_latents
 from flowkit.modules.optim import LR_DECAYS, LrDecay, flow_pretraining_schedule
 from flowkit.modules.progress import LoopProgress
 from flowkit.rewards.flow_reward import FlowReward
@@ -34,12 +35,12 @@ def pretrain_flow_reward(trainer: L.Trainer, policy: torch.nn.Module, tokenizer,
 
     Its state (reward-model weights, optimizer, schedule, noise generator, steps done, whether it finished) is saved
     to ``flow_pretrain.ckpt`` in the checkpoint directory when it finishes, and when SIGTERM stops it: then the process
-    exits 0 (:class:`~flowkit.checkpointing.PretrainingPreempted`). A run of the job with no Lightning checkpoint to
-    resume (``--ckpt_path last`` before the first one exists) continues from that file: a stopped pretraining skips
-    the batches already seen and trains only the remaining steps of this run's ``steps``; a finished one is kept as it
-    is (its weights loaded, nothing trained), with a one-line note when ``steps`` changed since. Every rank runs the
-    same steps on the same batches (the noise and the batch order follow the run's seed), so the ranks' flows stay
-    equal.
+    exits 0 (:class:`~flowkit.checkpointing.preemption.PretrainingPreempted`). A run of the job with no Lightning
+    checkpoint to resume (``--ckpt_path last`` before the first one exists) continues from that file: a stopped
+    pretraining skips the batches already seen and trains only the remaining steps of this run's ``steps``; a
+    finished one is kept as it is (its weights loaded, nothing trained), with a one-line note when ``steps`` changed
+    since. Every rank runs the same steps on the same batches (the noise and the batch order follow the run's seed),
+    so the ranks' flows stay equal.
     """
     device = next(policy.parameters()).device if device is None else torch.device(device)
     policy.to(device)

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 
 from flowkit.errors import ConfigError
-from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.packing import encode_pairs
 from flowkit.seeding import run_seed
 
 

@@ -12,7 +12,7 @@ import torch
 from flowkit.rbrl.agent import (
     Observation, RuleAgent, StepRecord, evaluate, fixed_rule_chooser, random_chooser, run_episode, selection_diagnostics,
 )
-from flowkit.rbrl.backends import ChatBackend
+from flowkit.llm.chat_backends import ChatBackend
 from flowkit.rbrl.language import LanguageEnv
 from flowkit.rbrl.llm_source import CoTLLMAgent
 from flowkit.rbrl.numeric import NumericPPO, NumericSAC

@@ -7,7 +7,7 @@ import logging
 import re
 
 from flowkit.errors import ConfigError
-from flowkit.rbrl.backends import ChatBackend, ChatBackendError, FailureStreak, check_temperature
+from flowkit.llm.chat_backends import ChatBackend, ChatBackendError, FailureStreak, check_temperature
 from flowkit.rbrl.language import LanguageEnv, PromptSnapshot
 from flowkit.rbrl.rules import Rule
 from flowkit.rbrl.sources import Decision
@@ -94,7 +94,7 @@ class LLMJudge(Judge):
     (the first of a run logged as a warning, the rest at INFO). A backend failure is no answer: the step gets no
     rule reward (``score`` returns None, the transition is not learned from), it is counted in ``failures.total``,
     and ``max_consecutive_failures`` failed calls in a row stop the run with a one-line error
-    (:class:`~flowkit.rbrl.backends.FailureStreak`). ``null`` temperatures use the backend's own.
+    (:class:`~flowkit.llm.chat_backends.FailureStreak`). ``null`` temperatures use the backend's own.
     """
 
     QUESTION_SETS = ("official", "paper")

@@ -7,7 +7,7 @@ import json
 import logging
 
 from flowkit.errors import ConfigError
-from flowkit.rbrl.backends import ChatBackend, ChatBackendError, FailureStreak, check_temperature
+from flowkit.llm.chat_backends import ChatBackend, ChatBackendError, FailureStreak, check_temperature
 from flowkit.rbrl.language import LanguageEnv, PromptSnapshot, mean_episode_returns
 from flowkit.rbrl.rules import Rule, RuleParseError, parse_rules
 from flowkit.rbrl.sources import RuleGenerationError, RuleSource
@@ -81,7 +81,7 @@ class LLMRuleSource(RuleSource):
     a note saying so. Failed backend calls are counted (``failures.total``); the run stops with a one-line
     error once ``max_consecutive_failures`` backend calls in a row failed, or as many states in a row got no
     valid rules, or as many selected rules in a row got no valid action
-    (:class:`~flowkit.rbrl.backends.FailureStreak`); the first failure of a streak is a warning.
+    (:class:`~flowkit.llm.chat_backends.FailureStreak`); the first failure of a streak is a warning.
     """
 
     def __init__(

@@ -28,7 +28,7 @@ from flowkit.explain.reward_model import ExplanationFlowModel, ExplanationInputs
 from flowkit.explain.sentence_rewards import sentence_rewards_from_probs
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.chat import PROMPT_FORMATS, PromptFormat, resolve_prompt_format
-from flowkit.rbrl.backends import ChatBackend
+from flowkit.llm.chat_backends import ChatBackend
 from flowkit.rewards.base import TokenRewardModel
 from flowkit.seeding import run_seed
 
@@ -66,7 +66,7 @@ class ExplanationReward(TokenRewardModel):
         proxies: the K_p proxy LLMs that judge explanations for the flow's data (paper: 3); null is the bundled toy's.
         evaluators: local LLMs that judge explanation accuracy in evaluation; they should not be training proxies
             (else accuracy is judged by the models the flow was fitted to). Null: the proxies (with a warning).
-        judge: a chat backend (e.g. ``flowkit.rbrl.backends.HTTPChatBackend``, an OpenAI-compatible endpoint) asked
+        judge: a chat backend (e.g. ``flowkit.llm.chat_backends.HTTPChatBackend``, an OpenAI-compatible endpoint) asked
             which decision an explanation implies, as the paper's GPT-4o judge (:class:`GenerativeEvaluator`), in
             addition to ``evaluators``; judge_temperature: its sampling temperature.
         backbone: the frozen LLM whose last layer the flow reads; null (default): the policy with its LoRA adapters
@@ -162,8 +162,6 @@ class ExplanationReward(TokenRewardModel):
         self.generator = torch.Generator().manual_seed(self.seed)
         self._policy: list[nn.Module] = []  # the trainer's policy, held outside the module tree
         self.tokenizer = None
-        self._sums: dict[str, float] = {}
-        self._counts: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ binding
     def bind(self, backbone: nn.Module, layer_positions: Sequence[float], tokenizer=None) -> None:
@@ -188,30 +186,32 @@ class ExplanationReward(TokenRewardModel):
                                    prompt_formats=self.proxy_formats)
 
     # ------------------------------------------------------------------------------------------ RL step
-    def begin_step(self, step: int, batch: RolloutBatch) -> None:
+    def begin_step(self, step: int, batch: RolloutBatch) -> ExplanationStep:
         self._check_columns(batch)
+        return ExplanationStep(self)
 
     @torch.no_grad()
-    def score(self, micro: RolloutBatch, rows: Tensor) -> Tensor:
-        """Token rewards: r(s^k) on sentence k's last token (eq. 5) and the sparse reward on the last token."""
+    def token_rewards(self, micro: RolloutBatch, rows: Tensor, step: ExplanationStep) -> Tensor:
+        """Token rewards: r(s^k) on sentence k's last token (eq. 5) and the sparse reward on the last token; the
+        logged means accumulate on ``step``."""
         columns = micro.columns
         decisions = torch.tensor(columns["decision"], device=micro.input_ids.device)
         inputs = explanation_inputs(micro, self.tokenizer)
         proxy_full = self._proxy_probs(columns["context"], micro.responses, columns["decisions"])
-        self._accumulate("train/explanation_accuracy", (proxy_full.argmax(-1) == decisions).float().mean(), len(rows))
+        step.accumulate("train/explanation_accuracy", (proxy_full.argmax(-1) == decisions).float().mean(), len(rows))
         if self.reward == "proxy":
             probs, mask = self._proxy_prefix_probs(micro, inputs, decisions)
             sentence, _ = sentence_rewards_from_probs(probs, mask)
             full = probs[torch.arange(len(probs)), mask.sum(-1) - 1]
             correct = proxy_full.mean(0).argmax(-1) == decisions
-            self._accumulate("train/reward_mean", full.mean(), len(rows))
+            step.accumulate("train/reward_mean", full.mean(), len(rows))
         else:
             out = self.flow.sentence_rewards(self.flow_backbone, inputs, decisions, self.generator)
             sentence = out.rewards if self.reward == "flow" else torch.zeros_like(out.rewards)
             correct = out.predicted == decisions
-            self._accumulate("train/reward_mean", out.true_logit_mean.mean(), len(rows))
-            self._accumulate("train/reward_std", out.true_logit_std.mean(), len(rows))
-        self._accumulate("train/flow_prediction_accuracy", correct.float().mean(), len(rows))
+            step.accumulate("train/reward_mean", out.true_logit_mean.mean(), len(rows))
+            step.accumulate("train/reward_std", out.true_logit_std.mean(), len(rows))
+        step.accumulate("train/flow_prediction_accuracy", correct.float().mean(), len(rows))
         return place_token_rewards(tuple(micro.input_ids.shape), inputs, sentence, correct.float() * self.sparse_reward)
 
     def _proxy_prefix_probs(self, micro: RolloutBatch, inputs: ExplanationInputs, decisions: Tensor):
@@ -241,15 +241,6 @@ class ExplanationReward(TokenRewardModel):
             mask[b, : len(ends) + 1] = True
             start += len(ends) + 1
         return table, mask
-
-    def _accumulate(self, name: str, value: Tensor, weight: int) -> None:
-        self._sums[name] = self._sums.get(name, 0.0) + float(value) * weight
-        self._counts[name] = self._counts.get(name, 0.0) + weight
-
-    def step_metrics(self) -> dict[str, float]:
-        metrics = {name: self._sums[name] / self._counts[name] for name in self._sums}
-        self._sums, self._counts = {}, {}
-        return metrics
 
     def _check_columns(self, batch: RolloutBatch) -> None:
         missing = [key for key in ("context", "decisions", "decision") if key not in batch.columns]
@@ -334,3 +325,23 @@ class ExplanationReward(TokenRewardModel):
             right = float((predicted[mask] == decisions[mask]).float().sum()) if count else 0.0
             out[f"flow_accuracy_{kind}"] = (right / count if count else 0.0, count)
         return out
+
+
+class ExplanationStep:
+    """The step scorer of :class:`ExplanationReward`: the step's token rewards and the row-weighted means it logs
+    (explanation and flow-prediction accuracy, reward mean / std)."""
+
+    def __init__(self, reward: ExplanationReward):
+        self.reward = reward
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+
+    def score(self, micro: RolloutBatch, rows: Tensor) -> Tensor:
+        return self.reward.token_rewards(micro, rows, self)
+
+    def accumulate(self, name: str, value: Tensor, weight: int) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
+        self.counts[name] = self.counts.get(name, 0.0) + weight
+
+    def metrics(self) -> dict[str, float]:
+        return {name: self.sums[name] / self.counts[name] for name in self.sums}

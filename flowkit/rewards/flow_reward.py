@@ -15,16 +15,13 @@ from torch.distributed import ReduceOp
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int
 from flowkit.errors import ConfigError, check_nonempty, check_range
-from flowkit.flow import (
-    VelocityField, flow_matching_loss_pieces, padding_velocity, pretraining_loss_pieces, velocity_deviation_scores,
-)
+from flowkit.flow import VelocityField, padding_velocity, pretraining_loss_pieces, velocity_deviation_scores
 from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, LossPiece, scored_token_mask
 from flowkit.rewards.base import TokenRewardModel
-from flowkit.rl.rejection import (
-    METRICS, TOKEN_METRICS, Metric, RolloutLatentBuffer, accept_rollouts, entropy_quantile_weights,
-)
+from flowkit.rewards.flow_step import FlowStep
+from flowkit.rl.rejection import METRICS, TOKEN_METRICS, Metric, RolloutLatentBuffer
 from flowkit.rl.rewards import NORMALIZATIONS, Normalization, flow_token_rewards
-from flowkit.seeding import run_seed
+from flowkit.seeding import flow_noise_seed, run_seed
 
 FlowUpdate = Literal["buffer", "micro_batch"]
 
@@ -65,8 +62,9 @@ class FlowReward(TokenRewardModel):
             pretraining): the pieces are backpropagated one at a time, so this bounds the field's activations held
             for a backward whatever the number and length of the rollouts (README "Memory at paper scale"); the loss
             does not change. None: one piece.
-        seed: base seed of the reward noise (step s uses ``seed + 1000·s`` so rewards are reproducible) and of
-            the field's initialisation, which runs on its own RNG so it never shifts the policy's sampling.
+        seed: base seed of the reward noise (step s draws from :func:`~flowkit.seeding.flow_noise_seed`, so rewards
+            are reproducible) and of the field's initialisation, which runs on its own RNG so it never shifts the
+            policy's sampling.
             ``None`` (default): the run's global seed (``seed_everything``); an int pins it.
         rejection_metric: which rollouts train the flow online (:mod:`flowkit.rl.rejection`): ``correct``
             (official ``batch_correct``), ``entropy`` (mean entropy above the batch median), ``both``; with
@@ -181,12 +179,7 @@ class FlowReward(TokenRewardModel):
         self.weights = weights
         self.field: VelocityField | None = None
         self.layer_positions: tuple[float, ...] = ()
-        self.buffer = RolloutLatentBuffer()
-        self._candidates: list[_Candidate] = []
-        self._micro_batches: list[tuple[int, int]] = []  # (first row, rows) of each scored micro-batch of the step
-        self._step, self._token_offsets = 0, [0]
-        self._sums: dict[str, Tensor] = {}
-        self._metrics: dict[str, float] = {}
+        self.buffer = RolloutLatentBuffer()  # accepted rollouts until the online update takes them (Alg. 1)
 
     def bind(self, backbone: torch.nn.Module, layer_positions: Sequence[float], tokenizer=None) -> None:
         """Build the velocity field for the backbone: width d, RMSNorm ε = the backbone's ``rms_norm_eps`` (official).
@@ -221,148 +214,31 @@ class FlowReward(TokenRewardModel):
         """B: how many tokens of each row are scored (each a noise slot)."""
         return scored_token_mask(response_mask, self.condition).sum(-1)
 
-    def begin_step(self, step: int, batch: RolloutBatch) -> None:
-        """Row r's first noise slot is the number of scored tokens in rows < r, so rewards do not depend on the
-        micro-batches; the candidates an earlier (skipped) step left are dropped."""
-        self._step = step
-        counts = self.scored_token_counts(batch.response_mask).long().cpu()
-        self._token_offsets = [0, *torch.cumsum(counts, 0).tolist()]
-        self._candidates, self._micro_batches = [], []
+    def begin_step(self, step: int, batch: RolloutBatch) -> FlowStep:
+        """Step ``step``'s scorer (:class:`~flowkit.rewards.flow_step.FlowStep`): its token rewards and online loss."""
+        return FlowStep(self, step, batch)
 
     def freezes_policy(self, step: int) -> bool:
         """``flow_warmup_steps``: the first N RL steps train the flow only."""
         return step < self.flow_warmup_steps
 
     @torch.no_grad()
-    def score(self, micro: RolloutBatch, rows: Tensor) -> Tensor:
-        """Eq. 10 rewards of a micro-batch of contiguous rows (the same rows get the same rewards however the step
-        is split: min-max and top-k are per row, the noise is keyed by the global scored-token index); then the
-        latents of the rows the online update may use are kept (:meth:`_keep_candidates`)."""
-        first = int(rows[0])
-        if rows.numel() != int(rows[-1]) - first + 1:
-            raise ValueError("FlowReward.score needs contiguous rows of the step's batch")
-        rewards = self.token_rewards(micro, self._step, self._token_offsets[first])
-        self._keep_candidates(micro, first, len(self._micro_batches))
-        self._micro_batches.append((first, rows.numel()))
-        return rewards
-
-    @torch.no_grad()
-    def token_rewards(self, batch: RolloutBatch, step: int, token_offset: int = 0) -> Tensor:
+    def token_rewards(self, batch: RolloutBatch, step: int, token_offset: int = 0,
+                      sums: dict[str, Tensor] | None = None) -> Tensor:
         """Eq. 10 rewards of ``batch``'s rows at step ``step``, whose first scored token is noise slot
-        ``token_offset``. The logged sums stay on the device (float64, as Python floats add) until
-        :meth:`step_metrics`: no host sync per micro-batch."""
-        scores = self.deviation_scores(batch.latents, batch.response_mask, self.seed + 1000 * step, token_offset)
+        ``token_offset``. With ``sums``, the logged sums of deviations, rewards, nonzero and scored tokens are added
+        to it, on the device (float64, as Python floats add): no host sync per micro-batch."""
+        scores = self.deviation_scores(batch.latents, batch.response_mask, flow_noise_seed(self.seed, step),
+                                       token_offset)
         scored = scored_token_mask(batch.response_mask, self.condition)
         rewards = flow_token_rewards(scores, scored, self.eta, self.beta, self.top_k, self.normalization,
                                      self.score_power)
-        for key, value in {"deviation": scores[scored].sum(), "reward": rewards[scored].sum(),
-                           "nonzero": (rewards[scored] != 0).sum(), "scored": scored.sum()}.items():
-            value = value.double()
-            self._sums[key] = self._sums[key] + value if key in self._sums else value
+        if sums is not None:
+            for key, value in {"deviation": scores[scored].sum(), "reward": rewards[scored].sum(),
+                               "nonzero": (rewards[scored] != 0).sum(), "scored": scored.sum()}.items():
+                value = value.double()
+                sums[key] = sums[key] + value if key in sums else value
         return rewards
-
-    def _candidate_rows(self, batch: RolloutBatch) -> Tensor:
-        """B bool: the rows the online update may weigh — the correct ones when only correct rows can (``correct``,
-        ``both``, ``correct+token_entropy`` with ``soft_weight`` 0), else every row (an entropy metric's batch
-        median is known only after the last micro-batch; a soft weight weighs rejected rows too)."""
-        if self.rejection_metric in ("correct", "both", "correct+token_entropy") and self.soft_weight == 0:
-            return batch.correct.bool()
-        return torch.ones_like(batch.correct, dtype=torch.bool)
-
-    def _keep_candidates(self, batch: RolloutBatch, first_row: int, micro_batch: int) -> None:
-        """Keep, on CPU, the latents (up to the last response token) of the rows the online update may use
-        (:meth:`_candidate_rows`); everything else is dropped with the micro-batch. A fixed number of host syncs per
-        micro-batch whatever its rows: one for the rows and lengths, then one copy each of their latents, masks (and
-        token entropies); the per-row cuts happen on the CPU."""
-        if not self.online_update:
-            return
-        mask = batch.response_mask
-        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-        lengths = torch.where(mask.bool(), positions, 0).amax(-1)  # 0: no response token
-        keep = self._candidate_rows(batch) & (lengths > 0)
-        keep_host, lengths_host = torch.stack([keep.long(), lengths]).cpu()
-        index = keep_host.nonzero().flatten()
-        if not len(index):
-            return
-        on_device = index.to(mask.device)
-        latents = batch.latents[:, on_device].cpu()
-        masks = mask[on_device].cpu()
-        entropies = None
-        if self.rejection_metric in TOKEN_METRICS:
-            if batch.token_entropy is None:
-                raise ValueError(f"FlowReward.rejection_metric {self.rejection_metric!r} needs the rows' token "
-                                 "entropies (RolloutBatch.token_entropy)")
-            entropies = batch.token_entropy[on_device].float().cpu()
-        for i, (row, length) in enumerate(zip(index.tolist(), lengths_host[index].tolist())):
-            self._candidates.append(_Candidate(
-                first_row + row, micro_batch, latents[:, i, :length].clone(), masks[i, :length].clone(),
-                None if entropies is None else entropies[i, :length].clone()))
-
-    def end_step(self, batch: RolloutBatch) -> list[LossPiece]:
-        """The online flow loss of ``flow_update`` (see the class docstring) as pieces of at most
-        ``max_rows_per_piece`` field rows that sum to it; as many on every rank (:meth:`_agreed_over_ranks`)."""
-        candidates, self._candidates = self._candidates, []
-        if not self.online_update:
-            return []
-        if self.flow_update == "micro_batch":
-            return self._micro_batch_loss(batch, candidates)
-        accepted = accept_rollouts(self.rejection_metric, batch.correct, batch.entropy).tolist()
-        for candidate in candidates:
-            if accepted[candidate.row]:
-                self.buffer.add_one(candidate.latents, candidate.mask)
-        self._metrics["flow/accepted_frac"] = sum(accepted) / max(1, len(accepted))
-        # Under DDP / ZeRO the flow step runs collectives and ranks accept different numbers of rollouts (e.g. by
-        # correctness): the smallest buffer over all ranks decides, so every rank takes or skips the step together.
-        needed = 1 if self.update_every_step else self.kappa
-        if all_reduce_int(len(self.buffer), ReduceOp.MIN) < needed:
-            self._metrics["flow/buffer_size"] = float(len(self.buffer))
-            return []
-        latents, mask = self.buffer.pop(len(self.buffer))  # one flow step consumes every buffered rollout
-        self._metrics["flow/buffer_size"] = float(len(self.buffer))
-        self._metrics["flow/loss"] = 0.0
-        pieces = flow_matching_loss_pieces(self._require_field(), latents, mask, self.layer_positions,
-                                           torch.tensor(self.timesteps), self.seed + 1000 * self._step + 1, self.condition,
-                                           self.max_rows_per_piece)
-        return self._agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
-
-    def _micro_batch_loss(self, batch: RolloutBatch, candidates: list[_Candidate]) -> list[LossPiece]:
-        """The official per-micro-batch masked mean (``ppo_trainer.py`` L491-505), summed over the step's micro-batches
-        and divided by their number: token j of row r in micro-batch m weighs
-        a_rj / Σ_j a_rj · b_r / Σ_{r∈m} b_r / M (each 0/0 read as 0)."""
-        accepted = accept_rollouts(self.rejection_metric, batch.correct, batch.entropy)
-        row_weights = torch.where(accepted, 1.0, self.soft_weight).float().cpu()
-        self._metrics["flow/accepted_frac"] = float(accepted.float().mean()) if len(accepted) else 0.0
-        micro_totals = [float(row_weights[first:first + count].sum()) for first, count in self._micro_batches]
-        weighted = [c for c in candidates if row_weights[c.row] > 0]
-        if all_reduce_int(len(weighted), ReduceOp.MAX) == 0:  # no rank has a weighted row: no flow step
-            return []
-        pieces: list[LossPiece] = []
-        if weighted:
-            packing = RolloutLatentBuffer()
-            token_weights, kept_fracs = [], []
-            for candidate in weighted:
-                packing.add_one(candidate.latents, candidate.mask)
-                scored = scored_token_mask(candidate.mask[None], self.condition)[0]
-                if candidate.entropy is None:
-                    tokens = scored.float()
-                else:
-                    tokens = entropy_quantile_weights(candidate.entropy, scored, self.entropy_quantile,
-                                                      self.soft_weight)
-                    kept_fracs.append(float(tokens.sum() / scored.sum().clamp(min=1)))
-                share = (float(row_weights[candidate.row]) / micro_totals[candidate.micro_batch]
-                         / len(self._micro_batches))
-                token_weights.append(tokens * (share / float(tokens.sum())) if tokens.sum() > 0 else tokens)
-            if kept_fracs:
-                self._metrics["flow/token_weight_frac"] = sum(kept_fracs) / len(kept_fracs)
-            latents, mask = packing.pop(len(packing))
-            weights = torch.zeros(mask.shape)
-            for i, tokens in enumerate(token_weights):
-                weights[i, :len(tokens)] = tokens
-            pieces = flow_matching_loss_pieces(self._require_field(), latents, mask, self.layer_positions,
-                                               torch.tensor(self.timesteps), self.seed + 1000 * self._step + 1,
-                                               self.condition, self.max_rows_per_piece, token_weights=weights)
-        self._metrics["flow/loss"] = 0.0
-        return self._agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
 
     def pretrain_losses(self, latents: Tensor, response_mask: Tensor, generator: torch.Generator) -> list[LossPiece]:
         """Offline flow pretraining (eq. 4) as the official: ``pretrain_timesteps`` copies of every token, one
@@ -371,33 +247,14 @@ class FlowReward(TokenRewardModel):
         pieces = pretraining_loss_pieces(self._require_field(), latents, response_mask, self.layer_positions,
                                          self.pretrain_timesteps, generator, self.condition, self.pretrain_logit_mean,
                                          self.max_rows_per_piece)
-        return self._agreed_over_ranks(pieces)
+        return self.agreed_over_ranks(pieces)
 
-    def _agreed_over_ranks(self, pieces: list[LossPiece]) -> list[LossPiece]:
+    def agreed_over_ranks(self, pieces: list[LossPiece]) -> list[LossPiece]:
         """Every rank backpropagates as many pieces as the rank with the most (each backward reduces gradients, and
         under ZeRO-3 each field call gathers weights); the extra pieces run the field on a dummy row, × 0."""
         field = self._require_field()
         padding = all_reduce_int(len(pieces), ReduceOp.MAX) - len(pieces)
         return pieces + [lambda: padding_velocity(field).sum() * 0.0] * padding
-
-    def _logged(self, piece: LossPiece, name: str) -> LossPiece:
-        def loss() -> Tensor:
-            value = piece()
-            self._metrics[name] = self._metrics.get(name, 0.0) + float(value.detach())
-            return value
-        return loss
-
-    def step_metrics(self) -> dict[str, float]:
-        sums = {key: float(value) for key, value in self._sums.items()}  # the step's one host sync for them
-        self._sums = {}
-        scored = max(1.0, sums.get("scored", 0.0))
-        metrics = {"flow/deviation_mean": sums.get("deviation", 0.0) / scored,
-                   "flow/reward_mean": sums.get("reward", 0.0) / scored,
-                   "flow/reward_nonzero_frac": sums.get("nonzero", 0.0) / scored,
-                   "flow/loss": float("nan"),  # NaN on steps without a flow update
-                   **self._metrics}
-        self._metrics = {}
-        return metrics
 
     def save_field(self, path: str | Path) -> None:
         save_file({k: v.detach().cpu().contiguous() for k, v in self._require_field().state_dict().items()}, str(path))
@@ -425,16 +282,6 @@ class FlowReward(TokenRewardModel):
 
     def set_extra_state(self, state: dict) -> None:
         self.buffer.load_state_dict(state["buffer"])
-
-
-class _Candidate:
-    """A row the online update may use: its step row and micro-batch, latents P×S_i×d, mask S_i and token
-    entropies S_i (token-level metrics), on CPU."""
-
-    __slots__ = ("row", "micro_batch", "latents", "mask", "entropy")
-
-    def __init__(self, row: int, micro_batch: int, latents: Tensor, mask: Tensor, entropy: Tensor | None):
-        self.row, self.micro_batch, self.latents, self.mask, self.entropy = row, micro_batch, latents, mask, entropy
 
 
 def _check_online_protocol(metric: str, flow_update: str, soft_weight: float, entropy_quantile: float | None,

@@ -12,7 +12,7 @@ from flowkit.data.arithmetic import (
     write_splits,
 )
 from flowkit.llm.backbone import ASSETS, load_backbone
-from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.packing import encode_pairs
 from flowkit.llm.sft import completion_tensors
 from flowkit.rewards.grader import extract_boxed
 

@@ -20,7 +20,8 @@ from flowkit.data.long_addition import (
     write_splits,
 )
 from flowkit.llm.backbone import ASSETS, load_backbone
-from flowkit.llm.rollout import HFRolloutEngine, encode_pairs
+from flowkit.llm.hf_engine import HFRolloutEngine
+from flowkit.llm.packing import encode_pairs
 from flowkit.llm.sft import completion_tensors
 from flowkit.rewards.grader import extract_boxed, grade
 

@@ -12,7 +12,7 @@ from torch import Tensor
 from flowkit.engine import Actor, LossOptions, StepStats, UpdateOptions
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.rl.advantages import ESTIMATORS, gae_tokens, raw_outcome, register_advantage
 from flowkit.rl.losses import (

@@ -10,7 +10,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.engine import (
     ActorOutput, AdvantageOptions, LossOptions, NonFiniteStep, RLStep, StepStats, UpdateOptions,
 )
-from flowkit.rewards.base import TokenRewardModel
+from flowkit.rewards.base import RewardModelError, TokenRewardModel
 
 PROMPT, RESPONSE = 2, 3  # columns: left-padded prompt, then the response
 SAMPLES = 2
@@ -76,15 +76,26 @@ class RecordingReward(TokenRewardModel):
 
     def begin_step(self, step, batch):
         self.calls.append(("begin", step, batch.batch_size))
+        return RecordingStep(self)
+
+
+class RecordingStep:
+    """RecordingReward's step scorer: records its calls on the reward model."""
+
+    def __init__(self, reward: RecordingReward):
+        self.reward = reward
 
     def score(self, micro, rows):
-        self.calls.append(("score", rows.tolist()))
+        self.reward.calls.append(("score", rows.tolist()))
         rewards = -0.1 * micro.response_mask
-        return rewards * float("nan") if self.nonfinite else rewards
+        return rewards * float("nan") if self.reward.nonfinite else rewards
 
     def end_step(self, batch):
-        self.calls.append(("end", batch.batch_size))
-        return [lambda: self.bias * 0.0 + self.bias.sum()]
+        self.reward.calls.append(("end", batch.batch_size))
+        return [lambda: self.reward.bias * 0.0 + self.reward.bias.sum()]
+
+    def metrics(self):
+        return {"pieces": 1.0}
 
 
 def make_step(actor, reward=None, update=UpdateOptions(), advantage=AdvantageOptions(), outcomes=(1.0, 0.0, 0.0, 0.0)):
@@ -114,7 +125,19 @@ def test_on_policy_step_scores_in_the_training_forward_and_steps_once(single_thr
     for row, seen in enumerate(actor.advantages):
         torch.testing.assert_close(seen[0, PROMPT:], outcome[row] + to_go, atol=1e-4, rtol=0)
     torch.testing.assert_close(batch.token_rewards[:, PROMPT:], torch.full((4, RESPONSE), -0.1))
-    assert "time/generate_s" in stats
+    assert "time/generate_s" in stats and stats["reward_model/pieces"] == 1.0  # the scorer's metrics, prefixed
+
+
+def test_a_begin_step_without_a_step_scorer_is_one_line_naming_it(single_thread):
+    class NoScorer(RecordingReward):
+        def begin_step(self, step, batch):
+            return None
+
+    step, backwards, steps = make_step(FakeActor(), NoScorer())
+    with pytest.raises(RewardModelError, match=r"^NoScorer\.begin_step must return a step scorer with score\(micro, "
+                                               r"rows\) \(flowkit\.rewards\.StepScorer\); it returned a NoneType$"):
+        step(["a", "b"], ["1", "2"], 0)
+    assert backwards == [] and steps == []
 
 
 def test_ppo_epochs_and_minibatches_score_first_and_step_per_minibatch(single_thread):

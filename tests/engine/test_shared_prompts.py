@@ -12,7 +12,8 @@ from flowkit.engine import actor as actor_module
 from flowkit.engine.actor import Actor
 from flowkit.engine.options import LossOptions, UpdateOptions
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import HFRolloutEngine, forward_hidden_shared_prompts
+from flowkit.llm.hf_engine import HFRolloutEngine
+from flowkit.llm.kv_cache import forward_hidden_shared_prompts
 
 
 def sampled_rows(model, tokenizer) -> RolloutBatch:

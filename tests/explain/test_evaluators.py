@@ -20,7 +20,7 @@ from flowkit.explain.gridworld import DECISIONS
 from flowkit.explain.proxy import proxy_probabilities
 from flowkit.llm.backbone import load_backbone
 from flowkit.modules.datamodule import resolve_data_path
-from flowkit.rbrl.backends import ChatBackendUnavailable, HTTPChatBackend
+from flowkit.llm.chat_backends import ChatBackendUnavailable, HTTPChatBackend
 
 CONTEXT = "d=+0,+2 a=north; d=+0,+1 a=?"
 EXPLANATION = "goal is 0 east, 1 north. y gap is larger."

@@ -15,7 +15,7 @@ import torch
 from flowkit.explain.flow_data import accepted_flow_data, fit_flow, gather_flow_data
 from flowkit.explain.prompts import explanation_prompt
 from flowkit.explain.reward_model import ExplanationFlowModel, explanation_inputs
-from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.packing import encode_pairs
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:=?+-[]!\n"

@@ -3,7 +3,7 @@ import torch
 from flowkit.explain.context import encode_context
 from flowkit.explain.prompts import explanation_prompt
 from flowkit.explain.reward_model import ExplanationFlowModel, explanation_inputs, place_token_rewards
-from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.packing import encode_pairs
 
 
 def _batch(tokenizer):

@@ -10,7 +10,7 @@ from flowkit.explain.prompts import explanation_prompt
 from flowkit.explain.proxy import proxy_probabilities
 from flowkit.explain.reward_model import ExplanationFlowModel, explanation_inputs
 from flowkit.llm.backbone import ASSETS, load_backbone
-from flowkit.llm.rollout import encode_pairs
+from flowkit.llm.packing import encode_pairs
 
 
 def _records(split, n):

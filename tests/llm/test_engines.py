@@ -11,11 +11,11 @@ import torch
 from flowkit.cli import FlowkitCLI
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutEngine
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import ServerRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine
 from flowkit.rl.logprobs import lm_head_logprobs
-from flowkit.llm.rollout import forward_hidden
+from flowkit.llm.forward import forward_hidden
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["47+38=", "12+13=", "9+9="]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
 
 
@@ -67,11 +67,11 @@ def test_greedy_rollouts_equal_hf_generate_with_rows_ending_at_different_steps(s
     """Greedy decoding is deterministic, so rows that leave the batch when they end must still complete as HF
     ``generate`` completes them, whole sequences, EOS and padding included. ``synced`` (ZeRO-3 without whole
     weights; one rank here): finished rows stay in the batch until every rank's rows have ended — same result."""
-    from flowkit.llm import rollout
+    from flowkit.llm import hf_engine
     from flowkit.llm.backbone import load_backbone
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
-    monkeypatch.setattr(rollout, "_zero3_partitioned", lambda model: synced)
+    monkeypatch.setattr(hf_engine, "_zero3_partitioned", lambda model: synced)
     batch = HFRolloutEngine(model, tokenizer, max_new_tokens=40).generate(PROMPTS, n=1, temperature=0)
     expected, width = _hf_generate(model, tokenizer, 1, 40, do_sample=False)
     lengths = batch.response_mask.sum(-1)
@@ -86,10 +86,10 @@ def test_reserved_kv_layer_holds_what_a_dynamic_layer_holds():
     its reservation."""
     from transformers.cache_utils import DynamicLayer
 
-    from flowkit.llm.rollout import _ReservedLayer
+    from flowkit.llm.kv_cache import ReservedLayer
 
     torch.manual_seed(0)
-    reserved, dynamic = _ReservedLayer(capacity=7), DynamicLayer()
+    reserved, dynamic = ReservedLayer(capacity=7), DynamicLayer()
     steps = [lambda layer: layer.update(torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5)),
              lambda layer: layer.batch_repeat_interleave(2),
              lambda layer: layer.update(torch.randn(6, 2, 1, 5), torch.randn(6, 2, 1, 5)),
@@ -128,7 +128,7 @@ def test_cached_expert_latents_equal_a_fresh_encoding():
     every real token, in the same layout, with the same response mask."""
     from flowkit.llm.backbone import load_backbone
     from flowkit.llm.latent_tap import LatentTap
-    from flowkit.llm.rollout import ExpertLatentCache, expert_latents
+    from flowkit.llm.expert_latents import ExpertLatentCache, expert_latents
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
     tap = LatentTap(model, [0.25, 0.75])
@@ -151,7 +151,8 @@ def test_expert_latents_run_the_decoder_only_as_far_as_the_deepest_tap(zero3):
     ``ds_id``), where every forward must visit every module; the latents are the same either way."""
     from flowkit.llm.backbone import load_backbone
     from flowkit.llm.latent_tap import LatentTap
-    from flowkit.llm.rollout import encode_pairs, expert_latents
+    from flowkit.llm.expert_latents import expert_latents
+    from flowkit.llm.packing import encode_pairs
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
     tap = LatentTap(model, [0.25])  # block 1 of 4

@@ -21,7 +21,7 @@ from lightning.pytorch import Callback
 from flowkit.cli import FlowkitCLI
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import ServerRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[2]

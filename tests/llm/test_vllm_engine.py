@@ -24,7 +24,8 @@ import torch
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path
 from flowkit.llm.lora import LoraSettings
-from flowkit.llm.rollout import HFRolloutEngine, forward_logits
+from flowkit.llm.forward import forward_logits
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.rl.logprobs import token_logprobs
 from flowkit.rl.rollout_correction import RolloutCorrection
@@ -409,7 +410,7 @@ import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 from flowkit.llm.backbone import load_backbone, resolve_backbone_path
-from flowkit.llm.rollout import HFRolloutEngine
+from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine
 policy, tokenizer = load_backbone("bundled:tiny_adder")
 engine = VllmRolloutEngine(policy, tokenizer, resolve_backbone_path("bundled:tiny_adder"), max_new_tokens=28)

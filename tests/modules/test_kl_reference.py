@@ -10,7 +10,8 @@ import torch
 
 from flowkit.engine.actor import REFERENCE_ADAPTER
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.rollout import encode_pairs, forward_hidden
+from flowkit.llm.forward import forward_hidden
+from flowkit.llm.packing import encode_pairs
 from flowkit.rl.logprobs import lm_head_logprobs
 from test_explanation import LORA, fit, policy, reward_model
 

@@ -11,7 +11,8 @@ import yaml
 
 from flowkit.cli import main
 from flowkit.errors import ConfigError
-from flowkit.modules.selector import RuleEnvDataModule, SelectorModule
+from flowkit.modules.rule_data import RuleEnvDataModule
+from flowkit.modules.selector import SelectorModule
 from flowkit.rbrl import comparison
 from flowkit.rbrl.comparison import format_results, same_as_fixed_rule
 from flowkit.rbrl.agent import Observation, fixed_rule_chooser
@@ -33,7 +34,7 @@ def test_configs_validate(name, capsys):
 
 
 def test_llm_rule_source_and_judge_config_validate(capsys):
-    backend = {"class_path": "flowkit.rbrl.backends.HTTPChatBackend",
+    backend = {"class_path": "flowkit.llm.chat_backends.HTTPChatBackend",
                "init_args": {"base_url": "http://127.0.0.1:8000/v1", "model": "local", "api_key_env": "MY_KEY"}}
     rules = {"class_path": "flowkit.rbrl.llm_source.LLMRuleSource", "init_args": {"backend": backend, "num_rules": 5}}
     judge = {"class_path": "flowkit.rbrl.judges.LLMJudge", "init_args": {"backend": backend}}
@@ -217,7 +218,7 @@ def test_training_step_order_and_schedule_match_the_official_loop(tmp_path, monk
 
 def test_comparison_includes_numeric_sac_and_cot_baselines(tmp_path):
     """A CoT agent whose LLM always answers action 0 is the always-new-bag policy: same returns."""
-    from flowkit.rbrl.backends import ChatBackend
+    from flowkit.llm.chat_backends import ChatBackend
     from flowkit.rbrl.encoder import EmbeddingCache
 
     class AlwaysNewBag(ChatBackend):

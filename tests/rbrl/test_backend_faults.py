@@ -12,7 +12,7 @@ import pytest
 from loopback_chat import FAULTS, ChatModelServer
 from test_llm_configs import short_run
 
-from flowkit.rbrl.backends import ChatBackendError, HTTPChatBackend, retry_after_seconds
+from flowkit.llm.chat_backends import ChatBackendError, HTTPChatBackend, retry_after_seconds
 
 MESSAGES = [{"role": "user", "content": "Is the rule compatible? Answer yes or no."}]
 EXPECTED = {  # what the error names, per fault

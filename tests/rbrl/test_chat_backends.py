@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from loopback_server import ScriptedServer, reply
 
-from flowkit.rbrl.backends import ChatBackendError, HFChatBackend, HTTPChatBackend
+from flowkit.llm.chat_backends import ChatBackendError, HFChatBackend, HTTPChatBackend
 
 SECRET = "sk-test-very-secret-0123456789"
 

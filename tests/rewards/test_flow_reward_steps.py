@@ -7,6 +7,7 @@ import torch
 
 from flowkit.batch import RolloutBatch
 from flowkit.rewards import FlowReward
+from flowkit.rewards.flow_step import FlowStep
 from backbone_stub import backbone_stub
 
 P, D = 2, 8
@@ -32,14 +33,16 @@ def bound_reward(**options) -> FlowReward:
     return reward
 
 
-def in_micro_batches(reward: FlowReward, batch: RolloutBatch, size: int, step: int = 3) -> torch.Tensor:
-    """What the RL step does: begin the step, then score micro-batch after micro-batch."""
-    reward.begin_step(step, batch)
+def in_micro_batches(reward: FlowReward, batch: RolloutBatch, size: int,
+                     step: int = 3) -> tuple[FlowStep, torch.Tensor]:
+    """What the RL step does: begin the step, then score micro-batch after micro-batch; the step's scorer and the
+    rewards."""
+    scorer = reward.begin_step(step, batch)
     parts = []
     for start in range(0, batch.batch_size, size):
         rows = torch.arange(start, min(start + size, batch.batch_size))
-        parts.append(reward.score(batch.select(rows), rows))
-    return torch.cat(parts)
+        parts.append(scorer.score(batch.select(rows), rows))
+    return scorer, torch.cat(parts)
 
 
 @pytest.mark.parametrize("metric", ["correct", "entropy"])
@@ -49,11 +52,11 @@ def test_rewards_and_flow_loss_do_not_depend_on_micro_batches_or_pieces(metric):
     results = {}
     for size, rows_per_piece in ((1, 2), (4, 7), (6, None)):
         reward = bound_reward(kappa=1, rejection_metric=metric, noise_draws=2, max_rows_per_piece=rows_per_piece)
-        rewards = in_micro_batches(reward, batch, size)
-        pieces = reward.end_step(batch)
+        scorer, rewards = in_micro_batches(reward, batch, size)
+        pieces = scorer.end_step(batch)
         loss = sum(piece() for piece in pieces)
         grads = torch.autograd.grad(loss, list(reward.parameters()), allow_unused=True)
-        metrics = reward.step_metrics()
+        metrics = scorer.metrics()
         accepted = torch.arange(6)[accept(metric, batch)]
         tokens = int(reward.scored_token_counts(batch.response_mask[accepted]).sum())
         # a piece holds ⌊rows / (P·T)⌋ tokens (P = 2 layers, T = 1 timestep), at least one
@@ -80,11 +83,11 @@ def accept(metric: str, batch: RolloutBatch) -> torch.Tensor:
 def test_only_the_accepted_rollouts_latents_are_kept_on_cpu():
     batch = scored_batch(6, torch.Generator().manual_seed(1))
     reward = bound_reward(kappa=100, rejection_metric="correct")
-    in_micro_batches(reward, batch, 2)
-    assert [candidate.row for candidate in reward._candidates] == [0, 2, 4]
-    assert all(candidate.latents.device.type == "cpu" for candidate in reward._candidates)
-    assert reward.end_step(batch) == []
-    assert len(reward.buffer) == 3 and not reward._candidates
+    scorer, _ = in_micro_batches(reward, batch, 2)
+    assert [candidate.row for candidate in scorer.candidates] == [0, 2, 4]
+    assert all(candidate.latents.device.type == "cpu" for candidate in scorer.candidates)
+    assert scorer.end_step(batch) == []
+    assert len(reward.buffer) == 3 and not scorer.candidates
 
 
 def test_kappa_cadence_waits_and_every_step_cadence_does_not():
@@ -94,8 +97,8 @@ def test_kappa_cadence_waits_and_every_step_cadence_does_not():
     for step in range(3):
         batch = scored_batch(4, generator)  # 2 correct rollouts per step
         for name, reward in (("buffered", buffered), ("every_step", every_step)):
-            in_micro_batches(reward, batch, 4, step)
-            taken[name].append(len(reward.end_step(batch)) > 0)
+            scorer, _ = in_micro_batches(reward, batch, 4, step)
+            taken[name].append(len(scorer.end_step(batch)) > 0)
     assert taken["buffered"] == [False, False, True]  # 2, 4, 6 ≥ κ = 5: one flow step on all 6
     assert taken["every_step"] == [True, True, True]
     assert len(buffered.buffer) == 0 and len(every_step.buffer) == 0

@@ -8,7 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flowkit.batch import RolloutBatch
 from flowkit.llm.lora import LoraSettings, apply_lora
-from flowkit.llm.rollout import forward_hidden, forward_logits
+from flowkit.llm.forward import forward_hidden, forward_logits
 from flowkit.rl.logprobs import lm_head_logprobs, token_entropy, token_logprobs
 
 

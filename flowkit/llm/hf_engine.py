@@ -1,0 +1,185 @@
+"""flowkit's own rollout engine: HF ``generate``'s sampling as a decoding loop over the trained model itself, rows
+leaving the batch as they end.
+
+Layout: each row is ``[left padding][prompt][response][right padding]`` — the layout HF ``generate``
+produces (:mod:`flowkit.batch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import Tensor
+from torch.distributed import ReduceOp
+from transformers import (
+    DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, TemperatureLogitsWarper, TopPLogitsWarper,
+)
+
+from flowkit.batch import RolloutBatch
+from flowkit.distributed import all_reduce_int, zero3_sharded
+from flowkit.llm.forward import position_ids
+from flowkit.llm.kv_cache import cache_argument, prompt_cache
+from flowkit.llm.packing import pack_rollouts
+
+
+def _zero3_partitioned(model: torch.nn.Module) -> bool:
+    """DeepSpeed ZeRO-3 shards parameters (marking them with ``ds_id``) and gathers them in every forward,
+    a collective: with several ranks, all must keep stepping until every rank's generation is done."""
+    multi_rank = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return multi_rank and zero3_sharded(model.parameters())
+
+
+def _next_token_scores(logits: Tensor, temperature: float, top_p: float) -> tuple[Tensor, bool]:
+    """fp32 next-token scores as HF ``generate`` samples from them (temperature, then nucleus filtering; top-k off),
+    and whether any logit was NaN or inf — replaced by finite values so sampling goes on and the caller applies its
+    own non-finite policy afterwards."""
+    scores = logits.float()
+    nonfinite = not bool(torch.isfinite(scores).all())
+    if nonfinite:
+        scores = torch.nan_to_num(scores, nan=0.0, posinf=torch.finfo(scores.dtype).max,
+                                  neginf=torch.finfo(scores.dtype).min)
+    if temperature > 0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+        if top_p < 1.0:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores, nonfinite
+
+
+class HFRolloutEngine:
+    """Samples ``n`` responses per prompt with an HF model and packs them into a :class:`RolloutBatch` (the ``hf``
+    engine of :mod:`flowkit.llm.engines`: it runs the policy itself, so new weights need no push).
+
+    The decoding loop is HF ``generate``'s sampling (fp32 scores, temperature, nucleus, no top-k, no repetition
+    penalty or other defaults of the model's ``generation_config``: the loss scores rollouts under the full tempered
+    softmax) with the prompt encoded once per group and finished rows dropped from the batch (see :meth:`_sample`).
+
+    Args:
+        rollout_batch_size: sequences (prompts × n) per decoding batch, which bounds the KV cache; a multiple
+            of ``n`` (whole groups per call). None: all prompts in one call.
+        whole_weights: a context in which the model's weights are whole and its forwards run no collective
+            (:func:`flowkit.strategies.whole_weights_for_generation` under ZeRO-3); generation then runs inside it,
+            each rank at its own pace. None: under ZeRO-3 each decoding step gathers the weights, and ranks step in
+            lockstep (as ``generate``'s ``synced_gpus``).
+
+    After each :meth:`generate`, :attr:`saw_nonfinite_logits` says whether any next-token score was NaN or
+    inf (the sequences are then garbage; the policy module skips or fails the step). ``rollout_logprobs`` holds the
+    log-probability of each sampled token under the distribution it was drawn from (after temperature and top-p, as
+    vLLM's processed log-probs; greedy: the plain softmax): the trainer's forward reproduces it up to numerics,
+    which the step logs as ``rollout_corr/...``.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_new_tokens: int = 1024,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        rollout_batch_size: int | None = None,
+        whole_weights: Callable[[], AbstractContextManager] | None = None,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.whole_weights = whole_weights
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.rollout_batch_size = rollout_batch_size
+        self.saw_nonfinite_logits = False
+        self.policy_version = 0
+
+    def sync_weights(self, model: PreTrainedModel, version: int) -> None:
+        """The engine samples from ``model`` itself: only the version changes."""
+        self.model, self.policy_version = model, version
+
+    def close(self) -> None:
+        """Nothing to release: the model belongs to the trainer."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        answers: list[str] | None = None,
+        temperature: float | None = None,
+    ) -> RolloutBatch:
+        """``n`` samples per prompt (rows grouped: prompt i → rows i·n … i·n+n−1); temperature 0 is greedy."""
+        temperature = self.temperature if temperature is None else temperature
+        self.saw_nonfinite_logits = False
+        per_call = len(prompts) if self.rollout_batch_size is None else max(1, self.rollout_batch_size // n)
+        chunks = [self._generate(prompts[i:i + per_call], n, answers[i:i + per_call] if answers is not None else None,
+                                 temperature) for i in range(0, len(prompts), per_call)]
+        if len(chunks) == 1:
+            return chunks[0]
+        batch = RolloutBatch.cat(chunks)
+        batch.group_ids = torch.arange(len(prompts), device=batch.group_ids.device).repeat_interleave(n)
+        return batch
+
+    def _generate(self, prompts: list[str], n: int, answers: list[str] | None, temperature: float) -> RolloutBatch:
+        device = next(self.model.parameters()).device
+        encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
+        was_training = self.model.training
+        self.model.eval()
+        synced = _zero3_partitioned(self.model) and self.whole_weights is None
+        shared = n > 1 and encoded["input_ids"].shape[1] > 1
+        if synced:  # the prefill is a forward, a collective under ZeRO-3: every rank runs it or none
+            shared = bool(all_reduce_int(int(shared), ReduceOp.MIN))
+        # inference mode skips autograd's bookkeeping per op; not under ZeRO-3, whose forwards gather parameters
+        # (what they create in inference mode could not be saved for backward in the training forward)
+        decoding = torch.no_grad() if zero3_sharded(self.model.parameters()) else torch.inference_mode()
+        with (self.whole_weights or nullcontext)(), decoding:
+            cache, pending = prompt_cache(self.model, encoded, n, shared,
+                                           encoded["input_ids"].shape[1] + self.max_new_tokens)
+            generated, sampler_logprobs = self._sample(cache, pending, encoded["attention_mask"].repeat_interleave(n, dim=0),
+                                                       temperature, synced)
+        # out of inference mode: tensors the training forward may use
+        generated, sampler_logprobs = generated.clone(), sampler_logprobs.clone()
+        self.model.train(was_training)
+        batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
+        batch.policy_versions = torch.full((batch.batch_size,), self.policy_version, device=device)
+        return batch
+
+    def _sample(self, cache: DynamicCache, pending: Tensor, attention_mask: Tensor, temperature: float,
+                synced: bool) -> tuple[Tensor, Tensor]:
+        """Decodes up to ``max_new_tokens`` per row: the tokens and their log-probs under the sampler (B × steps taken;
+        padding after EOS). Rows that emitted EOS leave
+        the batch and the KV cache (once an eighth of the batch has ended: dropping rows copies the cache), so the long
+        tail of a batch decodes only its own rows (HF ``generate`` decodes finished rows until the last one ends).
+        ``synced`` (ZeRO-3 without whole weights): every forward is a collective, so finished rows stay and the ranks
+        decode until every rank's rows have ended."""
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        name = cache_argument(self.model.get_decoder())
+        rows = torch.arange(len(pending), device=pending.device)  # the generated row of each row still decoding
+        unfinished = torch.ones_like(rows, dtype=torch.bool)
+        generated = torch.full((len(rows), self.max_new_tokens), pad, dtype=torch.long, device=pending.device)
+        logprobs = torch.zeros(generated.shape, device=pending.device)
+        positions = position_ids(attention_mask)[:, -pending.shape[1]:]
+        steps = 0
+        while steps < self.max_new_tokens:
+            logits = self.model(input_ids=pending, attention_mask=attention_mask, position_ids=positions,
+                                use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
+            scores, nonfinite = _next_token_scores(logits, temperature, self.top_p)
+            self.saw_nonfinite_logits |= nonfinite
+            if temperature > 0:
+                probs = torch.softmax(scores, dim=-1)
+                tokens = torch.multinomial(probs, 1)[:, 0]
+                token_logprobs = probs.gather(-1, tokens[:, None])[:, 0].log()
+            else:
+                tokens = scores.argmax(-1)
+                token_logprobs = scores.gather(-1, tokens[:, None])[:, 0] - scores.logsumexp(-1)
+            tokens = torch.where(unfinished, tokens, pad)
+            generated[rows, steps] = tokens
+            logprobs[rows, steps] = token_logprobs
+            steps += 1
+            if eos is not None:
+                unfinished &= tokens != eos
+            running = int(unfinished.sum()) if not synced else all_reduce_int(int(bool(unfinished.any())), ReduceOp.MAX)
+            if not running:
+                break
+            if not synced and (len(rows) - running) * 8 >= len(rows):
+                keep = unfinished.nonzero().flatten()
+                cache.batch_select_indices(keep)
+                rows, tokens, positions = rows[keep], tokens[keep], positions[keep]
+                attention_mask, unfinished = attention_mask[keep], unfinished[keep]
+            pending, positions = tokens[:, None], positions[:, -1:] + 1
+            attention_mask = torch.cat([attention_mask, torch.ones_like(pending)], dim=1)
+        return generated[:, :steps], logprobs[:, :steps]
