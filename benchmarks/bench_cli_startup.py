@@ -1,8 +1,9 @@
 """How long `flowkit --help` and `flowkit fit --help` take, in a subprocess as a user runs them.
 
-Three measurements per command: ``cold`` (an empty help cache: the text is built, which imports Lightning),
-``warm`` (the cached text, the case after the first call and the target of <= 2 s), and, for reference, the
-bare ``import lightning.pytorch`` that a cold call cannot avoid. Rows go to benchmarks/results/results.csv::
+Three measurements per command: ``cold`` (an empty help cache) and ``warm`` (a second call), and, for
+reference, the bare ``import lightning.pytorch``. ``flowkit --help`` imports neither torch nor Lightning, cold or
+warm; ``flowkit fit --help`` builds its text with Lightning's parser on a cold call (the import is its floor) and
+serves it from the cache after that. Rows go to benchmarks/results/results.csv::
 
     python benchmarks/bench_cli_startup.py --reps 5
 """
