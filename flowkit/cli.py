@@ -362,7 +362,11 @@ def _class_problem(class_path: str, message: str) -> tuple[str, str | None]:
         return f"{key!r} is now {moved[key]!r} (the options of {class_path} are in groups)", key
     if scalar_for_group:
         return message, key
-    return f"{class_path} has no option {key!r}{did_you_mean(key, _option_keys(cls))}", key
+    suggestion = did_you_mean(key, _option_keys(cls))
+    near_old = difflib.get_close_matches(key, list(moved), n=1, cutoff=0.6)
+    if not suggestion and near_old:  # a misspelt option of the old flat form: the key it moved to
+        suggestion = f"; did you mean {moved[near_old[0]]!r}?"
+    return f"{class_path} has no option {key!r}{suggestion}", key
 
 
 def _option_keys(cls: type | None) -> list[str]:

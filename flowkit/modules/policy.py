@@ -41,8 +41,8 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
 
     One RL step (one prompt batch of this rank, :class:`flowkit.engine.RLStep`): sample ``sampling.num_samples``
     responses per prompt → grade them → advantages (``advantage.estimator``) from the outcome and the reward model's
-    token rewards → ``update.ppo_epochs × update.num_minibatches`` updates of ``loss.policy_loss``. The reward model's
-    online loss (e.g. the flow update on rejection-sampled rollouts) joins the first update; policy, reward model and
+    token rewards → ``update.ppo_epochs × update.num_minibatches`` updates of ``loss.policy_loss``. The reward
+    model's online loss (e.g. the flow update on rejection-sampled rollouts) joins the first update; policy, reward model and
     value head are parameter groups of one optimizer (``optim``). This module builds the engine and owns the
     Lightning hooks, logging, validation (:class:`~flowkit.modules.policy_validation.ValidationHooks`), checkpoints
     (:class:`~flowkit.modules.policy_checkpoints.CheckpointHooks`), the finite-state guard

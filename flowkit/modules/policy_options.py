@@ -1,5 +1,5 @@
-"""Every option group of :class:`~flowkit.modules.PolicyModule` (those the RL engine reads are declared in
-:mod:`flowkit.engine.options`, the rollout engine's in :mod:`flowkit.llm.engines`; all are importable from here), the table of options
+"""Every option group of :class:`~flowkit.modules.PolicyModule` (importable from here; those the RL engine reads are
+declared in :mod:`flowkit.engine.options`, the rollout engine's in :mod:`flowkit.llm.engines`), the table of options
 that moved into groups (a config in the old flat form is a one-line error naming the new key), and the groups'
 README tables (:func:`readme_tables`)."""
 
@@ -86,7 +86,8 @@ torch.serialization.add_safe_globals([OptimOptions, FlowPretrainOptions, Validat
 # PolicyModule's groups by key, in the order of its signature (and of the README's tables).
 GROUPS: dict[str, type] = {
     "sampling": SamplingOptions, "advantage": AdvantageOptions, "loss": LossOptions, "update": UpdateOptions,
-    "optim": OptimOptions, "controls": SamplingControls, "rollout": RolloutOptions, "flow_pretrain": FlowPretrainOptions,
+    "optim": OptimOptions, "controls": SamplingControls, "rollout": RolloutOptions,
+    "flow_pretrain": FlowPretrainOptions,
     "validation": ValidationOptions, "sft": SFTOptions,
 }
 
@@ -97,7 +98,8 @@ _RENAMED = {
     "val_temperature": "validation.temperature", "sft_epochs": "sft.epochs", "sft_lr": "sft.lr",
     "dynamic_sampling": "controls.dynamic_sampling_max_draws",
     "overlong_buffer": "controls.overlong_buffer_length and controls.overlong_penalty",
-    **{f"flow_pretrain_{name}": f"flow_pretrain.{name}" for name in ("steps", "batch_size", "cache_latents", "lr_decay")},
+    **{f"flow_pretrain_{name}": f"flow_pretrain.{name}"
+       for name in ("steps", "batch_size", "cache_latents", "lr_decay")},
     **{f"rollout_server_{name}": f"rollout.server_{name}" for name in ("url", "timeout", "sync_every", "bucket_mb")},
 }
 
@@ -118,5 +120,5 @@ MOVED_OPTIONS: dict[str, str] = _moved_options()
 
 def readme_tables() -> str:
     """The README's option tables: one per group, generated from the declarations."""
-    return "\n\n".join(f"**`{key}`** — {markdown(' '.join((group.__doc__ or '').split()))}\n\n{options_table(group, key)}"
-                       for key, group in GROUPS.items())
+    return "\n\n".join(f"**`{key}`** — {markdown(' '.join((group.__doc__ or '').split()))}\n\n"
+                       f"{options_table(group, key)}" for key, group in GROUPS.items())
