@@ -30,10 +30,10 @@ _SHRUNK_RUN = [
 OVERRIDES: dict[str, list[str]] = {
     "rlfr_qwen.yaml": [
         "--model.init_args.backbone", "bundled:tiny_adder",
-        "--model.init_args.max_new_tokens", "28",
-        "--model.init_args.rollout_batch_size", "8",        # 2 generate calls per rank
-        "--model.init_args.lm_head_chunk_size", "8",        # ~10 LM-head chunks per micro-batch of 4
-        "--model.init_args.vllm_max_model_len", "128",
+        "--model.init_args.sampling.max_new_tokens", "28",
+        "--model.init_args.rollout.batch_size", "8",        # 2 generate calls per rank
+        "--model.init_args.update.lm_head_chunk_size", "8",        # ~10 LM-head chunks per micro-batch of 4
+        "--model.init_args.rollout.vllm_max_model_len", "128",
         "--model.init_args.reward_model.init_args.max_rows_per_call", "48",  # 16 tokens × 3 layers per field call
         "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several flow-loss pieces per update
         "--model.init_args.reward_model.init_args.kappa", "2",  # the online flow step comes in step 1
@@ -48,10 +48,10 @@ OVERRIDES: dict[str, list[str]] = {
     # the official online protocol: micro-batches of 1 row (16 per rank and step), 8 minibatches of 2 rows
     "rlfr_qwen_official.yaml": [
         "--model.init_args.backbone", "bundled:tiny_adder",
-        "--model.init_args.max_new_tokens", "28",
-        "--model.init_args.rollout_batch_size", "8",
-        "--model.init_args.lm_head_chunk_size", "8",
-        "--model.init_args.vllm_max_model_len", "128",
+        "--model.init_args.sampling.max_new_tokens", "28",
+        "--model.init_args.rollout.batch_size", "8",
+        "--model.init_args.update.lm_head_chunk_size", "8",
+        "--model.init_args.rollout.vllm_max_model_len", "128",
         "--model.init_args.reward_model.init_args.max_rows_per_call", "24",  # 8 tokens per call: rows of 1-4 calls
         "--model.init_args.reward_model.init_args.max_rows_per_piece", "48",  # several flow-loss pieces per step
         "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
@@ -74,10 +74,10 @@ OVERRIDES: dict[str, list[str]] = {
         "--model.init_args.backbone", "bundled:explain_tiny/policy",
         "--model.init_args.reward_model.init_args.proxies",
         "[bundled:explain_tiny/proxy0, bundled:explain_tiny/proxy1, bundled:explain_tiny/proxy2]",
-        "--model.init_args.max_new_tokens", "16",
+        "--model.init_args.sampling.max_new_tokens", "16",
         # one LM-head chunk per response token of a micro-batch of 1 row: ranks whose rows differ in length (the
         # rehearsal's explanations run 13-16 tokens) run different numbers of chunks, which they must agree on
-        "--model.init_args.lm_head_chunk_size", "1",
+        "--model.init_args.update.lm_head_chunk_size", "1",
         "--model.init_args.reward_model.init_args.flow_epochs_per_round", "2",
         "--model.init_args.reward_model.init_args.round_contexts", "8",
         "--model.init_args.reward_model.init_args.heldout_contexts", "8",

@@ -70,7 +70,7 @@ def test_checkpoint_hyperparameters_neither_run_code_nor_override_the_command_li
     torch.save(checkpoint, tmp_path / "crafted.ckpt")
 
     result = flowkit(tmp_path, "validate", "--config", str(rlfr_run.CONFIG), "--ckpt_path", str(tmp_path / "crafted.ckpt"),
-                     "--model.init_args.val_temperature", "0", "--data.init_args.max_val_examples", "4",
+                     "--model.init_args.validation.temperature", "0", "--data.init_args.max_val_examples", "4",
                      "--trainer.default_root_dir", str(tmp_path / "validate"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert not marker.exists()
