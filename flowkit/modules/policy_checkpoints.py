@@ -71,7 +71,9 @@ class CheckpointHooks:
             extra = next((name for name in state if name not in own), None)
             if extra is not None:
                 refuse(f"parameter {extra}", "present", "absent")
-        pretrained = getattr(saved_hparams.get("flow_pretrain"), "steps", None)
+        saved_pretrain = saved_hparams.get("flow_pretrain")  # the CLI saves a group as its dict, Python as itself
+        pretrained = (saved_pretrain.get("steps") if isinstance(saved_pretrain, dict)
+                      else getattr(saved_pretrain, "steps", None))
         if pretrained is not None and pretrained != self.flow_pretrain.steps:
             log.warning("flow_pretrain.steps %d (was %d) does not apply on resume: the checkpoint holds the flow its "
                         "pretraining and training made", self.flow_pretrain.steps, pretrained)
