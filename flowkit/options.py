@@ -91,8 +91,12 @@ def _default_text(option: Field) -> str:
         value = option.default_factory()
     else:
         return "required"
-    if is_dataclass(value):
-        return "see below"
+    if is_dataclass(value):  # a nested group: its fields' defaults
+        return "{" + ", ".join(f"{f.name}: {_value_text(getattr(value, f.name))}" for f in fields(value)) + "}"
+    return _value_text(value)
+
+
+def _value_text(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
