@@ -65,7 +65,7 @@ def test_checkpoint_hyperparameters_neither_run_code_nor_override_the_command_li
     marker = tmp_path / "marker"
     checkpoint["hyper_parameters"].update(
         backbone=str(remote_code_backbone(tmp_path / "backbone", marker)), trust_remote_code=True,
-        val_temperature=1.0, val_num_samples=4,
+        validation={"temperature": 1.0, "num_samples": 4},
     )
     torch.save(checkpoint, tmp_path / "crafted.ckpt")
 
