@@ -1,5 +1,5 @@
 """Step time of generation apart from training on the tiny task: a ``flowkit rollout-server`` on one core, the
-trainer on the other, synchronous (``max_staleness: 0``) against one step off (``max_staleness: 1``), and today's
+trainer on the other, synchronous (``rollout.max_staleness: 0``) against one step off (``rollout.max_staleness: 1``), and today's
 colocated HF engine (generation and training in turn on the trainer's core), measured in one run.
 
     python benchmarks/bench_async.py [--steps 10] [--warmup 2] [--rounds 2]
@@ -22,12 +22,14 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
 import torch
 
 from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.modules.policy_options import OptimOptions, RolloutOptions, SamplingOptions
 from flowkit.rewards import FlowReward
 
 BENCHMARKS = Path(__file__).resolve().parent
@@ -68,8 +70,9 @@ def time_steps(steps: int, warmup: int, **options) -> tuple[list[float], list[fl
     L.seed_everything(0)
     flow = FlowReward(percentiles=[0.25], depth=2, timesteps=[0.9], eta=0.6, beta=0.01, normalization="minmax",
                       condition="previous", rejection_metric="correct", kappa=32)
-    module = PolicyModule(reward_model=flow, num_samples=8, max_new_tokens=28, outcome_reward="binary", lr=5e-5,
-                          flow_lr=1e-3, **options)
+    module = PolicyModule(reward_model=flow, outcome_reward="binary", **options,
+                          sampling=SamplingOptions(num_samples=8, max_new_tokens=28),
+                          optim=OptimOptions(lr=5e-5, flow_lr=1e-3))
     timer = Timer()
     timer.waits = []
     trainer = L.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
@@ -92,9 +95,9 @@ def main() -> None:
     process, url = start_server(Path(os.environ.get("TMPDIR", "/tmp")) / "bench_async_server.log", cores[0])
     os.sched_setaffinity(0, {cores[1]})
     torch.set_num_threads(1)
-    server = {"rollout_engine": "server", "rollout_server_url": url, "rollout_server_timeout": 120.0}
-    variants = {"colocated hf": {}, "server sync": {**server, "max_staleness": 0},
-                "server async k=1": {**server, "max_staleness": 1}}
+    server = RolloutOptions(engine="server", server_url=url, server_timeout=120.0)
+    variants = {"colocated hf": {}, "server sync": {"rollout": server},
+                "server async k=1": {"rollout": replace(server, max_staleness=1)}}
     times: dict[str, list[float]] = {name: [] for name in variants}
     waits: dict[str, list[float]] = {name: [] for name in variants}
     try:

@@ -203,10 +203,10 @@ def rl_trained(args):
 
     init = "--model.init_args.reward_model.init_args."
     overrides = ["--trainer.max_steps", str(args.rl_steps), "--trainer.limit_val_batches", "0",
-                 "--seed_everything", str(args.seed), "--model.init_args.flow_pretrain_steps", str(args.pretrain_steps),
-                 "--model.init_args.flow_pretrain_batch_size", str(args.pretrain_batch),
-                 "--model.init_args.flow_lr", str(args.flow_lr),
-                 "--model.init_args.flow_pretrain_lr_decay", args.pretrain_lr_decay,
+                 "--seed_everything", str(args.seed), "--model.init_args.flow_pretrain.steps", str(args.pretrain_steps),
+                 "--model.init_args.flow_pretrain.batch_size", str(args.pretrain_batch),
+                 "--model.init_args.optim.flow_lr", str(args.flow_lr),
+                 "--model.init_args.flow_pretrain.lr_decay", args.pretrain_lr_decay,
                  init + "percentiles", str(args.percentiles), init + "depth", str(args.depth),
                  init + "timesteps", str(args.timesteps), init + "eta", str(args.eta),
                  init + "normalization", args.normalization, init + "condition", args.condition,

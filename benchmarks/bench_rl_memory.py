@@ -89,10 +89,12 @@ def step_config(backbone: Path, prompts: int, args: argparse.Namespace, micro_ba
                              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     config["trainer"].pop("val_check_interval", None)
     init = config["model"]["init_args"]
-    init.update(backbone=str(backbone), num_samples=args.samples, max_new_tokens=args.max_new_tokens,
-                flow_pretrain_steps=0)
+    init["backbone"] = str(backbone)
+    init["sampling"].update(num_samples=args.samples, max_new_tokens=args.max_new_tokens)
+    init["flow_pretrain"]["steps"] = 0
     if micro_batched:
-        init.update(micro_batch_size=args.micro_batch_size, rollout_batch_size=args.micro_batch_size)
+        init.setdefault("update", {})["micro_batch_size"] = args.micro_batch_size
+        init.setdefault("rollout", {})["batch_size"] = args.micro_batch_size
     config["data"]["init_args"].update(batch_size=prompts, val_path=None)
     return config
 

@@ -31,6 +31,7 @@ import torch
 
 from flowkit.llm.tiny import tiny_qwen2
 from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.modules.policy_options import OptimOptions, RolloutOptions, SamplingOptions, UpdateOptions
 from flowkit.rewards import FlowReward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -143,10 +144,12 @@ def main() -> None:
             torch.cuda.empty_cache()
         reward = FlowReward(percentiles=[0.25, 0.5, 0.75], depth=4, timesteps=[0.8], kappa=args.kappa, seed=0,
                             rejection_metric=args.rejection_metric)
-        module = PolicyModule(backbone=tmp, dtype="float32", reward_model=reward, num_samples=args.samples,
-                              max_new_tokens=args.new_tokens, outcome_reward="official", lr=1e-6, flow_lr=1e-4,
-                              micro_batch_size=args.micro_batch_size, rollout_batch_size=args.rollout_batch_size,
-                              gradient_checkpointing=args.gradient_checkpointing)
+        module = PolicyModule(backbone=tmp, dtype="float32", reward_model=reward, outcome_reward="official",
+                              gradient_checkpointing=args.gradient_checkpointing,
+                              sampling=SamplingOptions(num_samples=args.samples, max_new_tokens=args.new_tokens),
+                              update=UpdateOptions(micro_batch_size=args.micro_batch_size),
+                              optim=OptimOptions(lr=1e-6, flow_lr=1e-4),
+                              rollout=RolloutOptions(batch_size=args.rollout_batch_size))
         data = RolloutDataModule(val_path=None, batch_size=args.prompts)
         phases = StepPhases(args.device)
         phases.wrap_reward(reward)

@@ -4,7 +4,7 @@
 
 Both variants run the same PolicyModule on the same prompts (bundled tiny_adder, 16 prompts × 8 samples, as configs/rlfr_tiny.yaml);
 the flow variant adds the latent tap, the flow reward of rlfr_tiny.yaml (one tapped block, P = 0.25, T = {0.9})
-and the online flow update (κ = 32). Both forward every row (``skip_zero_advantage_rows: false``): the skip applies
+and the online flow update (κ = 32). Both forward every row (``update.skip_zero_advantage_rows: false``): the skip applies
 to plain GRPO only, so it would count as flow overhead; bench_trl_race.py measures it. The variants alternate ``--rounds`` times (grpo, grpo+flow, grpo, ...), so a busy machine slows
 both alike. Prints median / p20 / p80 step time per variant over all rounds and the ratio of medians, and appends
 rows to benchmarks/results/results.csv.
@@ -22,6 +22,7 @@ import lightning as L
 import torch
 
 from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.modules.policy_options import OptimOptions, SamplingOptions, UpdateOptions
 from flowkit.rewards import FlowReward
 
 BENCHMARKS = str(Path(__file__).resolve().parent)
@@ -46,8 +47,8 @@ def time_steps(reward_model, steps: int, warmup: int, prompts: int = 16, **optio
     """Seconds and response lengths of each of ``steps`` RL steps after ``warmup`` of the tiny job (``options``
     override its PolicyModule settings)."""
     L.seed_everything(0)
-    settings = {"num_samples": 8, "max_new_tokens": 28, "outcome_reward": "binary", "lr": 5e-5, "flow_lr": 1e-3,
-                **options}
+    settings = {"sampling": SamplingOptions(num_samples=8, max_new_tokens=28), "outcome_reward": "binary",
+                "optim": OptimOptions(lr=5e-5, flow_lr=1e-3), **options}
     module = PolicyModule(reward_model=reward_model, **settings)
     data = RolloutDataModule(val_path=None, batch_size=prompts)
     timer = StepTimer()
@@ -74,9 +75,10 @@ def main() -> None:
     args = parser.parse_args()
     times: dict[str, list[float]] = {"grpo": [], "grpo+flow": []}
     for _ in range(args.rounds):
-        times["grpo"] += time_steps(None, args.steps, args.warmup, skip_zero_advantage_rows=False).times
+        every_row = UpdateOptions(skip_zero_advantage_rows=False)
+        times["grpo"] += time_steps(None, args.steps, args.warmup, update=every_row).times
         times["grpo+flow"] += time_steps(FlowReward(percentiles=[0.25], depth=2, timesteps=[0.9], kappa=32), args.steps,
-                                         args.warmup, skip_zero_advantage_rows=False).times
+                                         args.warmup, update=every_row).times
     results = {name: quantiles(t) for name, t in times.items()}
     # Imported only now: importing common fixes glibc's mmap threshold (for its peak-memory readings), which makes
     # every large allocation a fresh mmap and would slow the timed steps (and not TRL's, in bench_trl_race).

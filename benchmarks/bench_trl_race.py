@@ -27,7 +27,7 @@ side with the library versions. Each side trains in the micro-batches that were 
 (1024 tiny, 2048 mid; on the tiny task the smaller activations stay in cache: 0.425 vs 0.463 s/step without, 2048
 0.438), TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches, generating all
 rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side, ``flowkit-every-row``, runs
-flowkit with ``skip_zero_advantage_rows: false`` (TRL forwards every row too), so the run also shows how much of the
+flowkit with ``update.skip_zero_advantage_rows: false`` (TRL forwards every row too), so the run also shows how much of the
 difference that option makes.
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
@@ -130,14 +130,17 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
 
     import flowkit
     from bench_rl_step import time_steps
+    from flowkit.modules.policy_options import OptimOptions, SamplingOptions, UpdateOptions
 
     torch.set_num_threads(1)
     setting = SIZES[size]
     options = {} if size == "tiny" else {
         "backbone": str(policy), "outcome_reward": "none", "reward_functions": [{"function": "bench_trl_race.scrambled"}]}
-    timer = time_steps(None, steps, warmup, prompts=setting["prompts"], max_new_tokens=setting["new_tokens"],
-                       lr=setting["lr"], micro_batch_tokens=token_budget or None,
-                       skip_zero_advantage_rows=skip_zero_advantage_rows, **options)
+    timer = time_steps(None, steps, warmup, prompts=setting["prompts"],
+                       sampling=SamplingOptions(num_samples=SAMPLES, max_new_tokens=setting["new_tokens"]),
+                       optim=OptimOptions(lr=setting["lr"], flow_lr=1e-3),
+                       update=UpdateOptions(micro_batch_tokens=token_budget or None,
+                                            skip_zero_advantage_rows=skip_zero_advantage_rows), **options)
     return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
                                         f"transformers {transformers.__version__}, torch {torch.__version__}"}
 

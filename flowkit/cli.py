@@ -135,7 +135,7 @@ def _run(args: list[str] | None, argv: list[str]) -> None:
 
         run(args, _checkpoint_argument(argv))
     except Exception as err:
-        message = _input_error(err)
+        message = _input_error(err, argv)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
@@ -330,7 +330,7 @@ def _checkpoint_argument(argv: list[str]) -> str:
     return "a checkpoint"
 
 
-def _input_error(err: BaseException) -> str | None:
+def _input_error(err: BaseException, argv: list[str]) -> str | None:
     """The one-line message of the bad-input error behind ``err``, or ``None`` if ``err`` is a bug.
 
     Bad input is a :class:`~flowkit.errors.ConfigError` (any module's option check), a
@@ -338,7 +338,8 @@ def _input_error(err: BaseException) -> str | None:
     Lightning rejects (``MisconfigurationException``) or a command line / config the parser rejects; a
     :class:`~flowkit.errors.RunError` (a full disk, a run directory in use) is printed the same way.
     jsonargparse and Lightning wrap exceptions raised while building or fitting the module; the user
-    should see the message that names the option, not that chain.
+    should see the message that names the option, not that chain. A key of a ``--config`` file in ``argv`` is
+    reported with the file's name.
     """
     from argparse import ArgumentError
 
@@ -357,7 +358,7 @@ def _input_error(err: BaseException) -> str | None:
         if isinstance(link, (ConfigError, RunError, RecordError, BackboneError, MisconfigurationException)):
             return " ".join(str(link).split())
     if isinstance(chain[0], ArgumentError):
-        return _parser_error_line(str(chain[0]))
+        return _parser_error_line(str(chain[0]), argv)
     return None
 
 
@@ -365,7 +366,7 @@ _PARSER_REPORT_NOISE = ("Does not validate against any of the Union subtypes", "
                         "Given value type:", "Given value:", "- Expected a <class 'NoneType'>")
 
 
-def _parser_error_line(report: str) -> str:
+def _parser_error_line(report: str, argv: list[str]) -> str:
     """jsonargparse's nested report (one block per Union alternative) → ``key.path: innermost message``.
 
     The innermost message is the most indented line that is not part of the report's scaffolding; the key
@@ -392,30 +393,92 @@ def _parser_error_line(report: str) -> str:
     owner = keys[-1][1] if keys else None
     names = [k for k, _ in keys]
     if owner is not None:
-        message = _class_problem(owner, message)
+        message, key = _class_problem(owner, message)
         if message.startswith("cannot import"):
             names[-1] = "class_path"
+        source = config_file_with_key(argv, ".".join([*names, key]), leaf=True) if key else None
+        if source is not None:
+            return f"{source}: {'.'.join(names)}: {message}"
     return f"{'.'.join(names)}: {message}" if names else message
 
 
-def _class_problem(class_path: str, message: str) -> str:
-    """A problem jsonargparse reports for ``class_path``, with the name the user probably meant."""
+def _class_problem(class_path: str, message: str) -> tuple[str, str | None]:
+    """A problem jsonargparse reports for ``class_path``, with the name the user probably meant, and the key (below
+    the class's ``init_args``) it is about, if one. An option of the old flat form that a class's ``MOVED_OPTIONS``
+    maps to a key of an option group is named with that key (``temperature`` is now ``sampling.temperature``)."""
     if re.match(r"(module '.+' has no attribute|No module named|Import path .+ does not)", message):
         module = class_path.rpartition(".")[0]
         try:
             choices = [f"{module}.{n}" for n in dir(importlib.import_module(module)) if not n.startswith("_")]
         except Exception:  # noqa: BLE001  (the module itself does not import: nothing to suggest)
             choices = []
-        return f"cannot import {class_path!r} ({message}){did_you_mean(class_path, choices)}"
-    option = re.fullmatch(r"Option '(.+)' is not accepted", message)
-    if option:
+        return f"cannot import {class_path!r} ({message}){did_you_mean(class_path, choices)}", None
+    try:
         module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001
+        cls = None
+    moved = getattr(cls, "MOVED_OPTIONS", {})
+    option = re.fullmatch(r"Option '(.+)' is not accepted", message)
+    group_option = re.fullmatch(r"Group '(.+)' does not accept option '(.+)'", message)
+    argument = re.fullmatch(r"unrecognized arguments: --([^\s=]+).*", message)
+    scalar_for_group = re.fullmatch(r'Parser key "(\w+)": Unable to load config .*', message)
+    key = (option or argument or scalar_for_group).group(1) if (option or argument or scalar_for_group) else (
+        f"{group_option.group(1)}.{group_option.group(2)}" if group_option else None)
+    if key is None:
+        return message, None
+    if key in moved and moved[key] != key:
+        return f"{key!r} is now {moved[key]!r} (the options of {class_path} are in groups)", key
+    if scalar_for_group:
+        return message, key
+    suggestion = did_you_mean(key, _option_keys(cls))
+    near_old = difflib.get_close_matches(key, list(moved), n=1, cutoff=0.6)
+    if not suggestion and near_old:  # a misspelt option of the old flat form: the key it moved to
+        suggestion = f"; did you mean {moved[near_old[0]]!r}?"
+    return f"{class_path} has no option {key!r}{suggestion}", key
+
+
+def _option_keys(cls: type | None) -> list[str]:
+    """The keys of ``cls``'s constructor, each option group's as ``group.field``."""
+    import dataclasses
+    import typing
+
+    if cls is None:
+        return []
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+        parameters = inspect.signature(cls).parameters
+    except Exception:  # noqa: BLE001  (an unresolvable annotation: the names alone)
+        return list(getattr(inspect.signature(cls), "parameters", {}))
+    keys = []
+    for name in parameters:
+        keys.append(name)
+        if dataclasses.is_dataclass(hints.get(name)):
+            keys += [f"{name}.{f.name}" for f in dataclasses.fields(hints[name]) if f.init]
+    return keys
+
+
+def config_file_with_key(argv: list[str], dotted: str, leaf: bool = False) -> str | None:
+    """The last ``--config`` file of ``argv`` that sets the key ``dotted`` (``trainer.max_step``), if any; ``leaf``:
+    to a value that is not a mapping (an old flat option, not the option group of the same name)."""
+    import yaml
+
+    found = None
+    for i, arg in enumerate(argv):
+        name, sep, value = arg.partition("=")
+        if name not in ("--config", "-c") or (not sep and i + 1 == len(argv)):
+            continue
+        path = value if sep else argv[i + 1]
         try:
-            choices = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
-        except Exception:  # noqa: BLE001
-            choices = []
-        return f"{class_path} has no option {option.group(1)!r}{did_you_mean(option.group(1), choices)}"
-    return message
+            node = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node and not (leaf and isinstance(node[last], dict)):
+            found = path
+    return found
 
 
 def did_you_mean(word: str, choices) -> str:

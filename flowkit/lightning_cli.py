@@ -17,14 +17,14 @@ from argparse import ArgumentError
 from collections.abc import Callable
 from pathlib import Path
 
-from jsonargparse import Namespace
+from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
-from flowkit.cli import LIGHTNING_COMMANDS, did_you_mean
+from flowkit.cli import LIGHTNING_COMMANDS, config_file_with_key, did_you_mean
 from flowkit.checkpointing import fault_tolerance_defaults
 from flowkit.checkpointing.preemption import VALIDATION_INTERRUPTED_KEY
 from flowkit.checkpointing.resume import (
@@ -41,6 +41,9 @@ from flowkit.registry import SUBCOMMANDS
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "RunCSVLogger", "place_run"]
 
 log = logging.getLogger(__name__)
+
+# An option group's help is the string literal under each field (flowkit.options): `--model.help` prints it.
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
 def _trainer_method(fn: Callable) -> Callable:
@@ -108,7 +111,7 @@ class FlowkitCLI(LightningCLI):
         """Keep the configuration the YAML files and the command line gave: a checkpoint supplies state only.
 
         LightningCLI would merge ``--ckpt_path``'s saved ``hyper_parameters`` over the parsed model config,
-        which lets a checkpoint file override options the user typed (``--model.init_args.val_temperature 0``)
+        which lets a checkpoint file override options the user typed (``--model.init_args.validation.temperature 0``)
         and decide what code runs (``trust_remote_code: true`` with a ``backbone`` carrying custom code).
         """
 
@@ -148,7 +151,7 @@ class FlowkitCLI(LightningCLI):
                  for option in action.option_strings if option.startswith("--")]
         key = (in_config or given).group(2 if in_config else 1)
         suggestion = did_you_mean(key, known)
-        source = _config_file_with_key(argv, key) if in_config else None
+        source = config_file_with_key(argv, key) if in_config else None
         if source is not None:
             return f"{source}: unknown key {key!r}{suggestion}"
         return f"unknown option --{key}{suggestion}"
@@ -322,29 +325,6 @@ def _is_subclass(class_path: str | None, base: type) -> bool:
         return issubclass(getattr(importlib.import_module(module), name), base)
     except (ImportError, AttributeError, TypeError):
         return False
-
-
-
-def _config_file_with_key(argv: list[str], dotted: str) -> str | None:
-    """The last ``--config`` file of ``argv`` that sets the key ``dotted`` (``trainer.max_step``), if any."""
-    import yaml
-
-    found = None
-    for i, arg in enumerate(argv):
-        name, sep, value = arg.partition("=")
-        if name not in ("--config", "-c") or (not sep and i + 1 == len(argv)):
-            continue
-        path = value if sep else argv[i + 1]
-        try:
-            node = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue
-        *parents, last = dotted.split(".")
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node:
-            found = path
-    return found
 
 
 def run(args: list[str] | None, checkpoint: str) -> None:

@@ -66,7 +66,7 @@ def run(toy: str, arm: str, seed: int, sft_epochs: int, tmp: Path) -> dict:
     args = ["--config", str(CONFIGS[toy]), "--seed_everything", str(seed),
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
             "--trainer.default_root_dir", str(tmp / f"{toy}_{arm}_{seed}"), "--trainer.limit_val_batches", "1.0",
-            "--data.init_args.val_batch_size", "96", "--model.init_args.sft_epochs", str(sft_epochs),
+            "--data.init_args.val_batch_size", "96", "--model.init_args.sft.epochs", str(sft_epochs),
             *arm_options(toy, arm)]
     if arm == "sft":  # the SFT start runs in on_fit_start; no RL step follows
         args += ["--trainer.max_steps", "0"]

@@ -37,9 +37,9 @@ FLOW = "--model.init_args.reward_model.init_args."
 # The tiny default before the flow-signal study (three tapped blocks, T = {0.8}, 150 pretraining steps): the
 # condition / bilateral / timestep ablations were measured on it.
 EARLIER = [FLOW + "percentiles", "[0.25, 0.5, 0.75]", FLOW + "timesteps", "[0.8]", FLOW + "pretrain_logit_mean", "0.0",
-           "--model.init_args.flow_pretrain_steps", "150", "--model.init_args.flow_pretrain_cache_latents", "false"]
+           "--model.init_args.flow_pretrain.steps", "150", "--model.init_args.flow_pretrain.cache_latents", "false"]
 # The pretraining of the tiny default after the signal study and before the shifted timesteps (600 official steps).
-P600 = ["--model.init_args.flow_pretrain_steps", "600", FLOW + "pretrain_logit_mean", "0.0"]
+P600 = ["--model.init_args.flow_pretrain.steps", "600", FLOW + "pretrain_logit_mean", "0.0"]
 T4 = [FLOW + "timesteps", "[0.2, 0.4, 0.6, 0.8]"]
 ARMS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo_tiny.yaml", []),

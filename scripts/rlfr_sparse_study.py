@@ -59,8 +59,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "rlfr": ("rlfr_sparse.yaml", []),
     "rlfr_b0.05": ("rlfr_sparse.yaml", [FLOW + "beta", "0.05"]),
     "rlfr_b0.2": ("rlfr_sparse.yaml", [FLOW + "beta", "0.2"]),
-    "entropy_adv": ("grpo_sparse.yaml", ["--model.init_args.entropy_advantage_alpha", "0.4",
-                                         "--model.init_args.entropy_advantage_kappa", "2.0"]),
+    "entropy_adv": ("grpo_sparse.yaml", ["--model.init_args.advantage.entropy_alpha", "0.4",
+                                         "--model.init_args.advantage.entropy_kappa", "2.0"]),
 }
 GROUP = 8  # the configs' num_samples: a group whose 8 samples are all wrong has zero outcome advantage
 
@@ -143,7 +143,7 @@ def train(arm: str, seed: int, args) -> dict:
                 "--trainer.limit_val_batches", "0", "--trainer.max_steps", str(args.max_steps),
                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
                 "--data.init_args.train_path", data + "train.jsonl", "--data.init_args.val_path", data + "val.jsonl",
-                "--model.init_args.max_new_tokens", str(max_new_tokens(k)), *overrides]
+                "--model.init_args.sampling.max_new_tokens", str(max_new_tokens(k)), *overrides]
     records = read_jsonl(ROOT / "flowkit/assets/long_addition" / f"k{k}" / "test.jsonl")[:args.eval_prompts]
     evaluation = HeldOutEvaluation(records, args.eval_samples, args.eval_every, args.eval_seed)
     here, started = os.getcwd(), time.perf_counter()

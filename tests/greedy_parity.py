@@ -28,7 +28,7 @@ class GreedyParity(L.Callback):
         self.initial: list[str] = []
 
     def _hf_greedy(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
-        engine = HFRolloutEngine(pl_module.policy, pl_module.tokenizer, pl_module.hparams.max_new_tokens,
+        engine = HFRolloutEngine(pl_module.policy, pl_module.tokenizer, pl_module.sampling.max_new_tokens,
                                whole_weights=lambda: whole_weights_for_generation(trainer, pl_module.policy))
         return engine.generate(PROMPTS[trainer.global_rank], 1, temperature=0).responses
 

@@ -30,9 +30,9 @@ _SHRUNK_RUN = [
 # rlfr_qwen.yaml's and rlfr_qwen_async.yaml's (the same job, generation on a rollout server) shared overrides
 _RLFR_QWEN = [
     "--model.init_args.backbone", "bundled:tiny_adder",
-    "--model.init_args.max_new_tokens", "28",
-    "--model.init_args.rollout_batch_size", "8",        # 2 generate calls (decoding batches on a server) per rank
-    "--model.init_args.lm_head_chunk_size", "8",        # ~10 LM-head chunks per micro-batch of 4
+    "--model.init_args.sampling.max_new_tokens", "28",
+    "--model.init_args.rollout.batch_size", "8",       # 2 generate calls (decoding batches on a server) per rank
+    "--model.init_args.update.lm_head_chunk_size", "8",       # ~10 LM-head chunks per micro-batch of 4
     "--model.init_args.reward_model.init_args.max_rows_per_call", "48",  # 16 tokens × 3 layers per field call
     "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several flow-loss pieces per update
     "--model.init_args.reward_model.init_args.kappa", "2",  # the online flow step comes in step 1
@@ -47,16 +47,16 @@ _RLFR_QWEN = [
 
 # What each paper config needs beyond _SHRUNK_RUN: backbone, data and lengths.
 OVERRIDES: dict[str, list[str]] = {
-    "rlfr_qwen.yaml": [*_RLFR_QWEN, "--model.init_args.vllm_max_model_len", "128"],
+    "rlfr_qwen.yaml": [*_RLFR_QWEN, "--model.init_args.rollout.vllm_max_model_len", "128"],
     # the rollout server (its address, a free port, is the test's to add): no vLLM setting of its own
     "rlfr_qwen_async.yaml": _RLFR_QWEN,
     # the official online protocol: micro-batches of 1 row (16 per rank and step), 8 minibatches of 2 rows
     "rlfr_qwen_official.yaml": [
         "--model.init_args.backbone", "bundled:tiny_adder",
-        "--model.init_args.max_new_tokens", "28",
-        "--model.init_args.rollout_batch_size", "8",
-        "--model.init_args.lm_head_chunk_size", "8",
-        "--model.init_args.vllm_max_model_len", "128",
+        "--model.init_args.sampling.max_new_tokens", "28",
+        "--model.init_args.rollout.batch_size", "8",
+        "--model.init_args.update.lm_head_chunk_size", "8",
+        "--model.init_args.rollout.vllm_max_model_len", "128",
         "--model.init_args.reward_model.init_args.max_rows_per_call", "24",  # 8 tokens per call: rows of 1-4 calls
         "--model.init_args.reward_model.init_args.max_rows_per_piece", "48",  # several flow-loss pieces per step
         "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
@@ -79,10 +79,10 @@ OVERRIDES: dict[str, list[str]] = {
         "--model.init_args.backbone", "bundled:explain_tiny/policy",
         "--model.init_args.reward_model.init_args.proxies",
         "[bundled:explain_tiny/proxy0, bundled:explain_tiny/proxy1, bundled:explain_tiny/proxy2]",
-        "--model.init_args.max_new_tokens", "16",
+        "--model.init_args.sampling.max_new_tokens", "16",
         # one LM-head chunk per response token of a micro-batch of 1 row: ranks whose rows differ in length (the
         # rehearsal's explanations run 13-16 tokens) run different numbers of chunks, which they must agree on
-        "--model.init_args.lm_head_chunk_size", "1",
+        "--model.init_args.update.lm_head_chunk_size", "1",
         "--model.init_args.reward_model.init_args.flow_epochs_per_round", "2",
         "--model.init_args.reward_model.init_args.round_contexts", "8",
         "--model.init_args.reward_model.init_args.heldout_contexts", "8",

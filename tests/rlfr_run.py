@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "rlfr_tiny.yaml"
 TINY = [
-    "--model.init_args.flow_pretrain_steps", "0",
-    "--model.init_args.num_samples", "4",
+    "--model.init_args.flow_pretrain.steps", "0",
+    "--model.init_args.sampling.num_samples", "4",
     "--model.init_args.reward_model.init_args.kappa", "2",
     "--model.init_args.reward_model.init_args.rejection_metric", "entropy",
     "--data.init_args.batch_size", "4",

@@ -25,14 +25,15 @@ from flowkit.errors import ConfigError, check_range
 from flowkit.llm.backbone import ASSETS
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.explanation import ExplanationRewardModule, ExplanationRounds
-from flowkit.rewards.explanation import ExplanationReward
+from flowkit.modules.policy_options import OptimOptions, SamplingOptions
 from flowkit.rewards import FlowReward
+from flowkit.rewards.explanation import ExplanationReward
 from backbone_stub import backbone_stub
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "rlfr_tiny.yaml")
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-         "--model.init_args.flow_pretrain_steps", "0"]
+         "--model.init_args.flow_pretrain.steps", "0"]
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def fit_args(*extra: str) -> list[str]:
     [
         (["--model.init_args.not_a_key", "1"], "flowkit.modules.PolicyModule has no option 'not_a_key'"),
         (["--trainer.max_steps", "abc"], "Expected a <class 'int'>. Got value: abc"),
-        (["--model.init_args.num_samples", "many"], "num_samples"),
+        (["--model.init_args.sampling.num_samples", "many"], "num_samples"),
         (["--model.init_args.outcome_reward", "fuzzy"], "Expected a typing.Literal['official', 'binary'"),
         (["--model", "flowkit.modules.NoSuchModule"], "module 'flowkit.modules' has no attribute 'NoSuchModule'"),
         (["--data", "flowkit.modules.NoSuchData"], "module 'flowkit.modules' has no attribute 'NoSuchData'"),
@@ -80,6 +81,46 @@ def test_unknown_key_in_a_config_file(in_tmp, capsys):
     code, err = cli_exit(fit_args("--config", str(override)), capsys)
     assert code == 2
     assert f"{override}: unknown key 'trainer.max_stepz'; did you mean 'trainer.max_steps'?" in err
+
+
+OLD_FLAT_KEYS = {  # the flat form before option groups → the one-line error naming the new key
+    "temperature": ("0.5", "'temperature' is now 'sampling.temperature'"),
+    "flow_pretrain_steps": ("3", "'flow_pretrain_steps' is now 'flow_pretrain.steps'"),
+    "rollout_server_url": ("http://x:1", "'rollout_server_url' is now 'rollout.server_url'"),
+    "advantage": ("gae", "'advantage' is now 'advantage.estimator'"),  # a scalar where the group now is
+}
+
+
+@pytest.mark.parametrize("old", OLD_FLAT_KEYS)
+def test_an_old_flat_option_on_the_command_line_names_its_new_key(in_tmp, capsys, old):
+    value, expected = OLD_FLAT_KEYS[old]
+    code, err = cli_exit(fit_args(f"--model.init_args.{old}", value), capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"error: model.init_args: {expected} (the options of " \
+                                           "flowkit.modules.PolicyModule are in groups)"
+
+
+@pytest.mark.parametrize("old", OLD_FLAT_KEYS)
+def test_an_old_flat_option_in_a_config_file_names_the_file_and_its_new_key(in_tmp, capsys, old):
+    value, expected = OLD_FLAT_KEYS[old]
+    override = in_tmp / "old.yaml"
+    override.write_text(f"model:\n  init_args:\n    {old}: {value}\n")
+    code, err = cli_exit(fit_args("--config", str(override)), capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == f"error: {override}: model.init_args: {expected} (the options of " \
+                                           "flowkit.modules.PolicyModule are in groups)"
+
+
+def test_a_misspelt_option_of_a_group_gets_the_nearest_key(in_tmp, capsys):
+    code, err = cli_exit(fit_args("--model.init_args.sampling.temprature", "0.5"), capsys)
+    assert code == 2
+    assert err.strip().endswith("flowkit.modules.PolicyModule has no option 'sampling.temprature'; did you mean "
+                                "'sampling.temperature'?")
+    override = in_tmp / "typo.yaml"
+    override.write_text("model:\n  init_args:\n    optim:\n      flow_rl: 1.0\n")
+    code, err = cli_exit(fit_args("--config", str(override)), capsys)
+    assert err.strip().endswith(f"{override}: model.init_args: flowkit.modules.PolicyModule has no option "
+                                "'optim.flow_rl'; did you mean 'optim.flow_lr'?")
 
 
 # ----------------------------------------------------------------------------- one-line errors
@@ -152,7 +193,7 @@ def test_missing_data_path_lists_nearby_files(in_tmp, capsys):
 # ----------------------------------------------------------------------------- the bad-input table (issue 11)
 # Every case runs the real CLI on the tiny RLFR config: exit code 2, one line naming the option (or file:line),
 # at most 3 lines on stderr, no traceback. Option cases fail at construction, before any model loads; data cases
-# fail in setup, before flow pretraining (the config's flow_pretrain_steps is on for those that need it).
+# fail in setup, before flow pretraining (the config's flow_pretrain.steps is on for those that need it).
 
 REWARD = "--model.init_args.reward_model.init_args."
 GOOD = {"prompt": "12+34=", "answer": "46", "solution": "2+4=6,1+3=4\\boxed{46}"}
@@ -168,22 +209,22 @@ def model_args(*options: str) -> list[str]:
 
 
 OPTION_CASES = {
-    "num_samples-0": (model_args("num_samples", "0"), "PolicyModule.num_samples must be >= 1, got 0"),
-    "val_num_samples-0": (model_args("val_num_samples", "0"), "PolicyModule.val_num_samples must be >= 1, got 0"),
+    "num_samples-0": (model_args("sampling.num_samples", "0"), "PolicyModule.sampling.num_samples must be >= 1, got 0"),
+    "val_num_samples-0": (model_args("validation.num_samples", "0"), "PolicyModule.validation.num_samples must be >= 1, got 0"),
     "batch_size-0": (["--data.init_args.batch_size", "0"], "RolloutDataModule.batch_size must be >= 1, got 0"),
-    "ppo_epochs-0": (model_args("ppo_epochs", "0"), "PolicyModule.ppo_epochs must be >= 1, got 0"),
-    "num_minibatches-0": (model_args("num_minibatches", "0"), "PolicyModule.num_minibatches must be >= 1, got 0"),
-    "max_new_tokens-0": (model_args("max_new_tokens", "0"), "PolicyModule.max_new_tokens must be >= 1, got 0"),
-    "max_new_tokens-negative": (model_args("max_new_tokens", "-3"), "PolicyModule.max_new_tokens must be >= 1, got -3"),
-    "greedy-with-a-group": (model_args("temperature", "0"), "PolicyModule.temperature 0 (greedy) makes the 8 samples"),
-    "top_p-0": (model_args("top_p", "0"), "PolicyModule.top_p must be in (0, 1], got 0.0"),
+    "ppo_epochs-0": (model_args("update.ppo_epochs", "0"), "PolicyModule.update.ppo_epochs must be >= 1, got 0"),
+    "num_minibatches-0": (model_args("update.num_minibatches", "0"), "PolicyModule.update.num_minibatches must be >= 1, got 0"),
+    "max_new_tokens-0": (model_args("sampling.max_new_tokens", "0"), "PolicyModule.sampling.max_new_tokens must be >= 1, got 0"),
+    "max_new_tokens-negative": (model_args("sampling.max_new_tokens", "-3"), "PolicyModule.sampling.max_new_tokens must be >= 1, got -3"),
+    "greedy-with-a-group": (model_args("sampling.temperature", "0"), "PolicyModule.sampling.temperature 0 (greedy) makes the 8 samples"),
+    "top_p-0": (model_args("sampling.top_p", "0"), "PolicyModule.sampling.top_p must be in (0, 1], got 0.0"),
     "top_k-0": (model_args("reward.top_k", "0"), "FlowReward.top_k must be >= 1, got 0"),
     "noise_draws-0": (model_args("reward.noise_draws", "0"), "FlowReward.noise_draws must be >= 1, got 0"),
     "max_rows_per_call-0": (model_args("reward.max_rows_per_call", "0"), "FlowReward.max_rows_per_call must be >= 1"),
     "kappa-0": (model_args("reward.kappa", "0"), "FlowReward.kappa must be >= 1, got 0"),
     "pretrain_logit_mean-9": (model_args("reward.pretrain_logit_mean", "9"),
                               "FlowReward.pretrain_logit_mean must be in [-5.0, 5.0], got 9.0"),
-    "flow_pretrain_lr_decay-linear": (model_args("flow_pretrain_lr_decay", "linear"), "flow_pretrain_lr_decay"),
+    "flow_pretrain_lr_decay-linear": (model_args("flow_pretrain.lr_decay", "linear"), "flow_pretrain.lr_decay"),
     "percentiles-empty": (model_args("reward.percentiles", "[]"), "FlowReward.percentiles must not be empty"),
     "timesteps-empty": (model_args("reward.timesteps", "[]"), "FlowReward.timesteps must not be empty"),
     "timestep-above-1": (model_args("reward.timesteps", "[1.5]"), "FlowReward.timesteps must lie in (0, 1)"),
@@ -194,8 +235,8 @@ OPTION_CASES = {
                              "FlowReward.weights 'no_such_flow.safetensors' is not a file"),
     "dtype-int8": (model_args("dtype", "int8"),
                    "dtype must be one of bf16, bfloat16, float16, float32, fp16, fp32, got 'int8'"),
-    "pretraining-without-reward-model": (model_args("reward_model", "null", "flow_pretrain_steps", "5"),
-                                         "PolicyModule.flow_pretrain_steps 5 needs a reward_model"),
+    "pretraining-without-reward-model": (model_args("reward_model", "null", "flow_pretrain.steps", "5"),
+                                         "PolicyModule.flow_pretrain.steps 5 needs a reward_model"),
     "trainer-rejects-value": (["--trainer.max_steps", "-5"], "`max_steps` must be a non-negative integer or -1"),
     "nested-choice": (model_args("reward.condition", "bogus"),
                       "model.init_args.reward_model.init_args.condition: Expected a typing.Literal['next', 'previous'"),
@@ -214,7 +255,7 @@ RECORD_CASES = {
     "fewer-records-than-a-batch": ([GOOD] * 3, None, "3 usable record(s) cannot fill one batch of "
                                                      "RolloutDataModule.batch_size 16"),
     "pretraining-without-solutions": ([{"prompt": "12+34=", "answer": "46"}] * 20, None,
-                                      "offline flow pretraining (flow_pretrain_steps > 0) needs expert solutions"),
+                                      "offline flow pretraining (flow_pretrain.steps > 0) needs expert solutions"),
     "json-array-record": ([GOOD] * 20, "[]", ":21: expected a JSON object, got list"),
     "empty-object-record": ([GOOD] * 20, "{}", ":21: missing required field 'prompt'"),
     "prompt-is-a-list": ([GOOD] * 20, '{"prompt": [], "answer": "1"}',
@@ -241,7 +282,7 @@ def test_bad_records_are_one_line_naming_file_and_line_before_pretraining(in_tmp
     data = in_tmp / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records) + (bad_line + "\n" if bad_line else ""))
     lines = error_lines(fit_args("--data.init_args.train_path", str(data), "--data.init_args.val_path", "null",
-                                 "--model.init_args.flow_pretrain_steps", "5", "--trainer.max_steps", "0"), capsys)
+                                 "--model.init_args.flow_pretrain.steps", "5", "--trainer.max_steps", "0"), capsys)
     assert lines[-1].startswith(f"error: {data}") and expected in lines[-1]
     assert not any("flow pretraining:" in line for line in lines)  # pretraining never started (no progress bar)
 
@@ -352,7 +393,7 @@ def test_skip_policy_covers_text_the_tokenizer_cannot_take(in_tmp, caplog):
 
 @pytest.mark.parametrize(
     ("extra", "expected"),
-    [(model_args("num_samples", "0"), "error: PolicyModule.num_samples must be >= 1, got 0"),
+    [(model_args("sampling.num_samples", "0"), "error: PolicyModule.sampling.num_samples must be >= 1, got 0"),
      (model_args("reward.condition", "bogus"), "error: model.init_args.reward_model.init_args.condition: Expected"),
      (["--data.init_args.train_path", "bad.jsonl"], "error: bad.jsonl:2: field 'prompt'")],
     ids=["option", "parser", "record"],
@@ -375,8 +416,9 @@ def test_flowkit_command_prints_one_line_and_exits_2(in_tmp, extra, expected):
 def fit_one_batch(tmp_path: Path, nonfinite: str, bad_value: float) -> PolicyModule:
     L.seed_everything(0, verbose=False)
     reward = FlowReward(depth=1, kappa=2, rejection_metric="entropy")
-    module = PolicyModule(reward_model=reward, num_samples=2, max_new_tokens=28, outcome_reward="binary",
-                          nonfinite=nonfinite)
+    module = PolicyModule(reward_model=reward, outcome_reward="binary",
+                          sampling=SamplingOptions(num_samples=2, max_new_tokens=28),
+                          optim=OptimOptions(nonfinite=nonfinite))
     real_token_rewards = reward.token_rewards
     reward.token_rewards = lambda *args: real_token_rewards(*args).fill_(bad_value)
     data = RolloutDataModule(batch_size=2, val_path=None)
@@ -417,7 +459,7 @@ def test_secrets_in_the_environment_never_reach_logs_or_saved_config(in_tmp, mon
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     with caplog.at_level(logging.DEBUG):
-        main(fit_args("--trainer.max_steps", "1", "--model.init_args.num_samples", "2",
+        main(fit_args("--trainer.max_steps", "1", "--model.init_args.sampling.num_samples", "2",
                       "--data.init_args.batch_size", "2", "--trainer.default_root_dir", str(in_tmp)))
     written = [p for p in in_tmp.rglob("*") if p.is_file()]
     assert {"config.yaml", "metrics.csv", "last.ckpt"} <= {p.name for p in written}  # a step ran and was saved
@@ -477,7 +519,7 @@ HOSTILE_CASES = [_nested_json, _pickle_backbone, _template_null, _yaml_with_a_ta
 @pytest.mark.parametrize("case", HOSTILE_CASES, ids=[case.__name__.strip("_") for case in HOSTILE_CASES])
 def test_hostile_input_is_one_line_from_the_flowkit_command(tmp_path, case):
     extra, expected = case(tmp_path)
-    result = cli_errors.fit(tmp_path, 0, "--model.init_args.flow_pretrain_steps", "5", *extra)
+    result = cli_errors.fit(tmp_path, 0, "--model.init_args.flow_pretrain.steps", "5", *extra)
     assert cli_errors.one_line_error(result).startswith(expected), result.stderr
     assert not (tmp_path / "runs" / "rlfr_tiny" / "checkpoints").exists()  # no work began
     assert not (tmp_path / "marker").exists()  # nothing was unpickled
@@ -528,7 +570,7 @@ def test_expert_solutions_on_some_records_only_pretrain_on_those(tmp_path):
     without = {k: v for k, v in GOOD.items() if k != "solution"}
     data.write_text("".join(json.dumps(GOOD if i else without) + "\n" for i in range(8)))
     result = cli_errors.fit(tmp_path, 1, "--data.init_args.train_path", str(data), "--data.init_args.batch_size", "8",
-                            "--model.init_args.flow_pretrain_steps", "2", "--model.init_args.flow_pretrain_batch_size",
+                            "--model.init_args.flow_pretrain.steps", "2", "--model.init_args.flow_pretrain.batch_size",
                             "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{data}: offline flow pretraining uses the 7 of 8 records that have a 'solution' field" in result.stderr

@@ -26,7 +26,7 @@ from flowkit.modules.datamodule import PromptStream
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "rlfr_tiny.yaml")
-SHORT = ["--model.init_args.flow_pretrain_steps", "0", "--model.init_args.num_samples", "2",
+SHORT = ["--model.init_args.flow_pretrain.steps", "0", "--model.init_args.sampling.num_samples", "2",
          "--data.init_args.batch_size", "2", "--trainer.enable_model_summary", "false"]
 
 
@@ -99,7 +99,7 @@ def test_progress_is_one_readable_line_when_stdout_is_not_a_terminal(tmp_path, m
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(tmp_path / "run", 2, "--trainer.callbacks+=flowkit.modules.progress.RLProgressBar",
-            "--trainer.callbacks.line_every_n_steps", "1", "--model.init_args.flow_pretrain_steps", "20")
+            "--trainer.callbacks.line_every_n_steps", "1", "--model.init_args.flow_pretrain.steps", "20")
     out = capsys.readouterr().out
     assert "\r" not in out
     pretraining = [line.split(" | ") for line in out.splitlines() if line.startswith("flow pretraining")]

@@ -16,11 +16,11 @@ OFFLINE_OVERRIDES = {
     "rlfr_qwen.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                        "--model.init_args.dtype", "float32",
                                        "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"]
-                      + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout_engine", "hf"]),
+                      + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout.engine", "hf"]),
     "rlfr_qwen_official.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                                 "--model.init_args.dtype", "float32",
                                                 "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"]
-                               + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout_engine", "hf"]),
+                               + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout.engine", "hf"]),
     "rlfr_qwen_offline.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                                "--model.init_args.dtype", "float32"],
     "explain_llama.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:explain_tiny/policy",
@@ -59,3 +59,19 @@ def test_help_lists_flowkit_subcommands(capsys):
     printed = capsys.readouterr().out
     for name in ["fit", "validate", "score", "export", "explain-rules"]:
         assert name in printed
+
+
+def test_model_help_prints_every_option_group_with_its_declared_help(capsys):
+    from flowkit.modules.policy_options import GROUPS
+    from flowkit.options import option_help
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--model.help", "flowkit.modules.PolicyModule"])
+    assert exit_info.value.code in (0, None)
+    printed = " ".join(capsys.readouterr().out.split())
+    for key, group in GROUPS.items():
+        helps = option_help(group)
+        for name in helps:  # a nested group (loss.rollout_correction) is listed by its own fields
+            assert f"--model.{key}.{name} " in printed or f"--model.{key}.{name}." in printed, f"{key}.{name}"
+        first = next(iter(helps))
+        assert helps[first][:40] in printed, f"{key}.{first}'s help is not printed"

@@ -19,7 +19,8 @@ import cli_errors
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "grpo_tiny.yaml"
 # One RL step of 2 prompts × 2 samples of 8 tokens, no validation, no bar: seconds on the tiny model.
-ONE_STEP = ["--trainer.max_steps", "1", "--model.init_args.num_samples", "2", "--model.init_args.max_new_tokens", "8",
+ONE_STEP = ["--trainer.max_steps", "1", "--model.init_args.sampling.num_samples", "2",
+            "--model.init_args.sampling.max_new_tokens", "8",
             "--data.init_args.batch_size", "2", "--data.init_args.val_path", "null",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
             "--trainer.callbacks", "[]"]
@@ -149,7 +150,7 @@ def test_typical_mistakes_are_one_line_with_the_nearest_name(tmp_path):
         ("--config", str(typo)):
             f"error: {typo}: unknown key 'trainer.max_step'; did you mean 'trainer.max_steps'?",
         ("--model.init_args.lrr", "1e-5"):
-            "error: model.init_args: flowkit.modules.PolicyModule has no option 'lrr'; did you mean 'lr'?",
+            "error: model.init_args: flowkit.modules.PolicyModule has no option 'lrr'; did you mean 'optim.lr'?",
         ("--model.class_path", "flowkit.modules.PolicyModul"):
             "error: model.class_path: cannot import 'flowkit.modules.PolicyModul' (module 'flowkit.modules' has no "
             "attribute 'PolicyModul'); did you mean 'flowkit.modules.PolicyModule'?",

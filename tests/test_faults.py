@@ -55,7 +55,7 @@ class StreamReader:
 @pytest.mark.slow
 def test_sigterm_during_flow_pretraining_saves_it_and_the_resume_continues(tmp_path):
     steps = 3000  # a progress line (stdout is not a terminal) every 300 steps; SIGTERM after the first
-    pretrain = ["--model.init_args.flow_pretrain_steps", str(steps), "--model.init_args.flow_pretrain_batch_size", "4"]
+    pretrain = ["--model.init_args.flow_pretrain.steps", str(steps), "--model.init_args.flow_pretrain.batch_size", "4"]
     args = rlfr_run.command(tmp_path, 1, *pretrain)
     process = subprocess.Popen(args, env=rlfr_run.env(), cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
@@ -79,8 +79,8 @@ def test_sigterm_during_flow_pretraining_saves_it_and_the_resume_continues(tmp_p
     assert not (state_path.parent / "last.ckpt").exists()  # nothing of the RL run exists yet
 
     # The resume continues the pretraining from the saved step (2 more steps here), then trains.
-    resumed = rlfr_run.run(tmp_path, 1, "--model.init_args.flow_pretrain_steps", str(done + 2),
-                           "--model.init_args.flow_pretrain_batch_size", "4", "--ckpt_path", "last")
+    resumed = rlfr_run.run(tmp_path, 1, "--model.init_args.flow_pretrain.steps", str(done + 2),
+                           "--model.init_args.flow_pretrain.batch_size", "4", "--ckpt_path", "last")
     assert f"continuing from {state_path} at step {done} of {done + 2}" in resumed.stderr
     finished = torch.load(state_path, weights_only=True)
     assert finished["steps_done"] == done + 2
@@ -96,11 +96,13 @@ def pretrained_flow(root: Path, steps: int, sigterm_in_step: int | None = None) 
 
     from flowkit.modules.datamodule import RolloutDataModule
     from flowkit.modules.policy import PolicyModule
+    from flowkit.modules.policy_options import FlowPretrainOptions, SamplingOptions
     from flowkit.rewards import FlowReward
 
     L.seed_everything(0, verbose=False)
     module = PolicyModule(reward_model=FlowReward(percentiles=[0.5], depth=1, seed=0, pretrain_timesteps=1),
-                          max_new_tokens=8, flow_pretrain_steps=steps, flow_pretrain_batch_size=4)
+                          sampling=SamplingOptions(max_new_tokens=8),
+                          flow_pretrain=FlowPretrainOptions(steps=steps, batch_size=4))
     data = RolloutDataModule(batch_size=4, val_path=None)
     data.tokenizer = module.tokenizer
     data.setup("fit")
@@ -291,10 +293,12 @@ def test_export_refuses_a_non_empty_directory_unless_overwrite_then_replaces_it_
 @pytest.fixture(scope="module")
 def flow_policy():
     from flowkit.modules.policy import PolicyModule
+    from flowkit.modules.policy_options import SamplingOptions
     from flowkit.rewards import FlowReward
 
     torch.manual_seed(0)
-    return PolicyModule(reward_model=FlowReward(percentiles=[0.5], depth=1, seed=0), max_new_tokens=8)
+    return PolicyModule(reward_model=FlowReward(percentiles=[0.5], depth=1, seed=0),
+                        sampling=SamplingOptions(max_new_tokens=8))
 
 
 def test_score_creates_missing_output_directories_and_checks_outputs_before_work(tmp_path, flow_policy, single_thread):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from flowkit.errors import ConfigError, check_range
 from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.modules.policy_options import OptimOptions, SamplingOptions
 from flowkit.rewards import FlowReward
 from fault_injection import NanLoss
 
@@ -24,7 +25,7 @@ EVERY_STEP = ("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callb
               "      init_args: {save_last: true, save_top_k: 0, every_n_train_steps: 1}\n")
 
 
-@pytest.mark.parametrize("option", ["lr", "temperature", "grader_timeout"])
+@pytest.mark.parametrize("option", ["optim.lr", "sampling.temperature", "grader_timeout"])
 def test_inf_is_refused_like_any_value_out_of_range(tmp_path, option):
     """``lr: .inf`` used to train one step, print a normal summary and export 50/50 non-finite tensors;
     ``grader_timeout: .inf`` failed mid-run (``OverflowError: timestamp out of range``)."""
@@ -46,7 +47,8 @@ def test_a_nan_flow_loss_skips_the_step_and_leaves_the_policy_finite(tmp_path, c
     and the next one trains both groups."""
     L.seed_everything(0, verbose=False)
     module = PolicyModule(reward_model=FlowReward(depth=1, kappa=2, rejection_metric="entropy"),
-                          num_samples=4, max_new_tokens=16, outcome_reward="binary", max_grad_norm=1.0, lr=1e-3)
+                          outcome_reward="binary", sampling=SamplingOptions(num_samples=4, max_new_tokens=16),
+                          optim=OptimOptions(max_grad_norm=1.0, lr=1e-3))
     start = {name: p.detach().clone() for name, p in module.named_parameters()}
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -63,7 +65,7 @@ def test_a_nan_flow_loss_skips_the_step_and_leaves_the_policy_finite(tmp_path, c
 
 def test_nan_weights_at_the_start_stop_in_one_line_before_any_step(tmp_path):
     """A flow file or checkpoint holding NaN used to skip step after step until max_consecutive_skips."""
-    module = PolicyModule(reward_model=FlowReward(depth=1), num_samples=2, max_new_tokens=8)
+    module = PolicyModule(reward_model=FlowReward(depth=1), sampling=SamplingOptions(num_samples=2, max_new_tokens=8))
     with torch.no_grad():
         next(module.reward_model.parameters()).view(-1)[0] = float("nan")
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=2, logger=False,

@@ -58,7 +58,7 @@ def padded(root: Path, site: str) -> bool:
 def test_rlfr_qwen_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
     """rlfr_qwen.yaml as shipped on 2 ZeRO-3 ranks in bf16 (HF rollouts: vLLM is rehearsed in its own venv), the online
     flow step in step 1: 3 steps, validation, export."""
-    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 3, "--model.init_args.rollout_engine", "hf", *probed(tmp_path))
+    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 3, "--model.init_args.rollout.engine", "hf", *probed(tmp_path))
     assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     for site in ("lm_head", "flow_scoring", "flow_pieces"):
         assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
@@ -83,7 +83,7 @@ def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_
 
     server = RolloutServer(tmp_path / "server.log", timeout_s=600)
     try:
-        paper_rehearsal.run("rlfr_qwen_async.yaml", tmp_path, 3, "--model.init_args.rollout_server_url", server.url,
+        paper_rehearsal.run("rlfr_qwen_async.yaml", tmp_path, 3, "--model.init_args.rollout.server_url", server.url,
                             *probed(tmp_path))
         weights = assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
         prompts = ["47+38=", "12+13=", "7+5="]
@@ -111,9 +111,11 @@ def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_pa
     """rlfr_qwen_official.yaml as shipped (the official per-micro-batch flow update, 8 minibatches) on 2 ZeRO-3 ranks,
     with DAPO's controls on: ranks accept different numbers of rows and keep different numbers of groups, and still
     run as many flow pieces, draws and micro-batches. 2 RL steps of 8 optimizer steps."""
-    paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 16, "--model.init_args.rollout_engine", "hf",
-                        "--model.init_args.dynamic_sampling", "{max_draws: 3}", "--model.init_args.mask_truncated", "true",
-                        "--model.init_args.overlong_buffer", "{length: 8, penalty: 0.5}", *probed(tmp_path))
+    paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 16, "--model.init_args.rollout.engine", "hf",
+                        "--model.init_args.controls.dynamic_sampling_max_draws", "3",
+                        "--model.init_args.controls.mask_truncated", "true",
+                        "--model.init_args.controls.overlong_buffer_length", "8",
+                        "--model.init_args.controls.overlong_penalty", "0.5", *probed(tmp_path))
     assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     for site in ("lm_head", "flow_scoring", "flow_pieces"):
         assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
@@ -129,10 +131,10 @@ def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_pa
 def test_rlfr_qwen_switches_users_flip(tmp_path):
     """The same rehearsal with LoRA, PPO epochs × minibatches, a KL to the initial policy and a κ no step reaches:
     2 RL steps of 2 × 2 optimizer steps (``max_steps`` counts optimizer steps)."""
-    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 8, "--model.init_args.rollout_engine", "hf",
+    paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 8, "--model.init_args.rollout.engine", "hf",
                         "--model.init_args.lora", "{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}",
-                        "--model.init_args.ppo_epochs", "2", "--model.init_args.num_minibatches", "2",
-                        "--model.init_args.kl_coef", "0.01",
+                        "--model.init_args.update.ppo_epochs", "2", "--model.init_args.update.num_minibatches", "2",
+                        "--model.init_args.loss.kl_coef", "0.01",
                         "--model.init_args.reward_model.init_args.kappa", "10000", *probed(tmp_path))
     weights = assert_ranks_equal_and_trained(tmp_path, ("policy.",))
     assert all(torch.equal(weights[k], weights[k.replace("start/", "end/")])
@@ -171,8 +173,8 @@ def test_explain_llama_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
 def test_zero3_equals_ddp_on_rlfr_qwen_settings(tmp_path):
     """rlfr_qwen.yaml's settings in fp32 on 2 ranks with uneven lengths and acceptance: ZeRO-3 (sharded weights,
     padded calls) and DDP (whole weights, gradients averaged once per step) end 2 steps with the same weights."""
-    fp32 = ["--model.init_args.rollout_engine", "hf", "--trainer.precision", "32-true", "--model.init_args.dtype",
-            "float32", "--model.init_args.lr", "2e-3", "--model.init_args.flow_lr", "2e-3",  # moves ≫ the tolerance
+    fp32 = ["--model.init_args.rollout.engine", "hf", "--trainer.precision", "32-true", "--model.init_args.dtype",
+            "float32", "--model.init_args.optim.lr", "2e-3", "--model.init_args.optim.flow_lr", "2e-3",  # moves ≫ the tolerance
             "--trainer.callbacks+=rank_weights.RankWeights"]
     paper_rehearsal.run("rlfr_qwen.yaml", tmp_path / "zero3", 2, *fp32, "--trainer.callbacks.out",
                         str(tmp_path / "zero3" / "weights"))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 EVERY_STEP = ("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
               "      init_args: {save_last: true, save_top_k: 0, every_n_train_steps: 1}\n"
               "    - class_path: flowkit.modules.ExportArtifacts\n")
-PRETRAIN = ["--model.init_args.flow_pretrain_steps", "2", "--model.init_args.flow_pretrain_batch_size", "4"]
+PRETRAIN = ["--model.init_args.flow_pretrain.steps", "2", "--model.init_args.flow_pretrain.batch_size", "4"]
 DDP = ["--trainer.strategy", "ddp"]
 
 
@@ -81,10 +81,10 @@ def test_a_resume_with_nothing_left_says_so_and_writes_nothing(finished_run, tmp
 def test_a_resume_applies_the_new_lr_and_keeps_the_finished_pretraining(finished_run, tmp_path):
     root = copy_of(finished_run, tmp_path)
     checkpoints = run_dir(root) / "checkpoints"
-    result = cli_errors.fit(root, 2, *every_step(root), "--model.init_args.flow_pretrain_steps", "5",
-                            "--model.init_args.lr", "1e-4", "--ckpt_path", "last")
+    result = cli_errors.fit(root, 2, *every_step(root), "--model.init_args.flow_pretrain.steps", "5",
+                            "--model.init_args.optim.lr", "1e-4", "--ckpt_path", "last")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "flow_pretrain_steps 5 (was 2) does not apply on resume" in result.stderr
+    assert "flow_pretrain.steps 5 (was 2) does not apply on resume" in result.stderr
     assert "the policy group's learning rate 5e-05 → 0.0001 (this config's)" in result.stderr
     assert "flow pretraining" not in result.stdout  # no pretraining progress: it ran before the checkpoint
     assert load(checkpoints / "flow_pretrain.ckpt")["steps_done"] == 2
@@ -98,15 +98,15 @@ def test_a_resume_applies_the_new_lr_and_keeps_the_finished_pretraining(finished
 
 def test_a_finished_pretraining_is_kept_when_its_step_count_changes(finished_run, tmp_path):
     """Stopped after its pretraining, before the RL run's first checkpoint: the run again with another
-    ``flow_pretrain_steps`` keeps the finished pretraining (a note, no re-run) and its file keeps its step count."""
+    ``flow_pretrain.steps`` keeps the finished pretraining (a note, no re-run) and its file keeps its step count."""
     root = copy_of(finished_run, tmp_path)
     checkpoints = run_dir(root) / "checkpoints"
     for path in checkpoints.glob("last.ckpt*"):
         path.unlink()
-    result = cli_errors.fit(root, 1, *every_step(root), "--model.init_args.flow_pretrain_steps", "5",
-                            "--model.init_args.flow_pretrain_batch_size", "4", "--ckpt_path", "last")
+    result = cli_errors.fit(root, 1, *every_step(root), "--model.init_args.flow_pretrain.steps", "5",
+                            "--model.init_args.flow_pretrain.batch_size", "4", "--ckpt_path", "last")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"flow pretraining finished at step 2 ({checkpoints / 'flow_pretrain.ckpt'}); flow_pretrain_steps 5 is "
+    assert (f"flow pretraining finished at step 2 ({checkpoints / 'flow_pretrain.ckpt'}); flow_pretrain.steps 5 is "
             "not applied: move the file away to pretrain afresh") in result.stderr
     assert "flow pretraining 1/5" not in result.stdout
     assert load(checkpoints / "flow_pretrain.ckpt")["steps_done"] == 2
@@ -119,7 +119,7 @@ REFUSED = {
     "percentiles-count": (["--model.init_args.reward_model.init_args.percentiles", "[0.25, 0.75]"],
                           "reward_model.percentiles is [0.25] there, [0.25, 0.75] in this config"),
     "depth": (["--model.init_args.reward_model.init_args.depth", "3"], "reward_model.depth is 2 there, 3 in this config"),
-    "method": (["--model.init_args.reward_model", "null", "--model.init_args.flow_pretrain_steps", "0"],
+    "method": (["--model.init_args.reward_model", "null", "--model.init_args.flow_pretrain.steps", "0"],
                "reward_model is 'flowkit.rewards.flow_reward.FlowReward' there, 'none' in this config"),
 }
 
@@ -161,7 +161,7 @@ def test_ckpt_path_at_a_file_that_is_no_lightning_checkpoint_is_one_line(finishe
 # ------------------------------------------------------------------------------ cluster life
 
 VALIDATION = ["--trainer.val_check_interval", "1", "--data.init_args.max_val_examples", "8",
-              "--data.init_args.val_batch_size", "4", "--model.init_args.val_num_samples", "2"]
+              "--data.init_args.val_batch_size", "4", "--model.init_args.validation.num_samples", "2"]
 
 
 def test_sigterm_in_the_final_validation_leaves_a_run_whose_resume_validates(tmp_path):

@@ -136,7 +136,7 @@ def test_an_eval_set_named_with_a_dot_validates_and_exports(tmp_path):
     """`gsm8k.test` used to train, then fail at validation (`KeyError: module name can't contain "."`), no export."""
     result = rlfr_run.run(tmp_path, 1, "--data.init_args.val_path", "null", "--data.init_args.eval_paths",
                           "{gsm8k.test: bundled:arithmetic/val.jsonl}", "--data.init_args.max_val_examples", "4",
-                          "--model.init_args.val_num_samples", "1", "--trainer.val_check_interval", "1")
+                          "--model.init_args.validation.num_samples", "1", "--trainer.val_check_interval", "1")
     version = rlfr_run.version_dirs(tmp_path)[-1]
     logged = {key for values in rlfr_run.metrics(version).values() for key in values}
     assert "val/gsm8k.test/pass@1" in logged, (sorted(logged), result.stderr[-2000:])

@@ -65,12 +65,12 @@ def test_checkpoint_hyperparameters_neither_run_code_nor_override_the_command_li
     marker = tmp_path / "marker"
     checkpoint["hyper_parameters"].update(
         backbone=str(remote_code_backbone(tmp_path / "backbone", marker)), trust_remote_code=True,
-        val_temperature=1.0, val_num_samples=4,
+        validation={"temperature": 1.0, "num_samples": 4},
     )
     torch.save(checkpoint, tmp_path / "crafted.ckpt")
 
     result = flowkit(tmp_path, "validate", "--config", str(rlfr_run.CONFIG), "--ckpt_path", str(tmp_path / "crafted.ckpt"),
-                     "--model.init_args.val_temperature", "0", "--data.init_args.max_val_examples", "4",
+                     "--model.init_args.validation.temperature", "0", "--data.init_args.max_val_examples", "4",
                      "--trainer.default_root_dir", str(tmp_path / "validate"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert not marker.exists()

@@ -289,8 +289,8 @@ def test_flow_moves_only_on_the_minibatch_that_carries_its_loss(tmp_path, stage)
     moves a weight by at most lr; DeepSpeed steps every group each minibatch, so without
     flowkit.modules.optim.step_groups the flow kept moving on momentum (and stale gradients) three more times."""
     flow_lr = 1e-3
-    (snapshot,) = run_rlfr(tmp_path, stage, 1, "--model.init_args.ppo_epochs", "2", "--model.init_args.num_minibatches",
-                           "2", "--model.init_args.flow_lr", str(flow_lr), steps=1)
+    (snapshot,) = run_rlfr(tmp_path, stage, 1, "--model.init_args.update.ppo_epochs", "2", "--model.init_args.update.num_minibatches",
+                           "2", "--model.init_args.optim.flow_lr", str(flow_lr), steps=1)
     moved = max((snapshot[f"end/{n}"] - snapshot[f"start/{n}"]).abs().max().item()
                 for n in (k.removeprefix("start/") for k in snapshot if k.startswith("start/reward_model.")))
     assert 0.5 * flow_lr < moved <= flow_lr * (1 + 1e-4), moved
@@ -313,7 +313,7 @@ def test_micro_batches_accumulate_gradients_under_zero(tmp_path, stage):
     (tmp_path / "whole").mkdir()
     (tmp_path / "micro").mkdir()
     (whole,) = run_rlfr(tmp_path / "whole", stage)
-    (micro,) = run_rlfr(tmp_path / "micro", stage, 1, "--model.init_args.micro_batch_size", "3")
+    (micro,) = run_rlfr(tmp_path / "micro", stage, 1, "--model.init_args.update.micro_batch_size", "3")
     for prefix in ("policy.", "reward_model."):
         assert relative_update_error(micro, whole, prefix) < 1e-3, prefix
 
@@ -327,14 +327,14 @@ def test_explanation_ppo_and_sft_micro_batches_accumulate_under_zero(tmp_path, s
     shrunk = ["--config", str(ROOT / "configs" / "explain_tiny.yaml"), *deepspeed_args(tmp_path, stage),
               "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
               "--trainer.callbacks.rounds", "1", "--trainer.callbacks.policy_epochs_per_round", "1",
-              "--model.init_args.sft_epochs", "1",
+              "--model.init_args.sft.epochs", "1",
               "--model.init_args.reward_model.init_args.flow_epochs_per_round", "2",
               "--model.init_args.reward_model.init_args.round_contexts", "8",
               "--model.init_args.reward_model.init_args.heldout_contexts", "4",
               "--data.init_args.num_train", "8", "--data.init_args.num_test", "4",
               "--trainer.callbacks+=rank_weights.RankWeights"]
     runs = {}
-    for name, extra in {"whole": [], "micro": ["--model.init_args.micro_batch_size", "3"]}.items():
+    for name, extra in {"whole": [], "micro": ["--model.init_args.update.micro_batch_size", "3"]}.items():
         root = tmp_path / name
         root.mkdir()
         result = subprocess.run(

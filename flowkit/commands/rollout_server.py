@@ -1,5 +1,5 @@
 """`flowkit rollout-server`: generation in its own process, on its own devices, for trainers with
-``rollout_engine: server`` (:mod:`flowkit.llm.server_engine`).
+``rollout.engine: server`` (:mod:`flowkit.llm.server_engine`).
 
 It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib only)::
 
@@ -150,7 +150,7 @@ def make_server(service: RolloutService, host: str, port: int) -> ThreadingHTTPS
 
 @standalone("rollout-server")
 def rollout_server_command(argv: list[str]) -> None:
-    """serve rollout generation over HTTP for `rollout_engine: server` trainers: flowkit rollout-server --backbone
+    """serve rollout generation over HTTP for `rollout.engine: server` trainers: flowkit rollout-server --backbone
     MODEL --port N"""
     parser = argparse.ArgumentParser(prog="flowkit rollout-server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backbone", required=True, help="hub id, local dir or bundled:tiny_adder (the trainer's)")

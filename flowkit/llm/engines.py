@@ -1,4 +1,4 @@
-"""The rollout-engine contract and the engines registered by name (``PolicyModule.rollout_engine``).
+"""The rollout-engine contract, the engines registered by name (``PolicyModule.rollout.engine``) and their options.
 
 An engine samples ``n`` responses per prompt into a :class:`~flowkit.batch.RolloutBatch` (rows prompt-major), with
 its sampler's per-token log-probs (``rollout_logprobs``) and the policy version whose weights produced each row
@@ -12,7 +12,7 @@ Adding an engine is one file with a class that satisfies :class:`RolloutEngine` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -20,10 +20,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from flowkit.batch import RolloutBatch
+from flowkit.errors import ConfigError
 from flowkit.llm.backbone import resolve_backbone_path
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import build_server_engine
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
+from flowkit.options import OptionGroup, bounded
 
 
 @runtime_checkable
@@ -48,11 +50,64 @@ class RolloutEngine(Protocol):
 
 
 @dataclass(frozen=True)
+class RolloutOptions(OptionGroup):
+    """Which engine generates the rollouts, and its own settings."""
+
+    engine: str = "hf"
+    """a name of :data:`ROLLOUT_ENGINES`: ``hf`` (flowkit's decoding loop over the policy itself), ``vllm`` (a vLLM
+    engine colocated in this process, one per rank, ``pip install flowkit[vllm]``, into which the policy's weights are
+    synced after every training step: LoRA merged, ZeRO-3 gathered) or ``server`` (generation in a ``flowkit
+    rollout-server`` process on its own devices, ``server_*`` below). Each returns its sampler's log-probs for
+    ``loss.rollout_correction``"""
+    batch_size: int | None = bounded(None, 1)
+    """sequences per decoding batch of ``hf`` and ``server`` (a multiple of ``sampling.num_samples``; bounds the KV
+    cache; vLLM schedules its own batches); null: the whole batch in one call"""
+    vllm_gpu_memory_utilization: float = bounded(0.3, 0, 1, open_low=True)
+    """share of the GPU vLLM may take for its weights and KV cache (CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``
+    GiB instead)"""
+    vllm_max_model_len: int | None = bounded(None, 1)
+    """longest prompt + response vLLM sizes its KV cache for; null: the model's maximum"""
+    vllm_enable_sleep_mode: bool = True
+    """on GPU, vLLM releases its memory while the trainer trains (weights offloaded to CPU, KV cache freed) and takes
+    it back to generate; vLLM's CPU backend has no sleep mode"""
+    server_url: str | None = None
+    """the ``server`` engine's address, where ``flowkit rollout-server`` listens (e.g. ``http://10.0.0.5:8000``;
+    :mod:`flowkit.llm.server_engine`); the weights are pushed to it over torch.distributed (gloo on CPU, NCCL on
+    GPU)"""
+    server_timeout: float = bounded(300.0, 0, open_low=True)
+    """seconds any wait on the server may take (a request, a weight push, prefetched rollouts); past it, or when the
+    server is down, restarted or serves another model, the run stops with one line naming the address"""
+    server_sync_every: int = bounded(1, 1)
+    """push the weights to the server every this many optimizer steps (1: each); rollouts in between come from
+    weights up to that many versions old"""
+    server_bucket_mb: int = bounded(256, 1)
+    """a weight push moves the weights in buckets of this size (ZeRO-3: gathered one weight at a time), which bounds
+    its memory"""
+    max_staleness: int = bounded(0, 0)
+    """k ≥ 1 overlaps generation with training (an engine that generates elsewhere: ``server``): while step t trains,
+    the server generates step t+1's rollouts from the weights it holds; rollouts more than k versions behind are
+    regenerated (``rollout/regenerated_rows``), the staleness is logged (``rollout/staleness_mean|max``). The flow
+    reward reads the latents of the trainer's own forward, so only the sampling distribution goes stale
+    (``loss.rollout_correction`` weighs it). 0: each step generates its own rollouts when it starts"""
+
+    def check_rules(self, owner: str) -> None:
+        if self.engine not in ROLLOUT_ENGINES:
+            raise ConfigError(f"{owner}.engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {self.engine!r}")
+
+    def check_group_size(self, owner: str, num_samples: int) -> None:
+        """:meth:`check`, and a decoding batch holds whole groups of ``num_samples``."""
+        self.check(owner)
+        if self.batch_size is not None and self.batch_size % num_samples:
+            raise ConfigError(f"{owner}.batch_size must be a positive multiple of sampling.num_samples ({num_samples}) "
+                              f"(or null), got {self.batch_size}")
+
+
+@dataclass(frozen=True)
 class EngineSetup:
     """What a builder gets: the policy and its tokenizer, the backbone's path (an engine that loads its own copy
-    builds the architecture from it), the sampling options, the module's hyper-parameters (an engine's own
-    settings, e.g. ``vllm_max_model_len``), and ``whole_weights``: a context in which the policy's weights are whole
-    and its forwards run no collective (ZeRO-3), for engines that run the policy in this process."""
+    builds the architecture from it), the sampling options, the rollout options (an engine's own settings, e.g.
+    ``vllm_max_model_len``), and ``whole_weights``: a context in which the policy's weights are whole and its
+    forwards run no collective (ZeRO-3), for engines that run the policy in this process."""
 
     policy: torch.nn.Module
     tokenizer: Any
@@ -60,7 +115,7 @@ class EngineSetup:
     max_new_tokens: int
     temperature: float
     top_p: float
-    hparams: Mapping[str, Any]
+    options: RolloutOptions
     whole_weights: Callable[[], AbstractContextManager] | None = None
 
 
@@ -75,14 +130,14 @@ class EngineSpec:
 
 def _hf(setup: EngineSetup) -> HFRolloutEngine:
     return HFRolloutEngine(setup.policy, setup.tokenizer, setup.max_new_tokens, setup.temperature, setup.top_p,
-                           setup.hparams["rollout_batch_size"], whole_weights=setup.whole_weights)
+                           setup.options.batch_size, whole_weights=setup.whole_weights)
 
 
 def _vllm(setup: EngineSetup) -> VllmRolloutEngine:
-    hp = setup.hparams
+    options = setup.options
     return VllmRolloutEngine(setup.policy, setup.tokenizer, resolve_backbone_path(setup.backbone), setup.max_new_tokens,
-                             setup.temperature, setup.top_p, hp["vllm_gpu_memory_utilization"],
-                             hp["vllm_max_model_len"], hp["vllm_enable_sleep_mode"])
+                             setup.temperature, setup.top_p, options.vllm_gpu_memory_utilization,
+                             options.vllm_max_model_len, options.vllm_enable_sleep_mode)
 
 
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {
@@ -90,3 +145,7 @@ ROLLOUT_ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(_vllm, require_vllm),
     "server": EngineSpec(build_server_engine),
 }
+
+
+# Saved in the hyper-parameters of a checkpoint, which Lightning and flowkit load with weights_only.
+torch.serialization.add_safe_globals([RolloutOptions])

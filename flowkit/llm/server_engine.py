@@ -1,19 +1,19 @@
 """Rollouts from a ``flowkit rollout-server`` process (the ``server`` engine): generation on its own devices.
 
-The trainer reaches the server over HTTP at ``rollout_server_url`` (JSON: ``GET /info``, ``POST /generate``,
+The trainer reaches the server over HTTP at ``rollout.server_url`` (JSON: ``GET /info``, ``POST /generate``,
 ``POST /weights``) and pushes its weights over torch.distributed after each optimizer step (or every
-``rollout_server_sync_every`` steps): a two-member group of its own — the trainer's rank 0 and the server —
+``rollout.server_sync_every`` steps): a two-member group of its own — the trainer's rank 0 and the server —
 met at a ``TCPStore`` the trainer hosts, built directly as a gloo (CPU) or NCCL (GPU) process group, so neither
 side's default group is touched and the server may serve trainer jobs one after another. Weights go in buckets of
-``rollout_server_bucket_mb`` (whole tensors, LoRA merged, ZeRO-3 shards gathered one weight at a time by
+``rollout.server_bucket_mb`` (whole tensors, LoRA merged, ZeRO-3 shards gathered one weight at a time by
 :func:`flowkit.llm.vllm_engine.policy_weights`), so the push holds at most a bucket plus one weight.
 
-Every wait has a bound (``rollout_server_timeout``): a server that is down, does not answer, restarted (its
+Every wait has a bound (``rollout.server_timeout``): a server that is down, does not answer, restarted (its
 instance id changed, so its weights are no longer the trainer's) or serves another model (compared at connect:
 architecture, hidden size, layers, vocabulary) is one line naming the address, a :class:`ConfigError` at build
 time and a :class:`RuntimeError` later.
 
-With ``max_staleness`` k ≥ 1 the module calls :meth:`ServerRolloutEngine.prefetch` with the next batch's prompts
+With ``rollout.max_staleness`` k ≥ 1 the module calls :meth:`ServerRolloutEngine.prefetch` with the next batch's prompts
 before the current step trains, and the server generates them meanwhile from the weights it holds (one version
 behind); :meth:`ServerRolloutEngine.generate` takes those rollouts when asked for the same prompts, and regenerates a
 batch more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
@@ -384,17 +384,17 @@ class ServerRolloutEngine:
 
 
 def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
-    """The ``server`` engine from the module's ``rollout_server_*`` and ``max_staleness`` options."""
-    hp = setup.hparams
-    url = hp["rollout_server_url"]
+    """The ``server`` engine from the rollout options' ``server_*`` and ``max_staleness``."""
+    options = setup.options
+    url = options.server_url
     parsed = urllib.parse.urlsplit(url or "")
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ConfigError(f"PolicyModule.rollout_engine 'server' needs rollout_server_url, the address `flowkit "
+        raise ConfigError(f"PolicyModule.rollout.engine 'server' needs rollout.server_url, the address `flowkit "
                           f"rollout-server` listens on (e.g. http://127.0.0.1:8000); got {url!r}")
-    return ServerRolloutEngine(setup.policy, setup.tokenizer, url, hp["rollout_server_timeout"],
+    return ServerRolloutEngine(setup.policy, setup.tokenizer, url, options.server_timeout,
                                setup.max_new_tokens, setup.temperature, setup.top_p,
-                               hp["rollout_server_sync_every"], hp["rollout_server_bucket_mb"],
-                               hp["max_staleness"], hp["rollout_batch_size"])
+                               options.server_sync_every, options.server_bucket_mb,
+                               options.max_staleness, options.batch_size)
 
 
 def _local_address_towards(url: str) -> str:

@@ -32,7 +32,7 @@ from flowkit.errors import ConfigError
 from flowkit.llm.packing import pack_response_rows
 
 
-def require_vllm(who: str = "PolicyModule.rollout_engine 'vllm'", instead: str = "use rollout_engine: hf") -> None:
+def require_vllm(who: str = "PolicyModule.rollout.engine 'vllm'", instead: str = "use rollout.engine: hf") -> None:
     """A one-line :class:`ConfigError` when ``who`` (the option asking for vLLM) finds it missing or unusable;
     ``instead`` says what works without it."""
     try:

@@ -234,14 +234,14 @@ class RolloutDataModule(L.LightningDataModule):
         return text
 
     def _token_budget(self) -> tuple[int | None, int, int] | None:
-        """With a tokenizer: (the trained model's context in tokens or None, the module's ``max_new_tokens`` or 0,
+        """With a tokenizer: (the trained model's context in tokens or None, the module's ``sampling.max_new_tokens`` or 0,
         the most characters one token covers, its longest vocabulary entry); else None."""
         if self.tokenizer is None:
             return None
         module = self._module
         model = getattr(module, "policy", None) or getattr(module, "backbone", None)
         context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        max_new_tokens = int(getattr(module, "hparams", {}).get("max_new_tokens", 0))
+        max_new_tokens = int(getattr(getattr(module, "sampling", None), "max_new_tokens", 0))
         return context, max_new_tokens, max(map(len, self.tokenizer.get_vocab()), default=1)
 
     def _format_prompt(self, prompt: Any) -> str:
@@ -313,7 +313,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Endless shuffled batches of (prompt, solution) pairs for offline flow pretraining."""
         rows = [r for r in self.train_records if "solution" in r]
         if not rows:  # raised here, when pretraining asks for its batches, before its first step
-            raise RecordError(f"{resolve_data_path(self.train_path)}: offline flow pretraining (flow_pretrain_steps > 0)"
+            raise RecordError(f"{resolve_data_path(self.train_path)}: offline flow pretraining (flow_pretrain.steps > 0)"
                               f" needs expert solutions, and no record has a {self.solution_key!r} field")
         if len(rows) < len(self.train_records):
             log.warning("%s: offline flow pretraining uses the %d of %d records that have a %r field",

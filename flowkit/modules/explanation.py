@@ -147,7 +147,7 @@ class ExplanationRounds(L.Callback):
         if self.lr_decay == "linear":
             for group in pl_module.optimizers().param_groups:
                 if group["name"] in ("policy", "value"):
-                    group["lr"] = pl_module.hparams.lr * (1 - step / self.total_steps)
+                    group["lr"] = pl_module.optim.lr * (1 - step / self.total_steps)
         if step % self.steps_per_round == 0:
             reward: ExplanationReward = pl_module.reward_model
             metrics = reward.fit_round(trainer.datamodule.train_records, self._generate(pl_module),

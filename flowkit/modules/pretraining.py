@@ -1,6 +1,6 @@
 """RLFR's offline start (§3.2): the velocity field pretrained on expert-solution latents with the policy frozen —
 alone (:class:`FlowRewardModule`, ``rlfr_qwen_offline.yaml``) or inside an RL run before its first step
-(:func:`pretrain_flow_reward`, ``PolicyModule.flow_pretrain_steps``, resumable and stoppable by SIGTERM). Both
+(:func:`pretrain_flow_reward`, ``PolicyModule.flow_pretrain.steps``, resumable and stoppable by SIGTERM). Both
 backpropagate the loss in row-bounded pieces (``FlowReward.max_rows_per_piece``)."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def pretrain_flow_reward(trainer: L.Trainer, policy: torch.nn.Module, tokenizer,
         done = int(state["steps_done"])
         if state.get("finished") or done >= steps:  # (older files have no "finished")
             if done != steps:
-                log.warning("flow pretraining finished at step %d (%s); flow_pretrain_steps %d is not applied: move "
+                log.warning("flow pretraining finished at step %d (%s); flow_pretrain.steps %d is not applied: move "
                             "the file away to pretrain afresh", done, state_path, steps)
             else:
                 log.info("flow pretraining: %d steps done before (%s)", done, state_path)

@@ -15,14 +15,14 @@ from flowkit.seeding import run_seed
 def supervised_start(module: L.LightningModule, epochs: int, lr: float, seed: int | None = None) -> list[float]:
     """``epochs`` passes over the (prompt, solution) pairs of the datamodule's training records, in global batches of
     ``data.batch_size`` (each rank takes its share of every batch), micro-batched by the module's
-    ``micro_batch_size``; the loss is the token mean of the solutions' negative log-likelihood
+    ``update.micro_batch_size``; the loss is the token mean of the solutions' negative log-likelihood
     (:meth:`~flowkit.engine.Actor.sft_loss`), the policy group's learning rate decays linearly from ``lr`` to 0 over
     the steps, and only the policy moves. Every rank takes the same steps (under DDP / ZeRO each backward and step
     is a collective). Returns the per-step losses (also logged as ``sft/loss``)."""
     trainer, data = module.trainer, module.trainer.datamodule
     rows = [r for r in data.train_records if "solution" in r]
     if not rows:
-        raise ConfigError(f"sft_epochs {epochs} needs training records with a solution ({data.solution_key!r}); "
+        raise ConfigError(f"sft.epochs {epochs} needs training records with a solution ({data.solution_key!r}); "
                           "none has one")
     world, rank = trainer.world_size, trainer.global_rank
     per_rank = data.per_rank_batch_size(world)

@@ -57,7 +57,7 @@ class LearnsOnline(Protocol):
         """Once every row was scored (``batch``: the whole step's, entropies and correctness of every row, no
         latents): the online loss as pieces (functions returning a loss) whose sum is the loss; ``[]`` when there
         is nothing to learn. The step backpropagates one piece at a time, so only one piece of graph is alive (the
-        reward model's parameters are their own optimizer group, at ``PolicyModule.flow_lr``). Every rank must
+        reward model's parameters are their own optimizer group, at ``PolicyModule.optim.flow_lr``). Every rank must
         return as many pieces (each backward is a collective under DDP / ZeRO): pad with zero-valued pieces that
         run a real forward."""
         ...
@@ -114,7 +114,7 @@ class TokenRewardModel(nn.Module):
 
     Rewards must not depend on how the batch is split into micro-batches: a reward model that draws noise keys it
     by each token's position in the step's batch (``begin_step`` sees the whole batch's masks). Non-finite rewards
-    are handled by ``PolicyModule.nonfinite`` (the step is skipped, or the run fails), like non-finite log-probs.
+    are handled by ``PolicyModule.optim.nonfinite`` (the step is skipped, or the run fails), like non-finite log-probs.
 
     Subclass it to plug in a new reward: set :attr:`percentiles` to the layer percentiles whose latents you need
     (``None`` for none) and implement :meth:`begin_step` (the rest has do-nothing defaults).

@@ -100,7 +100,7 @@ def test_committed_splits_match_the_generator():
 @pytest.mark.parametrize("config", ["rlfr_sparse.yaml", "grpo_sparse.yaml"])
 def test_configs_generate_enough_tokens_for_the_default_difficulty(config):
     init = yaml.safe_load((CONFIGS / config).read_text())["model"]["init_args"]
-    assert init["max_new_tokens"] == max_new_tokens(DEFAULT_OPERANDS) == max_solution_length(DEFAULT_OPERANDS) + 7
+    assert init["sampling"]["max_new_tokens"] == max_new_tokens(DEFAULT_OPERANDS) == max_solution_length(DEFAULT_OPERANDS) + 7
     assert init["backbone"] == "bundled:long_adder"
 
 

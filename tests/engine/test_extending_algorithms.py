@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from flowkit.engine import Actor, LossOptions, StepStats, UpdateOptions
+from flowkit.engine import Actor, AdvantageOptions, LossOptions, SamplingOptions, StepStats, UpdateOptions
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.modules.policy_options import OptimOptions
 from flowkit.rl.advantages import ESTIMATORS, gae_tokens, raw_outcome, register_advantage
 from flowkit.rl.losses import (
     POLICY_LOSSES, LossContext, aggregated, aggregation_denominator, policy_metrics, register_policy_loss, token_ratio,
@@ -90,8 +91,10 @@ def test_unknown_loss_arguments_are_a_one_line_error_naming_the_loss_and_what_it
 
 
 def test_the_policy_gets_a_value_head_when_its_estimator_declares_one(valued_estimator):
-    assert isinstance(PolicyModule(advantage=valued_estimator, max_new_tokens=8).value_head, torch.nn.Linear)
-    assert PolicyModule(advantage="rloo", max_new_tokens=8).value_head is None
+    short = SamplingOptions(max_new_tokens=8)
+    assert isinstance(PolicyModule(advantage=AdvantageOptions(estimator=valued_estimator), sampling=short).value_head,
+                      torch.nn.Linear)
+    assert PolicyModule(advantage=AdvantageOptions(estimator="rloo"), sampling=short).value_head is None
 
 
 def test_rloo_fits_the_tiny_task_with_leave_one_out_advantages(tmp_path, monkeypatch):
@@ -106,8 +109,9 @@ def test_rloo_fits_the_tiny_task_with_leave_one_out_advantages(tmp_path, monkeyp
 
     monkeypatch.setattr(Actor, "loss", recording_loss)
     L.seed_everything(0, verbose=False)
-    module = PolicyModule(advantage="rloo", num_samples=4, max_new_tokens=28, outcome_reward="binary", lr=1e-4,
-                          skip_zero_advantage_rows=False)
+    module = PolicyModule(advantage=AdvantageOptions(estimator="rloo"),
+                          sampling=SamplingOptions(num_samples=4, max_new_tokens=28), outcome_reward="binary",
+                          optim=OptimOptions(lr=1e-4), update=UpdateOptions(skip_zero_advantage_rows=False))
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0)

@@ -122,13 +122,14 @@ def test_dynamic_sampling_filters_on_the_raw_outcome_not_the_shaped_reward():
     assert in_loss.tolist() == [1.0, 0.0] and stats["train/truncated_frac"] == 0.5
 
 
-def test_sampling_control_groups_are_checked():
-    with pytest.raises(ConfigError, match="dynamic_sampling must be null or a mapping"):
-        SamplingControls.from_groups("PolicyModule", {"draws": 3}, False, None)
-    with pytest.raises(ConfigError, match="overlong_buffer must be null or a mapping"):
-        SamplingControls.from_groups("PolicyModule", None, False, {"penalty": 1.0})
-    with pytest.raises(ConfigError, match=r"overlong_buffer.length must be in \[1, 6\]"):
-        SamplingControls.from_groups("PolicyModule", None, False, {"length": 7}).check("PolicyModule", 6)
+def test_sampling_controls_are_checked():
+    with pytest.raises(ConfigError, match=r"^PolicyModule.controls.dynamic_sampling_max_draws must be >= 1, got 0$"):
+        SamplingControls(dynamic_sampling_max_draws=0).check_within("PolicyModule.controls", 6)
+    with pytest.raises(ConfigError, match=r"^PolicyModule.controls.overlong_penalty must be >= 0, got -1.0$"):
+        SamplingControls(overlong_buffer_length=2, overlong_penalty=-1.0).check_within("PolicyModule.controls", 6)
+    with pytest.raises(ConfigError, match=r"overlong_buffer_length must be <= sampling.max_new_tokens \(6\), got 7$"):
+        SamplingControls(overlong_buffer_length=7).check_within("PolicyModule.controls", 6)
+    SamplingControls(overlong_buffer_length=6).check_within("PolicyModule.controls", 6)  # the whole budget is allowed
 
 
 def uneven_worker(rank: int, store: str, out: str) -> None:

@@ -51,10 +51,10 @@ def test_hf_sampler_logprobs_equal_the_trainers_forward(single_thread, temperatu
 def test_a_fit_logs_the_rollout_mismatch_and_applies_the_correction(tmp_path, monkeypatch, single_thread):
     monkeypatch.chdir(tmp_path)
     cli = FlowkitCLI(args=["fit", "--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "2",
-                           "--trainer.enable_progress_bar", "false", "--model.init_args.flow_pretrain_steps", "0",
-                           "--data.init_args.batch_size", "4", "--model.init_args.max_new_tokens", "24",
-                           "--model.init_args.rollout_correction.mode", "icepop",
-                           "--model.init_args.rollout_correction.off_policy_mask", "0.1"])
+                           "--trainer.enable_progress_bar", "false", "--model.init_args.flow_pretrain.steps", "0",
+                           "--data.init_args.batch_size", "4", "--model.init_args.sampling.max_new_tokens", "24",
+                           "--model.init_args.loss.rollout_correction.mode", "icepop",
+                           "--model.init_args.loss.rollout_correction.off_policy_mask", "0.1"])
     assert cli.model.loss_options.rollout_correction.mode == "icepop"
     with open(Path(cli.trainer.logger.log_dir) / "metrics.csv") as f:
         rows = [row for row in csv.DictReader(f) if row.get("rollout_corr/abs_diff_mean")]

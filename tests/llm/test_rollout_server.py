@@ -21,6 +21,7 @@ from lightning.pytorch import Callback
 from flowkit.cli import FlowkitCLI
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
+from flowkit.llm.engines import RolloutOptions
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import ServerRolloutEngine
 
@@ -44,9 +45,9 @@ def fit(tmp_path: Path, *extra: str, callbacks=()) -> FlowkitCLI:
     """3 greedy RLFR steps on the tiny task (one sample per prompt: the flow's token rewards still move the policy)."""
     args = ["--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "3",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-            "--trainer.default_root_dir", str(tmp_path / "run"), "--model.init_args.flow_pretrain_steps", "0",
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--model.init_args.flow_pretrain.steps", "0",
             "--model.init_args.reward_model.init_args.kappa", "1", "--data.init_args.batch_size", "4",
-            "--model.init_args.max_new_tokens", "24", "--model.init_args.lr", "1e-3", *extra]
+            "--model.init_args.sampling.max_new_tokens", "24", "--model.init_args.optim.lr", "1e-3", *extra]
     cli = FlowkitCLI(args=args, run=False)
     for callback in callbacks:
         cli.trainer.callbacks.append(callback)
@@ -71,11 +72,11 @@ def test_the_servers_greedy_decode_is_the_trained_policys_and_max_staleness_0_is
         server, tmp_path, monkeypatch, single_thread):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
-    sampling = ["--model.init_args.temperature", "0", "--model.init_args.num_samples", "1"]
+    sampling = ["--model.init_args.sampling.temperature", "0", "--model.init_args.sampling.num_samples", "1"]
     local = fit(tmp_path / "hf", *sampling)
-    remote = fit(tmp_path / "server", *sampling, "--model.init_args.rollout_engine", "server",
-                 "--model.init_args.rollout_server_url", server.url,
-                 "--model.init_args.rollout_server_timeout", str(TIMEOUT_S))
+    remote = fit(tmp_path / "server", *sampling, "--model.init_args.rollout.engine", "server",
+                 "--model.init_args.rollout.server_url", server.url,
+                 "--model.init_args.rollout.server_timeout", str(TIMEOUT_S))
     # the same run step by step: the server generated every step's rollouts from that step's weights
     for mine, theirs in zip(local.model.policy.parameters(), remote.model.policy.parameters(), strict=True):
         torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
@@ -131,9 +132,9 @@ class StepTimes(Callback):
 def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, tmp_path, monkeypatch, single_thread):
     monkeypatch.chdir(tmp_path)
     times = StepTimes()
-    cli = fit(tmp_path, "--model.init_args.num_samples", "4", "--trainer.max_steps", "4",
-              "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url", server.url,
-              "--model.init_args.rollout_server_timeout", str(TIMEOUT_S), "--model.init_args.max_staleness", "1",
+    cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "4", "--trainer.max_steps", "4",
+              "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
+              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "1",
               callbacks=[times])
     steps = metrics(cli)
     assert sorted(steps) == [1, 2, 3, 4]
@@ -220,8 +221,8 @@ def test_killing_the_server_mid_run_is_one_line_within_the_timeout(backend, tmp_
     kill = KillServerAfter(doomed, step=1)
     try:
         with pytest.raises(RuntimeError, match=rf"rollout server at {doomed.url}") as err:
-            fit(tmp_path, "--model.init_args.num_samples", "2", "--model.init_args.rollout_engine", "server",
-                "--model.init_args.rollout_server_url", doomed.url, "--model.init_args.rollout_server_timeout",
+            fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--model.init_args.rollout.engine", "server",
+                "--model.init_args.rollout.server_url", doomed.url, "--model.init_args.rollout.server_timeout",
                 str(TIMEOUT_S), callbacks=[kill])
     finally:
         doomed.kill()
@@ -237,10 +238,10 @@ def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, tmp_p
     from test_strategies import deepspeed_args
     from safetensors.torch import load_file
 
-    rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, 3, devices=2), "--model.init_args.num_samples", "2",
-                 "--model.init_args.max_new_tokens", "24", "--model.init_args.lr", "1e-3",
-                 "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url", server.url,
-                 "--model.init_args.rollout_server_timeout", str(TIMEOUT_S),
+    rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, 3, devices=2), "--model.init_args.sampling.num_samples", "2",
+                 "--model.init_args.sampling.max_new_tokens", "24", "--model.init_args.optim.lr", "1e-3",
+                 "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
+                 "--model.init_args.rollout.server_timeout", str(TIMEOUT_S),
                  "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"),
                  timeout=600)
     snapshot = load_file(str(tmp_path / "weights" / "rank0.safetensors"))
@@ -269,16 +270,16 @@ def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prom
     the first from rollouts it generates on the spot (nothing prefetched survives a process), the second from
     prefetched ones, one version behind the restored weights (not behind version 0)."""
     monkeypatch.chdir(tmp_path)
-    options = ["--model.init_args.num_samples", "2", "--model.init_args.rollout_engine", "server",
-               "--model.init_args.rollout_server_url", server.url, "--model.init_args.rollout_server_timeout",
-               str(TIMEOUT_S), "--model.init_args.max_staleness", "1"]
+    options = ["--model.init_args.sampling.num_samples", "2", "--model.init_args.rollout.engine", "server",
+               "--model.init_args.rollout.server_url", server.url, "--model.init_args.rollout.server_timeout",
+               str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "1"]
     first, resumed = TrainedBatches(), TrainedBatches()
     fit(tmp_path, *options, "--trainer.max_steps", "2", callbacks=[first])
     cli = FlowkitCLI(args=["--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "4",
                            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
-                           str(tmp_path / "run"), "--model.init_args.flow_pretrain_steps", "0",
+                           str(tmp_path / "run"), "--model.init_args.flow_pretrain.steps", "0",
                            "--model.init_args.reward_model.init_args.kappa", "1", "--data.init_args.batch_size", "4",
-                           "--model.init_args.max_new_tokens", "24", *options], run=False)
+                           "--model.init_args.sampling.max_new_tokens", "24", *options], run=False)
     cli.trainer.callbacks.append(resumed)
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(tmp_path / "run" / "checkpoints" / "last.ckpt"))
     assert first.indices == [0, 1] and resumed.indices == [2, 3]
@@ -299,9 +300,9 @@ def test_killing_the_server_under_two_zero3_ranks_stops_both_within_the_timeout(
     (tmp_path / "run").mkdir()
     trainer = subprocess.Popen(
         rlfr_run.command(tmp_path / "run", 200, *deepspeed_args(tmp_path, 3, devices=2),
-                         "--model.init_args.num_samples", "2", "--model.init_args.max_new_tokens", "24",
-                         "--model.init_args.rollout_engine", "server", "--model.init_args.rollout_server_url",
-                         doomed.url, "--model.init_args.rollout_server_timeout", str(TIMEOUT_S)),
+                         "--model.init_args.sampling.num_samples", "2", "--model.init_args.sampling.max_new_tokens", "24",
+                         "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url",
+                         doomed.url, "--model.init_args.rollout.server_timeout", str(TIMEOUT_S)),
         env=rlfr_run.env(), cwd=tmp_path / "run", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -323,18 +324,19 @@ def test_killing_the_server_under_two_zero3_ranks_stops_both_within_the_timeout(
     assert any(line.startswith("[rank1]") for line in lines), output[-3000:]
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"rollout_engine": "server"}, r"^PolicyModule.rollout_engine 'server' needs rollout_server_url, .* got None$"),
-    ({"rollout_engine": "server", "rollout_server_url": "127.0.0.1:8000"}, r"needs rollout_server_url.*got '127"),
-    ({"rollout_engine": "server", "rollout_server_timeout": 0.0}, r"^PolicyModule.rollout_server_timeout must be > 0"),
-    ({"max_staleness": 1}, r"^PolicyModule.max_staleness 1 needs a rollout engine that generates apart from training"),
-    ({"max_staleness": -1}, r"^PolicyModule.max_staleness must be >= 0"),
+@pytest.mark.parametrize("rollout, message", [
+    (RolloutOptions(engine="server"), r"^PolicyModule.rollout.engine 'server' needs rollout.server_url, .* got None$"),
+    (RolloutOptions(engine="server", server_url="127.0.0.1:8000"), r"needs rollout.server_url.*got '127"),
+    (RolloutOptions(engine="server", server_timeout=0.0), r"^PolicyModule.rollout.server_timeout must be > 0"),
+    (RolloutOptions(max_staleness=1),
+     r"^PolicyModule.rollout.max_staleness 1 needs a rollout engine that generates apart from training"),
+    (RolloutOptions(max_staleness=-1), r"^PolicyModule.rollout.max_staleness must be >= 0"),
 ])
-def test_server_and_staleness_options_are_one_line_config_errors(options, message):
+def test_server_and_staleness_options_are_one_line_config_errors(rollout, message):
     from flowkit.modules import PolicyModule
 
     with pytest.raises(ConfigError, match=message):
-        PolicyModule(**options)
+        PolicyModule(rollout=rollout)
 
 
 def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets(monkeypatch):

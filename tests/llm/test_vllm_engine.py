@@ -27,6 +27,7 @@ from flowkit.llm.lora import LoraSettings
 from flowkit.llm.forward import forward_logits
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.modules.policy_options import AdvantageOptions, LossOptions, OptimOptions, RolloutOptions, SamplingOptions
 from flowkit.rl.logprobs import token_logprobs
 from flowkit.rl.rollout_correction import RolloutCorrection
 
@@ -66,7 +67,7 @@ def recomputed_logprobs(model: torch.nn.Module, batch) -> torch.Tensor:
 def assert_synced(module: PolicyModule, initial: torch.nn.Module, prompts: list[str]) -> None:
     """vLLM samples the trained policy: greedy completions equal HF greedy generation with the trained weights,
     and its log-probs of its own samples match the trained policy's recomputation, not the initial policy's."""
-    hf = HFRolloutEngine(module.policy, module.tokenizer, module.hparams.max_new_tokens)
+    hf = HFRolloutEngine(module.policy, module.tokenizer, module.sampling.max_new_tokens)
     greedy_vllm = module.engine.generate(prompts, 1, temperature=0)
     greedy_hf = hf.generate(prompts, 1, temperature=0)
     assert greedy_vllm.responses == greedy_hf.responses
@@ -83,21 +84,21 @@ def assert_synced(module: PolicyModule, initial: torch.nn.Module, prompts: list[
 def test_missing_vllm_is_a_one_line_config_error():
     if HAS_VLLM:
         pytest.skip("vLLM is installed")
-    with pytest.raises(ConfigError, match=r"^PolicyModule.rollout_engine 'vllm' needs vLLM .*pip install flowkit\[vllm\]"):
-        PolicyModule(rollout_engine="vllm")
+    with pytest.raises(ConfigError, match=r"^PolicyModule.rollout.engine 'vllm' needs vLLM .*pip install flowkit\[vllm\]"):
+        PolicyModule(rollout=RolloutOptions(engine="vllm"))
 
 
 def test_unknown_rollout_engine_is_a_config_error():
-    with pytest.raises(ConfigError, match="rollout_engine must be one of hf, vllm, server, got .sglang."):
-        PolicyModule(rollout_engine="sglang")
+    with pytest.raises(ConfigError, match="rollout.engine must be one of hf, vllm, server, got .sglang."):
+        PolicyModule(rollout=RolloutOptions(engine="sglang"))
 
 
 @pytest.mark.parametrize("option, value", [("vllm_gpu_memory_utilization", 0.0), ("vllm_max_model_len", 0)])
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_bad_vllm_settings_are_config_errors(option, value):
-    with pytest.raises(ConfigError, match=f"PolicyModule.{option}"):
-        PolicyModule(rollout_engine="vllm", **{option: value})
+    with pytest.raises(ConfigError, match=f"PolicyModule.rollout.{option}"):
+        PolicyModule(rollout=RolloutOptions(engine="vllm", **{option: value}))
 
 
 @pytest.mark.vllm
@@ -150,8 +151,10 @@ def test_layout_matches_hf_engine_and_sampler_logprobs_match_the_trainer(single_
 def fit_policy(tmp_path: Path, **options) -> PolicyModule:
     """3 plain-GRPO steps of 4 prompts × 4 samples with the vLLM engine, lr high enough to move greedy outputs."""
     L.seed_everything(0)
-    module = PolicyModule(num_samples=4, max_new_tokens=28, outcome_reward="binary", rollout_engine="vllm",
-                          rollout_correction=RolloutCorrection(mode="token_tis", cap=2.0), **options)
+    module = PolicyModule(outcome_reward="binary", **options,
+                          sampling=SamplingOptions(num_samples=4, max_new_tokens=28),
+                          loss=LossOptions(rollout_correction=RolloutCorrection(mode="token_tis", cap=2.0)),
+                          rollout=RolloutOptions(engine="vllm"))
     data = RolloutDataModule(batch_size=4, val_path=None)
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
@@ -163,7 +166,7 @@ def fit_policy(tmp_path: Path, **options) -> PolicyModule:
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_lora_weights_are_merged_into_vllm_after_three_rl_steps(tmp_path, single_thread):
-    module = fit_policy(tmp_path, lora=LoraSettings(r=8, alpha=16), lr=2e-2)
+    module = fit_policy(tmp_path, lora=LoraSettings(r=8, alpha=16), optim=OptimOptions(lr=2e-2))
     initial, _ = load_backbone("bundled:tiny_adder")
     assert_synced(module, initial, val_prompts(8)[0])
     release(module)
@@ -178,10 +181,10 @@ def test_tiny_rlfr_job_runs_end_to_end_with_vllm_and_syncs_full_weights(tmp_path
     monkeypatch.chdir(tmp_path)
     cli = FlowkitCLI(args=[
         "fit", "--config", CONFIG, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
-        "--trainer.enable_progress_bar", "false", "--model.init_args.rollout_engine", "vllm",
-        "--model.init_args.rollout_correction.mode", "token_tis", "--model.init_args.lr", "1e-3",
-        "--model.init_args.flow_pretrain_steps", "3", "--model.init_args.reward_model.init_args.kappa", "4",
-        "--data.init_args.batch_size", "4", "--model.init_args.num_samples", "4",
+        "--trainer.enable_progress_bar", "false", "--model.init_args.rollout.engine", "vllm",
+        "--model.init_args.loss.rollout_correction.mode", "token_tis", "--model.init_args.optim.lr", "1e-3",
+        "--model.init_args.flow_pretrain.steps", "3", "--model.init_args.reward_model.init_args.kappa", "4",
+        "--data.init_args.batch_size", "4", "--model.init_args.sampling.num_samples", "4",
         "--data.init_args.max_val_examples", "16",
     ])
     with open(Path(cli.trainer.logger.log_dir) / "metrics.csv") as f:
@@ -221,8 +224,10 @@ def test_explanation_method_rolls_out_with_vllm_and_syncs_its_lora(tmp_path, sin
                                flow_projector_dim=32, explanations_per_context=2, round_contexts=8,
                                heldout_contexts=8, flow_epochs_per_round=2, flow_batch_size=16)
     module = PolicyModule(backbone=str(tmp_path / "policy"), lora=LoraSettings(r=4, alpha=4), reward_model=reward,
-                          num_samples=2, max_new_tokens=16, outcome_reward="none", advantage="gae", kl_coef=0.05,
-                          kl_estimator="k1", kl_in="reward", lr=2e-2, flow_lr=1e-3, rollout_engine="vllm")
+                          outcome_reward="none", sampling=SamplingOptions(num_samples=2, max_new_tokens=16),
+                          advantage=AdvantageOptions(estimator="gae"),
+                          loss=LossOptions(kl_coef=0.05, kl_estimator="k1", kl_in="reward"),
+                          optim=OptimOptions(lr=2e-2, flow_lr=1e-3), rollout=RolloutOptions(engine="vllm"))
     data = ExplanationDataModule(num_train=8, num_test=8, batch_size=4)
     trainer = L.Trainer(accelerator="cpu", max_steps=-1, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -251,7 +256,7 @@ def test_rlfr_qwen_rehearsal_with_vllm_samples_the_trained_zero3_policy(tmp_path
 
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # this venv's flowkit
     paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 3, "--trainer.callbacks+=greedy_parity.GreedyParity",
-                        "--model.init_args.lr", "1e-3")
+                        "--model.init_args.optim.lr", "1e-3")
     ranks = [json.loads((tmp_path / "run/greedy_parity" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for completions in ranks:
         assert completions["global_step"] == 3
@@ -508,9 +513,9 @@ def fake_engine(monkeypatch, events: list[str], sleep_mode: bool):
 
 def test_a_vllm_without_in_place_reload_from_an_iterator_is_a_one_line_config_error(monkeypatch):
     fake_vllm(monkeypatch, reload_from_the_directory)
-    with pytest.raises(ConfigError, match=r"^PolicyModule.rollout_engine 'vllm': vLLM 0\.0\.fake cannot load weights "
+    with pytest.raises(ConfigError, match=r"^PolicyModule.rollout.engine 'vllm': vLLM 0\.0\.fake cannot load weights "
                                           r"handed over by the trainer .*flowkit\[vllm\]") as raised:
-        PolicyModule(rollout_engine="vllm")
+        PolicyModule(rollout=RolloutOptions(engine="vllm"))
     assert "\n" not in str(raised.value)
 
 

@@ -3,6 +3,7 @@ ExplanationDataModule, and ExplanationRewardModule (the flow alone)."""
 
 import json
 import math
+from dataclasses import replace
 
 import lightning as L
 import pytest
@@ -11,6 +12,9 @@ import torch
 from flowkit.errors import ConfigError
 from flowkit.llm.lora import LoraSettings
 from flowkit.modules import PolicyModule
+from flowkit.modules.policy_options import (
+    AdvantageOptions, LossOptions, OptimOptions, SamplingOptions, SFTOptions, UpdateOptions,
+)
 from flowkit.modules.explanation import (
     ExplanationDataModule,
     ExplanationRewardModule,
@@ -63,10 +67,13 @@ def reward_model(**options) -> ExplanationReward:
     return ExplanationReward(**(settings | options))
 
 
+PPO_LOSS = LossOptions(kl_coef=0.05, kl_estimator="k1", kl_in="reward")
+
+
 def policy(reward: ExplanationReward | None = None, **options) -> PolicyModule:
     settings = dict(backbone="bundled:explain_tiny/policy", lora=LORA, reward_model=reward or reward_model(),
-                    num_samples=2, max_new_tokens=16, outcome_reward="none", advantage="gae", kl_coef=0.05,
-                    kl_estimator="k1", kl_in="reward", ppo_epochs=1, lr=1e-3, flow_lr=1e-3)
+                    sampling=SamplingOptions(num_samples=2, max_new_tokens=16), outcome_reward="none",
+                    advantage=AdvantageOptions(estimator="gae"), loss=PPO_LOSS, optim=OptimOptions(lr=1e-3, flow_lr=1e-3))
     return PolicyModule(**(settings | options))
 
 
@@ -104,16 +111,21 @@ def test_rounds_train_the_flow_and_ppo_trains_lora_and_the_value_head():
 def test_ppo_epochs_move_the_ratio_off_one_so_the_clip_acts():
     """ppo_epochs = 3 optimizer steps per batch: from the second one the ratio differs from 1 and tokens clip."""
     torch.manual_seed(0)
-    metrics = fit(policy(ppo_epochs=3, lr=2e-2, clip_low=0.05, clip_high=0.05), rounds=1).logged_metrics
+    metrics = fit(policy(update=UpdateOptions(ppo_epochs=3), optim=OptimOptions(lr=2e-2, flow_lr=1e-3),
+                        loss=replace(PPO_LOSS, clip_low=0.05, clip_high=0.05)), rounds=1).logged_metrics
     assert float(metrics["train/clip_fraction"]) > 0
 
 
 def test_reinforce_has_no_value_head_and_bad_options_are_config_errors():
-    module = policy(advantage="reinforce", kl_coef=0.0)
+    module = policy(advantage=AdvantageOptions(estimator="reinforce"), loss=replace(PPO_LOSS, kl_coef=0.0))
     assert module.value_head is None
-    for options in ({"advantage": "a2c"}, {"lam": 1.5}, {"value_clip": 0.0}, {"kl_in": "both"},
-                    {"kl_estimator": "k9"}, {"sft_epochs": -1}):
-        with pytest.raises(ConfigError, match=next(iter(options))):
+    for options, key in (({"advantage": AdvantageOptions(estimator="a2c")}, "advantage.estimator"),
+                         ({"advantage": AdvantageOptions(lam=1.5)}, "advantage.lam"),
+                         ({"loss": LossOptions(value_clip=0.0)}, "loss.value_clip"),
+                         ({"loss": LossOptions(kl_in="both")}, "loss.kl_in"),
+                         ({"loss": LossOptions(kl_estimator="k9")}, "loss.kl_estimator"),
+                         ({"sft": SFTOptions(epochs=-1)}, "sft.epochs")):
+        with pytest.raises(ConfigError, match=rf"^PolicyModule\.{key} must be"):
             PolicyModule(**options)
     for options in ({"num_decisions": 1}, {"reward": "judge"}, {"sigma": 0.0}, {"flow_batch_size": 0}):
         with pytest.raises(ConfigError, match=next(iter(options))):
@@ -124,7 +136,7 @@ def test_reinforce_has_no_value_head_and_bad_options_are_config_errors():
 
 def test_sft_on_preferred_explanations_runs_before_the_first_round_and_lowers_their_loss():
     torch.manual_seed(0)
-    module = policy(sft_epochs=3, sft_lr=1e-2)
+    module = policy(sft=SFTOptions(epochs=3, lr=1e-2))
     fit(module, rounds=1)
     assert len(module.sft_losses) == 3 * 2  # 8 records in global batches of 4, 3 epochs
     assert sum(module.sft_losses[-2:]) < sum(module.sft_losses[:2])
@@ -135,7 +147,7 @@ def test_sft_needs_solutions(tmp_path):
     path.write_text("\n".join(json.dumps({"context": f"d=+{i},+2 a=?", "decisions": ["north", "south", "east", "west"],
                                           "decision": "north"}) for i in range(4)))
     with pytest.raises(ConfigError, match="solution"):
-        fit(policy(sft_epochs=1), rounds=1, data=ExplanationDataModule(train_path=str(path), test_path=str(path),
+        fit(policy(sft=SFTOptions(epochs=1)), rounds=1, data=ExplanationDataModule(train_path=str(path), test_path=str(path),
                                                                        batch_size=2))
 
 

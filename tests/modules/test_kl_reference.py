@@ -12,6 +12,7 @@ from flowkit.engine.actor import REFERENCE_ADAPTER
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.forward import forward_hidden
 from flowkit.llm.packing import encode_pairs
+from flowkit.modules.policy_options import OptimOptions, SFTOptions, UpdateOptions
 from flowkit.rl.logprobs import lm_head_logprobs
 from test_explanation import LORA, fit, policy, reward_model
 
@@ -43,7 +44,8 @@ class AtPpoStart(L.Callback):
 def test_after_sft_the_kl_reference_is_the_sft_policy_not_the_base_model(lora):
     torch.manual_seed(0)
     flow_backbone = None if lora else "bundled:explain_tiny/policy"  # without LoRA the flow reads a frozen copy
-    module = policy(reward_model(backbone=flow_backbone), lora=lora, sft_epochs=1, sft_lr=1e-2, ppo_epochs=2, lr=1e-2)
+    module = policy(reward_model(backbone=flow_backbone), lora=lora, sft=SFTOptions(epochs=1, lr=1e-2),
+                    update=UpdateOptions(ppo_epochs=2), optim=OptimOptions(lr=1e-2, flow_lr=1e-3))
     assert (REFERENCE_ADAPTER in module.policy.peft_config) if lora else module.reference is not None
     start = AtPpoStart()
     fit(module, rounds=1, callbacks=(start,))
@@ -72,8 +74,8 @@ def test_without_sft_the_reference_is_the_adapters_disabled_policy_and_no_adapte
 
 def test_adding_the_reference_adapter_leaves_the_random_stream_alone():
     torch.manual_seed(0)
-    policy(sft_epochs=1)
+    policy(sft=SFTOptions(epochs=1))
     after = torch.rand(3)
     torch.manual_seed(0)
-    policy(sft_epochs=0)
+    policy(sft=SFTOptions(epochs=0))
     assert torch.equal(torch.rand(3), after)

@@ -7,6 +7,7 @@ import torch
 
 from flowkit.errors import ConfigError
 from flowkit.modules import PolicyModule, RolloutDataModule
+from flowkit.modules.policy_options import FlowPretrainOptions, OptimOptions, SamplingOptions
 
 
 def trainer(**options) -> L.Trainer:
@@ -17,7 +18,8 @@ def trainer(**options) -> L.Trainer:
 
 def tiny_policy(dtype: str) -> PolicyModule:
     L.seed_everything(0)
-    return PolicyModule(dtype=dtype, lr=1e-6, num_samples=4, max_new_tokens=28, flow_pretrain_steps=0)
+    return PolicyModule(dtype=dtype, sampling=SamplingOptions(num_samples=4, max_new_tokens=28),
+                        optim=OptimOptions(lr=1e-6), flow_pretrain=FlowPretrainOptions(steps=0))
 
 
 def test_adamw_at_lr_1e6_loses_the_update_of_bf16_weights():

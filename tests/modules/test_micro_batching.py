@@ -7,15 +7,17 @@ gradient of every parameter (policy and flow) just before the step.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import lightning as L
 import pytest
 import torch
 
-import flowkit.modules.policy as policy_module
+import flowkit.modules.policy_guard as policy_guard
 from flowkit.engine import Actor, RLStep
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.optim import step_groups
+from flowkit.modules.policy_options import AdvantageOptions, LossOptions, OptimOptions, SamplingOptions, UpdateOptions
 from flowkit.rewards import FlowReward
 
 
@@ -27,14 +29,14 @@ def fit_recording_gradients(tmp_path, monkeypatch, steps: int = 3, **options) ->
         recorded.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
         step_groups(optimizer, names)
 
-    monkeypatch.setattr(policy_module, "step_groups", recording_step_groups)
+    monkeypatch.setattr(policy_guard, "step_groups", recording_step_groups)
     L.seed_everything(0, verbose=False)
     reward = FlowReward(depth=1, kappa=1, rejection_metric="entropy", seed=3)
-    settings = dict(reward_model=reward, num_samples=4, max_new_tokens=16, outcome_reward="binary", lr=5e-5,
-                    flow_lr=1e-3)
+    settings = dict(reward_model=reward, sampling=SamplingOptions(num_samples=4, max_new_tokens=16),
+                    outcome_reward="binary", optim=OptimOptions(lr=5e-5, flow_lr=1e-3))
     module = PolicyModule(**(settings | options))
     initial = {n: p.detach().clone() for n, p in module.named_parameters()}
-    per_step = module.hparams.ppo_epochs * module.hparams.num_minibatches  # Lightning counts optimizer steps
+    per_step = module.update.updates  # Lightning counts optimizer steps
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=steps * per_step, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0)
@@ -76,17 +78,22 @@ def assert_same_updates(run: dict, reference: dict) -> None:
         assert error < 1e-4, (prefix, error)
 
 
-@pytest.mark.parametrize("updates", [{}, {"ppo_epochs": 2, "num_minibatches": 2}], ids=["on-policy", "ppo"])
-def test_micro_batch_size_changes_no_gradient_and_no_weight(tmp_path, monkeypatch, updates):
+ON_POLICY_AND_PPO = pytest.mark.parametrize("update", [UpdateOptions(), UpdateOptions(ppo_epochs=2, num_minibatches=2)],
+                                            ids=["on-policy", "ppo"])
+
+
+@ON_POLICY_AND_PPO
+def test_micro_batch_size_changes_no_gradient_and_no_weight(tmp_path, monkeypatch, update):
     """Policy and flow gradients agree to 1e-5 (relative, fp32) for micro-batches of 1, 3 and the whole batch,
     and 3 RL steps give the same weights; also with the LM head in chunks of 5 tokens."""
-    whole, whole_updates, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch, **updates)
+    whole, whole_updates, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch, update=update)
     runs, finals = [], []
-    for options in [{"micro_batch_size": 1}, {"micro_batch_size": 3, "lm_head_chunk_size": 5}]:
-        grads, weight_updates, _ = fit_recording_gradients(tmp_path / str(options), monkeypatch, **updates, **options)
+    for split in [{"micro_batch_size": 1}, {"micro_batch_size": 3, "lm_head_chunk_size": 5}]:
+        grads, weight_updates, _ = fit_recording_gradients(tmp_path / str(split), monkeypatch,
+                                                           update=replace(update, **split))
         runs.append(grads)
         finals.append(weight_updates)
-    assert len(whole) == 3 * (updates.get("ppo_epochs", 1) * updates.get("num_minibatches", 1))
+    assert len(whole) == 3 * update.updates
     assert_same_gradients(runs, whole)
     for updates in finals:
         assert_same_updates(updates, whole_updates)
@@ -127,18 +134,20 @@ def test_paper_config_instantiates_on_cpu_with_its_batch_and_memory_settings(tmp
         "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
         "--trainer.precision", "32-true", "--model.init_args.backbone", "bundled:tiny_adder",
         "--model.init_args.dtype", "float32", "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
-        *([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout_engine", "hf"])])
-    hp = cli.model.hparams
-    assert (hp.vllm_gpu_memory_utilization, hp.vllm_max_model_len, hp.vllm_enable_sleep_mode) == (0.35, 4096, True)
-    assert hp.max_new_tokens + 1024 == hp.vllm_max_model_len  # Qwen2.5-Math-7B's 4096-token context, prompt included
-    assert (hp.num_samples, hp.clip_low, hp.clip_high) == (8, 0.2, 0.28)
-    assert (hp.micro_batch_size, hp.lm_head_chunk_size, hp.gradient_checkpointing) == (4, 1024, True)
-    assert hp.rollout_batch_size % hp.num_samples == 0
+        *([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout.engine", "hf"])])
+    model = cli.model
+    rollout, sampling, update = model.rollout, model.sampling, model.update
+    assert (rollout.vllm_gpu_memory_utilization, rollout.vllm_max_model_len, rollout.vllm_enable_sleep_mode) == (
+        0.35, 4096, True)
+    assert sampling.max_new_tokens + 1024 == rollout.vllm_max_model_len  # Qwen2.5-Math-7B's 4096-token context
+    assert (sampling.num_samples, model.loss_options.clip_low, model.loss_options.clip_high) == (8, 0.2, 0.28)
+    assert (update.micro_batch_size, update.lm_head_chunk_size, model.hparams.gradient_checkpointing) == (4, 1024, True)
+    assert rollout.batch_size % sampling.num_samples == 0
     assert cli.datamodule.batch_size == 128 and cli.datamodule.per_rank_batch_size(8) == 16
 
 
-@pytest.mark.parametrize("updates", [{}, {"ppo_epochs": 2}], ids=["on-policy", "ppo"])
-def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, monkeypatch, updates):
+@pytest.mark.parametrize("update", [UpdateOptions(), UpdateOptions(ppo_epochs=2)], ids=["on-policy", "ppo"])
+def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, monkeypatch, update):
     """Plain GRPO: the rows of a group whose samples all earned the same reward have advantage 0 and add nothing
     to the loss, so skipping their forward/backward leaves every gradient and the 3-step weights as they were;
     also when this rank pads with zero-loss micro-batches (as when another rank keeps more rows)."""
@@ -151,9 +160,11 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, m
         return real_forward(self, batch, tap)
 
     monkeypatch.setattr(Actor, "forward", counting_forward)
-    options = dict(reward_model=None, micro_batch_size=2, max_new_tokens=28, **updates)  # room to finish: rewards vary
-    every, every_updates, _ = fit_recording_gradients(tmp_path / "every", monkeypatch, skip_zero_advantage_rows=False,
-                                                      **options)
+    update = replace(update, micro_batch_size=2)
+    # 28 new tokens: room to finish, so rewards vary
+    options = dict(reward_model=None, sampling=SamplingOptions(num_samples=4, max_new_tokens=28), update=update)
+    every, every_updates, _ = fit_recording_gradients(tmp_path / "every", monkeypatch, **(options | dict(
+        update=replace(update, skip_zero_advantage_rows=False))))
     rows_every, forwarded[:] = sum(forwarded), []
     skipped, skipped_updates, _ = fit_recording_gradients(tmp_path / "skipped", monkeypatch, **options)
     rows_skipped, forwarded[:] = sum(forwarded), []
@@ -176,30 +187,34 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, m
 def test_entropy_advantage_shapes_the_policy_gradient(tmp_path, monkeypatch):
     """entropy_advantage_alpha > 0 (Entropy Adv.) adds min(α·H_t, |A_t|/κ) to the advantages: same rollouts (seeded),
     another gradient; α = 0 is plain GRPO, to the bit."""
-    options = dict(reward_model=None, steps=1, max_new_tokens=28)  # room to finish: rewards vary within groups
+    options = dict(reward_model=None, steps=1,  # room to finish: rewards vary within groups
+                   sampling=SamplingOptions(num_samples=4, max_new_tokens=28))
     plain, _, _ = fit_recording_gradients(tmp_path / "plain", monkeypatch, **options)
-    off, _, _ = fit_recording_gradients(tmp_path / "off", monkeypatch, entropy_advantage_alpha=0.0, **options)
-    shaped, _, _ = fit_recording_gradients(tmp_path / "shaped", monkeypatch, entropy_advantage_alpha=0.4, **options)
+    off, _, _ = fit_recording_gradients(tmp_path / "off", monkeypatch, advantage=AdvantageOptions(entropy_alpha=0.0),
+                                        **options)
+    shaped, _, _ = fit_recording_gradients(tmp_path / "shaped", monkeypatch,
+                                           advantage=AdvantageOptions(entropy_alpha=0.4), **options)
     base = group_gradient(plain[0], "policy.")
     assert base.norm() > 0 and torch.equal(group_gradient(off[0], "policy."), base)
     difference = group_gradient(shaped[0], "policy.") - base
     assert float(difference.norm()) > 1e-3 * float(base.norm())
 
 
-@pytest.mark.parametrize("loss", [{"policy_loss": "gspo"}, {"policy_loss": "cispo"}, {"entropy_coef": 0.01}],
-                         ids=["gspo", "cispo", "entropy"])
+@pytest.mark.parametrize("loss", [LossOptions(policy_loss="gspo"), LossOptions(policy_loss="cispo"),
+                                  LossOptions(entropy_coef=0.01)], ids=["gspo", "cispo", "entropy"])
 def test_loss_variants_do_not_depend_on_the_micro_batch_size(tmp_path, monkeypatch, loss):
     """GSPO's sequence ratio (a whole row per micro-batch), CISPO's clipped weight and the entropy bonus keep "the
     micro-batches' losses add up to the minibatch's": the same gradients for micro-batches of 1 and the whole batch,
     over one step of two PPO epochs (the second with ratios ≠ 1)."""
-    options = dict(steps=1, ppo_epochs=2, **loss)
-    whole, _, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch, **options)
-    ones, _, _ = fit_recording_gradients(tmp_path / "ones", monkeypatch, micro_batch_size=1, **options)
+    options = dict(steps=1, loss=loss)
+    whole, _, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch, update=UpdateOptions(ppo_epochs=2), **options)
+    ones, _, _ = fit_recording_gradients(tmp_path / "ones", monkeypatch,
+                                         update=UpdateOptions(ppo_epochs=2, micro_batch_size=1), **options)
     assert_same_gradients([ones], whole)
 
 
-@pytest.mark.parametrize("updates", [{}, {"ppo_epochs": 2, "num_minibatches": 2}], ids=["on-policy", "ppo"])
-def test_token_budget_micro_batches_keep_the_gradients_and_bound_the_padded_tokens(tmp_path, monkeypatch, updates):
+@ON_POLICY_AND_PPO
+def test_token_budget_micro_batches_keep_the_gradients_and_bound_the_padded_tokens(tmp_path, monkeypatch, update):
     """micro_batch_tokens: every forward holds at most the budget (rows × longest row), and the policy and flow
     gradients are those of one micro-batch holding the whole (reordered) batch; plain GRPO's those of the batch in
     generation order."""
@@ -212,20 +227,22 @@ def test_token_budget_micro_batches_keep_the_gradients_and_bound_the_padded_toke
         return real_forward(self, batch, tap)
 
     monkeypatch.setattr(Actor, "forward", recording_forward)
-    options = dict(steps=2, max_new_tokens=28, **updates)
-    whole, whole_updates, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch, micro_batch_tokens=10 ** 6,
-                                                      **options)
-    passes = 1 if not updates else 1 + updates["ppo_epochs"] * updates["num_minibatches"]  # scoring, then updates
+    options = dict(steps=2, sampling=SamplingOptions(num_samples=4, max_new_tokens=28))
+    whole, whole_updates, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch,
+                                                      update=replace(update, micro_batch_tokens=10 ** 6), **options)
+    passes = 1 if update.updates == 1 else 1 + update.updates  # scoring, then updates
     assert len(shapes) == 2 * passes  # one micro-batch per pass
     shapes.clear()
-    packed, packed_updates, _ = fit_recording_gradients(tmp_path / "packed", monkeypatch, micro_batch_tokens=budget,
-                                                        **options)
+    packed, packed_updates, _ = fit_recording_gradients(tmp_path / "packed", monkeypatch,
+                                                        update=replace(update, micro_batch_tokens=budget), **options)
     assert len(shapes) > 2 * passes and all(rows * length <= budget or rows == 1 for rows, length in shapes), shapes
     assert_same_gradients([packed], whole)
     assert_same_updates(packed_updates, whole_updates)
-    plain = dict(options, reward_model=None, skip_zero_advantage_rows=False)
-    in_order, _, _ = fit_recording_gradients(tmp_path / "in_order", monkeypatch, **plain)
-    plain_packed, _, _ = fit_recording_gradients(tmp_path / "plain_packed", monkeypatch, micro_batch_tokens=budget, **plain)
+    plain = replace(update, skip_zero_advantage_rows=False)
+    in_order, _, _ = fit_recording_gradients(tmp_path / "in_order", monkeypatch, reward_model=None, update=plain,
+                                             **options)
+    plain_packed, _, _ = fit_recording_gradients(tmp_path / "plain_packed", monkeypatch, reward_model=None,
+                                                 update=replace(plain, micro_batch_tokens=budget), **options)
     assert any(group_gradient(expected, "policy.").norm() > 0 for expected in in_order)
     for step, (grads, expected) in enumerate(zip(plain_packed, in_order)):
         want = group_gradient(expected, "policy.")  # exactly 0 on a step whose groups all had equal rewards

@@ -10,6 +10,11 @@ import torch
 from flowkit.cli import FlowkitCLI, main
 from flowkit.llm.lora import LoraSettings
 from flowkit.modules import PolicyModule
+from flowkit.modules.policy_options import (
+    AdvantageOptions, FlowPretrainOptions, LossOptions, OptimOptions, RolloutOptions, SamplingControls, SamplingOptions,
+    SFTOptions, UpdateOptions, ValidationOptions,
+)
+from flowkit.rl.rollout_correction import RolloutCorrection
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "rlfr_tiny.yaml")
@@ -29,7 +34,7 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
 
 def test_short_run_logs_every_metric_and_writes_artifacts(tmp_path, monkeypatch):
     rows = run_fit(tmp_path, monkeypatch, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
-                   "--model.init_args.flow_pretrain_steps", "3", "--data.init_args.max_val_examples", "16",
+                   "--model.init_args.flow_pretrain.steps", "3", "--data.init_args.max_val_examples", "16",
                    "--model.init_args.reward_model.init_args.kappa", "4")
     logged = {k for r in rows for k, v in r.items() if v}
     for key in ["train/outcome_reward", "train/accuracy", "flow/reward_mean", "flow/reward_nonzero_frac", "flow/loss",
@@ -93,7 +98,7 @@ def test_max_grad_norm_becomes_deepspeeds_gradient_clipping():
         return L.Trainer(accelerator="cpu", devices=1, strategy=CPUDeepSpeedStrategy(config=config), logger=False,
                          enable_checkpointing=False)
 
-    module = PolicyModule(max_grad_norm=0.5, flow_pretrain_steps=0)
+    module = PolicyModule(optim=OptimOptions(max_grad_norm=0.5), flow_pretrain=FlowPretrainOptions(steps=0))
     module.trainer = trainer({"zero_optimization": {"stage": 2}})
     module.setup("fit")
     assert module.trainer.strategy.config["gradient_clipping"] == 0.5
@@ -103,7 +108,8 @@ def test_max_grad_norm_becomes_deepspeeds_gradient_clipping():
 
 
 def test_rollouts_generated_in_chunks_equal_one_call_when_greedy():
-    module = PolicyModule(num_samples=1, max_new_tokens=12, rollout_batch_size=2)
+    module = PolicyModule(sampling=SamplingOptions(num_samples=1, max_new_tokens=12),
+                          rollout=RolloutOptions(batch_size=2))
     prompts, answers = ["47+38=", "12+13=", "5+6="], ["85", "25", "11"]
     chunked = module.engine.generate(prompts, 1, answers, temperature=0)  # calls of 2 and 1 prompts
     module.engine.rollout_batch_size = None
@@ -127,8 +133,9 @@ def test_nan_weights_skip_in_generation_then_fail_after_max_consecutive_skips(tm
             with torch.no_grad():
                 pl_module.policy.model.norm.weight.fill_(float("nan"))
 
-    module = PolicyModule(num_samples=1 if temperature == 0 else 2, max_new_tokens=8, temperature=temperature,
-                          max_consecutive_skips=3)
+    module = PolicyModule(sampling=SamplingOptions(num_samples=1 if temperature == 0 else 2, max_new_tokens=8,
+                                                   temperature=temperature),
+                          optim=OptimOptions(max_consecutive_skips=3))
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         callbacks=[NanNorm()])
@@ -138,31 +145,45 @@ def test_nan_weights_skip_in_generation_then_fail_after_max_consecutive_skips(tm
     assert "skipping RL step 1: non-finite generation logits" in caplog.text
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("micro_batch_size", 0, "micro_batch_size must be >= 1"),
-    ("rollout_batch_size", 12, "rollout_batch_size must be a positive multiple of num_samples"),
-    ("clip_ratio_c", 1.0, "clip_ratio_c must be > 1"),
-    ("aggregation", "sum", "aggregation must be one of token-mean, seq-mean, dr-grpo, got .sum."),
-    ("scale_rewards", "std", "scale_rewards must be one of group, batch, none, got .std."),
-    ("lm_head_chunk_size", 0, "lm_head_chunk_size must be >= 1"),
-    ("rollout_correction", {"mode": "token_tis", "cap": 0.0}, "rollout_correction.cap must be > 0"),
-    ("rollout_correction", {"mode": "tis"}, "rollout_correction.mode must be one of token_tis, seq_tis, token_mis"),
-    ("rollout_correction", {"mode": "icepop", "floor": 6.0}, r"rollout_correction.floor \(6.0\) must be below cap \(5.0\)"),
-    ("rollout_correction", {"mode": "token_tis", "bypass": True}, "rollout_correction.bypass takes the rollout's"),
-    ("max_consecutive_skips", 0, "max_consecutive_skips must be >= 1"),
-    ("dynamic_sampling", {"max_draws": 0}, r"dynamic_sampling.max_draws must be >= 1"),
-    ("dynamic_sampling", 3, "dynamic_sampling must be null or a mapping of max_draws"),
-    ("overlong_buffer", {"length": 2000}, r"overlong_buffer.length must be in \[1, 1024\]"),
-    ("overlong_buffer", {"length": 8, "penalty": -1.0}, "overlong_buffer.penalty must be >= 0"),
+@pytest.mark.parametrize("groups, message", [
+    ({"update": UpdateOptions(micro_batch_size=0)}, r"^PolicyModule.update.micro_batch_size must be >= 1, got 0$"),
+    ({"rollout": RolloutOptions(batch_size=12)},
+     r"^PolicyModule.rollout.batch_size must be a positive multiple of sampling.num_samples \(8\)"),
+    ({"loss": LossOptions(clip_ratio_c=1.0)}, r"^PolicyModule.loss.clip_ratio_c must be > 1"),
+    ({"loss": LossOptions(aggregation="sum")},
+     r"^PolicyModule.loss.aggregation must be one of token-mean, seq-mean, dr-grpo, got .sum.$"),
+    ({"advantage": AdvantageOptions(scale_rewards="std")},
+     r"^PolicyModule.advantage.scale_rewards must be one of group, batch, none, got .std.$"),
+    ({"update": UpdateOptions(lm_head_chunk_size=0)}, r"^PolicyModule.update.lm_head_chunk_size must be >= 1"),
+    ({"loss": LossOptions(rollout_correction=RolloutCorrection(mode="token_tis", cap=0.0))},
+     r"^PolicyModule.loss.rollout_correction.cap must be > 0"),
+    ({"loss": LossOptions(rollout_correction=RolloutCorrection(mode="tis"))},
+     r"^PolicyModule.loss.rollout_correction.mode must be one of token_tis, seq_tis, token_mis"),
+    ({"loss": LossOptions(rollout_correction=RolloutCorrection(mode="icepop", floor=6.0))},
+     r"^PolicyModule.loss.rollout_correction.floor \(6.0\) must be below cap \(5.0\)"),
+    ({"loss": LossOptions(rollout_correction=RolloutCorrection(mode="token_tis", bypass=True))},
+     r"^PolicyModule.loss.rollout_correction.bypass takes the rollout's"),
+    ({"optim": OptimOptions(max_consecutive_skips=0)}, r"^PolicyModule.optim.max_consecutive_skips must be >= 1"),
+    ({"optim": OptimOptions(nonfinite="ignore")}, r"^PolicyModule.optim.nonfinite must be one of skip, fail, got"),
+    ({"controls": SamplingControls(dynamic_sampling_max_draws=0)},
+     r"^PolicyModule.controls.dynamic_sampling_max_draws must be >= 1"),
+    ({"controls": SamplingControls(overlong_buffer_length=2000)},
+     r"^PolicyModule.controls.overlong_buffer_length must be <= sampling.max_new_tokens \(1024\), got 2000$"),
+    ({"controls": SamplingControls(overlong_buffer_length=8, overlong_penalty=-1.0)},
+     r"^PolicyModule.controls.overlong_penalty must be >= 0"),
+    ({"sampling": SamplingOptions(num_samples=2, temperature=0.0)},
+     r"^PolicyModule.sampling.temperature 0 \(greedy\) makes the 2 samples"),
+    ({"flow_pretrain": FlowPretrainOptions(steps=3)}, r"^PolicyModule.flow_pretrain.steps 3 needs a reward_model"),
+    ({"flow_pretrain": FlowPretrainOptions(lr_decay="linear")},
+     r"^PolicyModule.flow_pretrain.lr_decay must be one of cosine, constant, got 'linear'$"),
+    ({"validation": ValidationOptions(num_samples=0)}, r"^PolicyModule.validation.num_samples must be >= 1"),
+    ({"sft": SFTOptions(lr=0.0)}, r"^PolicyModule.sft.lr must be > 0"),
+    ({"rollout": RolloutOptions(engine="sglang")}, r"^PolicyModule.rollout.engine must be one of hf, vllm, server"),
 ])
-def test_rl_step_options_are_checked_before_the_backbone_loads(monkeypatch, option, value, message):
+def test_option_groups_are_checked_before_the_backbone_loads(monkeypatch, groups, message):
     from flowkit.errors import ConfigError
     from flowkit.modules import policy
 
     monkeypatch.setattr(policy, "load_backbone", lambda *a: pytest.fail("loaded the backbone"))
-    from flowkit.rl.rollout_correction import RolloutCorrection
-
-    if option == "rollout_correction":
-        value = RolloutCorrection(**value)
     with pytest.raises(ConfigError, match=message):
-        PolicyModule(**{option: value})
+        PolicyModule(**groups)

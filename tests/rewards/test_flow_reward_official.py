@@ -235,7 +235,7 @@ def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatc
 
     monkeypatch.chdir(tmp_path)
     config = str(Path(__file__).resolve().parents[2] / "configs" / "rlfr_tiny.yaml")
-    FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", "2", "--model.init_args.flow_pretrain_steps", "0",
+    FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", "2", "--model.init_args.flow_pretrain.steps", "0",
                      "--model.init_args.reward_model.init_args.flow_update", "micro_batch",
                      "--model.init_args.reward_model.init_args.kappa", "1",
                      "--model.init_args.reward_model.init_args.flow_warmup_steps", "2"])

@@ -11,6 +11,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.cli import main
 from flowkit.errors import ConfigError
 from flowkit.modules import PolicyModule
+from flowkit.modules.policy_options import SamplingOptions
 from flowkit.rewards.functions import boxed_format_reward, build_reward_functions, weighted_rewards
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "rlfr_tiny.yaml")
@@ -72,8 +73,9 @@ def test_a_function_returning_the_wrong_number_of_values_is_named():
 
 
 def test_grade_rollouts_adds_the_functions_to_the_grader(single_thread):
-    module = PolicyModule(outcome_reward="binary", num_samples=2, max_new_tokens=4,
-                          reward_functions=[{"function": "flowkit.rewards.functions.boxed_format_reward", "weight": 0.5}])
+    module = PolicyModule(outcome_reward="binary",
+                          reward_functions=[{"function": "flowkit.rewards.functions.boxed_format_reward", "weight": 0.5}],
+                          sampling=SamplingOptions(num_samples=2, max_new_tokens=4))
     rows = 3
     batch = RolloutBatch(input_ids=torch.zeros(rows, 2, dtype=torch.long), attention_mask=torch.ones(rows, 2),
                          response_mask=torch.ones(rows, 2), group_ids=torch.zeros(rows, dtype=torch.long),
@@ -93,7 +95,7 @@ def test_a_trl_style_reward_list_trains_the_tiny_job(tmp_path, monkeypatch, sing
                  f"{{class_path: {HERE}.LengthPenalty, init_args: {{max_chars: 20}}, weight: 2.0, name: length}}]")
     main(["fit", "--config", CONFIG, "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "2",
           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-          "--model.init_args.flow_pretrain_steps", "0", "--model.init_args.num_samples", "2",
+          "--model.init_args.flow_pretrain.steps", "0", "--model.init_args.sampling.num_samples", "2",
           "--data.init_args.batch_size", "2", "--model.init_args.outcome_reward", "none",
           "--model.init_args.reward_functions", functions])
     with (tmp_path / "run" / "version_0" / "metrics.csv").open() as f:

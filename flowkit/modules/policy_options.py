@@ -1,0 +1,124 @@
+"""Every option group of :class:`~flowkit.modules.PolicyModule` (importable from here; those the RL engine reads are
+declared in :mod:`flowkit.engine.options`, the rollout engine's in :mod:`flowkit.llm.engines`), the table of options
+that moved into groups (a config in the old flat form is a one-line error naming the new key), and the groups'
+README tables (:func:`readme_tables`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from flowkit.engine.options import AdvantageOptions, LossOptions, SamplingControls, SamplingOptions, UpdateOptions
+from flowkit.llm.engines import RolloutOptions
+from flowkit.modules.optim import LrDecay
+from flowkit.options import OptionGroup, bounded, markdown, options_table
+
+__all__ = ["AdvantageOptions", "FlowPretrainOptions", "GROUPS", "LossOptions", "MOVED_OPTIONS", "OptimOptions",
+           "RolloutOptions", "SFTOptions", "SamplingControls", "SamplingOptions", "UpdateOptions", "ValidationOptions",
+           "readme_tables"]
+
+
+@dataclass(frozen=True)
+class OptimOptions(OptionGroup):
+    """One AdamW over the parameter groups ``policy`` and ``value`` (``lr``) and ``reward`` (``flow_lr``), and the
+    finite-state guard of its steps."""
+
+    lr: float = bounded(1e-6, 0, open_low=True)
+    """learning rate of the policy (and the value head)"""
+    flow_lr: float = bounded(1e-4, 0, open_low=True)
+    """learning rate of the reward model (online updates and the offline pretraining)"""
+    max_grad_norm: float | None = bounded(1.0, 0, open_low=True)
+    """gradient clipping over all groups (null: off); under DeepSpeed it becomes the config's ``gradient_clipping``
+    (Lightning leaves clipping to DeepSpeed there)"""
+    nonfinite: Literal["skip", "fail"] = "skip"
+    """when logits, rewards, advantages or gradients are not finite: ``skip`` the step (logged as
+    ``train/skipped_steps``) or ``fail``"""
+    max_consecutive_skips: int | None = bounded(10, 1)
+    """with ``nonfinite: skip``, fail (with the reason) after this many RL steps in a row were skipped, e.g. NaN
+    weights that no step can repair; null never fails"""
+
+
+@dataclass(frozen=True)
+class FlowPretrainOptions(OptionGroup):
+    """The offline start (RLFR §3.2): reward-model pretraining on the DataModule's expert solutions with the backbone
+    frozen, run once before RL (skipped when resuming); AdamW at ``optim.flow_lr`` after a 10 % warmup
+    (:func:`~flowkit.modules.optim.flow_pretraining_schedule`)."""
+
+    steps: int = bounded(0, 0)
+    """pretraining steps (0: none); needs a reward model with latents to pretrain (a FlowReward)"""
+    batch_size: int = bounded(128, 1)
+    """expert solutions per pretraining step"""
+    cache_latents: bool = False
+    """encode each expert solution once and keep its latents on CPU for the later epochs (the backbone is frozen, so
+    they do not change); for small backbones and datasets"""
+    lr_decay: LrDecay = "cosine"
+    """``cosine`` to 0 after the warmup (the official offline pretraining) or ``constant`` (the tiny job: its short
+    pretraining leaves the flow undertrained, and decay cost it error signal)"""
+
+
+@dataclass(frozen=True)
+class ValidationOptions(OptionGroup):
+    """Validation: pass@1 and pass@k (k = ``num_samples``) of the math grader on each eval set."""
+
+    num_samples: int = bounded(4, 1)
+    """samples per prompt"""
+    temperature: float = bounded(1.0, 0)
+    """sampling temperature; 0 is greedy with one sample"""
+
+
+@dataclass(frozen=True)
+class SFTOptions(OptionGroup):
+    """An SFT start before the first RL step (:func:`~flowkit.modules.sft.supervised_start`) on the training records'
+    ``solution`` completions (the TPL paper: 3 epochs on the preferred explanations at 2e-5, App. F); with a KL,
+    PPO's reference is then the SFT'd policy."""
+
+    epochs: int = bounded(0, 0)
+    """passes over the solutions (0: no SFT start)"""
+    lr: float = bounded(2e-5, 0, open_low=True)
+    """learning rate, decaying linearly to 0"""
+
+
+# Saved in the hyper-parameters of a checkpoint, which Lightning and flowkit load with weights_only.
+torch.serialization.add_safe_globals([OptimOptions, FlowPretrainOptions, ValidationOptions, SFTOptions])
+
+# PolicyModule's groups by key, in the order of its signature (and of the README's tables).
+GROUPS: dict[str, type] = {
+    "sampling": SamplingOptions, "advantage": AdvantageOptions, "loss": LossOptions, "update": UpdateOptions,
+    "optim": OptimOptions, "controls": SamplingControls, "rollout": RolloutOptions,
+    "flow_pretrain": FlowPretrainOptions,
+    "validation": ValidationOptions, "sft": SFTOptions,
+}
+
+_RENAMED = {
+    "advantage": "advantage.estimator", "entropy_advantage_alpha": "advantage.entropy_alpha",
+    "entropy_advantage_kappa": "advantage.entropy_kappa", "rollout_engine": "rollout.engine",
+    "rollout_batch_size": "rollout.batch_size", "val_num_samples": "validation.num_samples",
+    "val_temperature": "validation.temperature", "sft_epochs": "sft.epochs", "sft_lr": "sft.lr",
+    "dynamic_sampling": "controls.dynamic_sampling_max_draws",
+    "overlong_buffer": "controls.overlong_buffer_length and controls.overlong_penalty",
+    **{f"flow_pretrain_{name}": f"flow_pretrain.{name}"
+       for name in ("steps", "batch_size", "cache_latents", "lr_decay")},
+    **{f"rollout_server_{name}": f"rollout.server_{name}" for name in ("url", "timeout", "sync_every", "bucket_mb")},
+}
+
+
+def _moved_options() -> dict[str, str]:
+    """Each option of the old flat form (``model.init_args.temperature``) → its key now (``sampling.temperature``):
+    a group's field of the same name (the first group's: ``lr`` is ``optim.lr``), or its new name."""
+    moved: dict[str, str] = {}
+    for key, group in GROUPS.items():
+        for name, declared in group.__dataclass_fields__.items():
+            if declared.init:
+                moved.setdefault(name, f"{key}.{name}")
+    return {**moved, **_RENAMED}
+
+
+MOVED_OPTIONS: dict[str, str] = _moved_options()
+
+
+def readme_tables() -> str:
+    """The README's option tables: one per group, generated from the declarations."""
+    return "\n\n".join(f"**`{key}`** — {markdown(' '.join((group.__doc__ or '').split()))}\n\n"
+                       f"{options_table(group, key)}" for key, group in GROUPS.items())

@@ -1,0 +1,134 @@
+"""Option groups: the dataclasses a config's nested keys fill (``model.init_args.sampling.temperature``).
+
+Each option is declared once, as a field of its group: its name, its type (a ``Literal`` lists the allowed values),
+its default, its help (the string literal under the field, which ``flowkit fit --model.help`` and the README's tables
+print) and its range (:func:`bounded`) or registry (:func:`registered`). :meth:`OptionGroup.check` checks every field against them, then the group's
+own rules between fields (:meth:`OptionGroup.check_rules`).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+import types
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from typing import Any, Literal
+
+from flowkit.errors import ConfigError, check_range
+
+
+def bounded(default: Any, low: float | None = None, high: float | None = None, *, open_low: bool = False,
+            open_high: bool = False) -> Any:
+    """A field with ``default`` whose value must lie in ``[low, high]`` (open on an ``open_`` side; None: unbounded;
+    a None value is "off" and passes): :func:`~flowkit.errors.check_range`."""
+    return field(default=default, metadata={"range": (low, high, open_low, open_high)})
+
+
+def registered(default: str, registry: dict[str, Any]) -> Any:
+    """A field naming an entry of ``registry`` (a loss, an estimator): its allowed values are the registry's names,
+    which include entries registered from Python after import (the ``Literal`` type lists the built-in ones, for the
+    command line and the help)."""
+    return field(default=default, metadata={"registry": registry})
+
+
+def literal_values(annotation: Any) -> tuple[Any, ...]:
+    """The values a ``Literal[...]`` (or ``Literal[...] | None``) annotation allows, None included; () for others."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        arms = typing.get_args(annotation)
+        if any(typing.get_origin(arm) is Literal for arm in arms):
+            return tuple(value for arm in arms for value in (literal_values(arm) or (None,)))
+    return ()
+
+
+@dataclass(frozen=True)
+class OptionGroup:
+    """Base of the option groups (frozen dataclasses; a dataclass itself, so that jsonargparse takes a group as nested
+    keys, not as a ``class_path``): :meth:`check` validates a group built in Python or by the CLI."""
+
+    def check(self, owner: str) -> None:
+        """One-line :class:`~flowkit.errors.ConfigError` naming ``owner.field`` for a value outside its Literal or its
+        range; then the nested groups (``owner.field.…``) and :meth:`check_rules`."""
+        hints = typing.get_type_hints(type(self))
+        for option in fields(self):  # type: ignore[arg-type]
+            if not option.init:
+                continue
+            value = getattr(self, option.name)
+            registry = option.metadata.get("registry")
+            allowed = tuple(registry) if registry is not None else literal_values(hints[option.name])
+            if allowed and value not in allowed:
+                shown = ", ".join("null" if v is None else str(v) for v in allowed)
+                raise ConfigError(f"{owner}.{option.name} must be one of {shown}, got {value!r}")
+            if "range" in option.metadata:
+                low, high, open_low, open_high = option.metadata["range"]
+                check_range(owner, option.name, value, low, high, open_low=open_low, open_high=open_high)
+            if isinstance(value, OptionGroup):
+                value.check(f"{owner}.{option.name}")
+        self.check_rules(owner)
+
+    def check_rules(self, owner: str) -> None:
+        """The group's rules between its fields (none by default)."""
+
+
+def option_help(group: type) -> dict[str, str]:
+    """Each field's help: the string literal right under its declaration in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(group)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    helps = {}
+    for statement, following in zip(body, body[1:]):
+        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            helps[statement.target.id] = " ".join(following.value.value.split())
+    return helps
+
+
+def markdown(text: str) -> str:
+    """A docstring's reST (````x````, ``:func:`~a.b```) as Markdown code spans."""
+    return re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text).replace("``", "`")
+
+
+def _default_text(option: Field) -> str:
+    if option.default is not MISSING:
+        value = option.default
+    elif option.default_factory is not MISSING:
+        value = option.default_factory()
+    else:
+        return "required"
+    if is_dataclass(value):  # a nested group: its fields' defaults
+        return "{" + ", ".join(f"{f.name}: {_value_text(getattr(value, f.name))}" for f in fields(value)) + "}"
+    return _value_text(value)
+
+
+def _value_text(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _range_text(option: Field) -> str:
+    if "range" not in option.metadata:
+        return ""
+    low, high, open_low, open_high = option.metadata["range"]
+    if high is None:
+        return f"{'>' if open_low else '≥'} {low}"
+    if low is None:
+        return f"{'<' if open_high else '≤'} {high}"
+    return f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+
+
+def options_table(group: type, prefix: str) -> str:
+    """A Markdown table of ``group``'s options (key ``prefix.name``, default, allowed values or range, help), made
+    from their declarations: the README's tables are this text."""
+    hints, helps = typing.get_type_hints(group), option_help(group)
+    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+    for option in fields(group):
+        if not option.init:
+            continue
+        allowed = ", ".join("null" if v is None else f"`{v}`" for v in literal_values(hints[option.name]))
+        meaning = markdown(helps.get(option.name, "")).replace("|", "\\|")
+        rows.append(f"| `{prefix}.{option.name}` | `{_default_text(option)}` | {allowed or _range_text(option)} "
+                    f"| {meaning} |")
+    return "\n".join(rows)
