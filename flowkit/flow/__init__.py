@@ -1,10 +1,8 @@
 """Flow matching on hidden states: the velocity field and the path / loss / deviation math (RLFR §3)."""
 
 from flowkit.flow.matching import (
-    flow_matching_loss,
     flow_matching_loss_pieces,
     padding_velocity,
-    pretraining_flow_loss,
     pretraining_loss_pieces,
     sample_logit_normal,
     scored_token_mask,
@@ -14,10 +12,8 @@ from flowkit.flow.velocity_field import VelocityField
 
 __all__ = [
     "VelocityField",
-    "flow_matching_loss",
     "flow_matching_loss_pieces",
     "padding_velocity",
-    "pretraining_flow_loss",
     "pretraining_loss_pieces",
     "sample_logit_normal",
     "scored_token_mask",

@@ -201,20 +201,6 @@ def flow_matching_loss_pieces(
     return [piece(tokens) for tokens in kernels.token_chunks(total, latents.shape[0] * len(timesteps), max_rows)]
 
 
-def flow_matching_loss(
-    field: VelocityField,
-    latents: Tensor,
-    response_mask: Tensor,
-    layer_positions: Sequence[float],
-    timesteps: Tensor,
-    seed: int,
-    condition: Condition = "next",
-) -> Tensor:
-    """Eq. 4 in one field call: the sum of :func:`flow_matching_loss_pieces` (0 when no token is scored)."""
-    pieces = flow_matching_loss_pieces(field, latents, response_mask, layer_positions, timesteps, seed, condition)
-    return sum((piece() for piece in pieces), latents.new_zeros((), dtype=torch.float32))
-
-
 def pretraining_loss_pieces(
     field: VelocityField,
     latents: Tensor,
@@ -263,19 +249,3 @@ def pretraining_loss_pieces(
         return loss
 
     return [piece(chunk) for chunk in kernels.token_chunks(total, 1, max_rows)]
-
-
-def pretraining_flow_loss(
-    field: VelocityField,
-    latents: Tensor,
-    response_mask: Tensor,
-    layer_positions: Sequence[float],
-    copies: int,
-    generator: torch.Generator,
-    condition: Condition = "next",
-    logit_mean: float = 0.0,
-) -> Tensor:
-    """The offline pretraining loss in one field call: the sum of :func:`pretraining_loss_pieces`."""
-    pieces = pretraining_loss_pieces(field, latents, response_mask, layer_positions, copies, generator, condition,
-                                     logit_mean)
-    return sum((piece() for piece in pieces), latents.new_zeros((), dtype=torch.float32))

@@ -8,7 +8,7 @@ Optional features are written as :func:`~typing.runtime_checkable` Protocols and
 
 - a step scorer: :class:`StepScorer` (``score``, required), :class:`LearnsOnline` (``end_step``: the online loss),
   :class:`ReportsMetrics` (``metrics``: the step's scalars);
-- a reward model: :class:`PretrainsOnLatents` (offline pretraining, ``flow_pretrain_steps``),
+- a reward model: :class:`PretrainsOnLatents` (offline pretraining, ``flow_pretrain.steps``),
   :class:`EvaluatesPolicy` (its own validation metrics), :class:`ExportsWeights` (``flowkit export``).
 
 A worked example that CI runs is ``examples/correctness_probe_reward.py``. What a reward model returns is checked where
@@ -75,7 +75,7 @@ class ReportsMetrics(Protocol):
 
 @runtime_checkable
 class PretrainsOnLatents(Protocol):
-    """A reward model trained offline on the policy's latents before RL (``PolicyModule.flow_pretrain_steps``)."""
+    """A reward model trained offline on the policy's latents before RL (``PolicyModule.flow_pretrain.steps``)."""
 
     percentiles: Sequence[float] | None
 

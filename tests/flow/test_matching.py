@@ -6,15 +6,27 @@ import torch
 from flowkit import kernels
 from flowkit.flow import (
     VelocityField,
-    flow_matching_loss,
     flow_matching_loss_pieces,
-    pretraining_flow_loss,
     pretraining_loss_pieces,
     sample_logit_normal,
     scored_token_mask,
     velocity_deviation_scores,
 )
 from flowkit.flow.velocity_field import sinusoidal_embedding
+
+
+def flow_matching_loss(field, latents, response_mask, layer_positions, timesteps, seed, condition="next"):
+    """Oracle: eq. 4 in one field call, the sum of flowkit's loss pieces (0 when no token is scored)."""
+    pieces = flow_matching_loss_pieces(field, latents, response_mask, layer_positions, timesteps, seed, condition)
+    return sum((piece() for piece in pieces), latents.new_zeros((), dtype=torch.float32))
+
+
+def pretraining_flow_loss(field, latents, response_mask, layer_positions, copies, generator, condition="next",
+                          logit_mean=0.0):
+    """Oracle: the offline pretraining loss in one field call, the sum of flowkit's pretraining pieces."""
+    pieces = pretraining_loss_pieces(field, latents, response_mask, layer_positions, copies, generator, condition,
+                                     logit_mean)
+    return sum((piece() for piece in pieces), latents.new_zeros((), dtype=torch.float32))
 
 
 def test_scored_tokens_need_their_condition_token():
