@@ -5,20 +5,66 @@ import csv
 import inspect
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
 from flowkit.cli import FlowkitCLI
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutEngine
+from flowkit.engine import SamplingOptions
+from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSetup, EngineSpec, RolloutEngine, RolloutOptions
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import ServerRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine
+from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.rl.logprobs import lm_head_logprobs
 from flowkit.llm.forward import forward_hidden
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["47+38=", "12+13=", "9+9="]
+
+
+class CountingEngine:
+    """A rollout engine added from this file alone: the HF engine, counting its generations and weight syncs."""
+
+    def __init__(self, setup: EngineSetup):
+        self.inner = HFRolloutEngine(setup.policy, setup.tokenizer, setup.max_new_tokens, setup.temperature,
+                                     setup.top_p)
+        self.tokenizer, self.generated, self.synced = setup.tokenizer, 0, []
+
+    @property
+    def saw_nonfinite_logits(self) -> bool:
+        return self.inner.saw_nonfinite_logits
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    def generate(self, prompts, n=1, answers=None, temperature=None):
+        self.generated += 1
+        return self.inner.generate(prompts, n, answers, temperature=temperature)
+
+    def sync_weights(self, model, version):
+        self.synced.append(version)
+        self.inner.sync_weights(model, version)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_an_engine_registered_from_one_file_trains_the_policy(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setitem(ROLLOUT_ENGINES, "counting", EngineSpec(lambda setup: built.append(CountingEngine(setup))
+                                                                or built[-1]))
+    module = PolicyModule(rollout=RolloutOptions(engine="counting"),
+                          sampling=SamplingOptions(num_samples=2, max_new_tokens=12))
+    trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
+    assert isinstance(built[0], RolloutEngine) and module.engine is built[0]
+    assert trainer.global_step == 2 and built[0].generated == 2
+    assert built[0].synced[-2:] == [1, 2]  # told of each optimizer step's weights
 
 
 def test_every_registered_engine_has_the_contracts_methods():
