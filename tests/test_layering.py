@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flowkit"
 LAYERS = [
     ("kernels",),                                            # fused ops; `_C` is their own native extension
     ("errors", "batch", "distributed", "seeding", "registry"),  # what every layer shares
+    ("options",),                                            # option groups, declared once each
     ("rl", "flow", "data", "llm"),                           # pure math and models
     ("explain", "rbrl"),                                     # the explanation and rule-bottleneck methods' parts
     ("rewards",),                                            # reward models

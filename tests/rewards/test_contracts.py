@@ -5,6 +5,7 @@ import torch
 
 from flowkit.errors import ConfigError
 from flowkit.modules import PolicyModule
+from flowkit.modules.policy_options import FlowPretrainOptions
 from flowkit.rewards import FlowReward, PretrainsOnLatents, TokenRewardModel
 from flowkit.rewards.base import check_reward_model
 
@@ -43,7 +44,7 @@ def test_flow_reward_meets_every_capability_it_is_used_for():
 
 
 def test_pretraining_a_model_without_pretrain_losses_names_the_method():
-    with pytest.raises(ConfigError, match=r"flow_pretrain_steps 5 needs a reward_model with latents to pretrain "
+    with pytest.raises(ConfigError, match=r"flow_pretrain.steps 5 needs a reward_model with latents to pretrain "
                                           r"\(flowkit\.rewards\.PretrainsOnLatents, e\.g\. a FlowReward\); "
                                           r"ScoresOnTheModel has no pretrain_losses"):
-        PolicyModule(reward_model=ScoresOnTheModel(), flow_pretrain_steps=5)
+        PolicyModule(reward_model=ScoresOnTheModel(), flow_pretrain=FlowPretrainOptions(steps=5))
