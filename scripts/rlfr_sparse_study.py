@@ -8,6 +8,12 @@ zero; a dense reward is the only signal inside them. Arms (``--arms`` picks a su
 - ``rlfr``: configs/rlfr_sparse.yaml as configured (β = 0.01); ``rlfr_b0.05``, ``rlfr_b0.2``: β = 0.05 / 0.2;
 - ``entropy_adv``: plain GRPO plus the logit-space baseline of RLFR Table 2 (Cheng et al. 2025, "Entropy Adv.",
   :func:`flowkit.rl.advantages.entropy_shaped_advantages`, α = 0.4, κ = 2).
+- ``rlfr_official``: ``rlfr`` with the official script's online protocol (``flow_update: micro_batch``: a flow step
+  every RL step on the masked mean per micro-batch, correct rollouts weigh 1, the others ``soft_weight`` 0;
+  ``update.micro_batch_size`` 1 as in configs/rlfr_qwen_official.yaml: the masked mean's group is one rollout);
+- ``grpo_dynamic``: ``grpo`` with DAPO's dynamic sampling (groups whose 8 outcomes are all equal are dropped and
+  more prompts drawn, at most 4 generations per step), the baseline a DAPO user would run. Its step-1 reward is
+  over the groups it kept, so the pairing check below reports it as differing.
 
 Every arm of a seed runs `flowkit fit` with ``seed_everything = seed``: the same prompt order and the same sampling
 stream at step 1 (checked: step 1's outcome reward is identical in every arm of a seed). Every ``--eval-every`` RL
@@ -61,6 +67,9 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "rlfr_b0.2": ("rlfr_sparse.yaml", [FLOW + "beta", "0.2"]),
     "entropy_adv": ("grpo_sparse.yaml", ["--model.init_args.advantage.entropy_alpha", "0.4",
                                          "--model.init_args.advantage.entropy_kappa", "2.0"]),
+    "rlfr_official": ("rlfr_sparse.yaml", [FLOW + "flow_update", "micro_batch", FLOW + "soft_weight", "0.0",
+                                           "--model.init_args.update.micro_batch_size", "1"]),
+    "grpo_dynamic": ("grpo_sparse.yaml", ["--model.init_args.controls.dynamic_sampling_max_draws", "4"]),
 }
 GROUP = 8  # the configs' num_samples: a group whose 8 samples are all wrong has zero outcome advantage
 
@@ -213,8 +222,8 @@ def paired_table(runs: list[dict], arms: list[str], samples: int) -> str:
                ("all 8 wrong", final, "all_wrong"), ("greedy", final, "greedy"),
                ("pass@1, mean over evals", area, "pass@1")]
     header = ("| arm | seeds | " + " | ".join(f"{name} | Δ vs GRPO" for name, _, _ in columns)
-              + " | AUROC first wrong token (start → end) |")
-    lines = [header, "|" + "---|" * (2 * len(columns) + 3)]
+              + " | AUROC first wrong token (start → end) | seeds won (final pass@1 above GRPO's) |")
+    lines = [header, "|" + "---|" * (2 * len(columns) + 4)]
     for arm in arms:
         seeds = sorted(s for (a, s) in by if a == arm)
         if not seeds:
@@ -227,6 +236,9 @@ def paired_table(runs: list[dict], arms: list[str], samples: int) -> str:
         flows = [by[(arm, s)]["evals"] for s in seeds if "auroc_deviation" in by[(arm, s)]["evals"][0]]
         start, end = (_mean([e[i]["auroc_deviation"] for e in flows]) for i in (0, -1)) if flows else (None, None)
         cells.append(f"{start:.3f} → {end:.3f}" if flows else "–")
+        paired = [s for s in seeds if ("grpo", s) in by]
+        won = sum(final(by[(arm, s)], "pass@1") > final(by[("grpo", s)], "pass@1") for s in paired)
+        cells.append("–" if arm == "grpo" or not paired else f"{won}/{len(paired)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -314,7 +326,7 @@ def main() -> None:
             row = {**train(arm, seed, args), "setting": setting}
             print(f"  {arm} seed {seed}: {row['wall_s']:.0f} s", flush=True)
             append_line(path, json.dumps(row))
-    runs = read_runs(path, setting)
+    runs = [r for r in read_runs(path, setting) if r["seed"] in args.seeds]  # --seeds also picks what is reported
     for seed in args.seeds:  # pairing check: step 1 uses the same prompts, policy and sampling in every arm
         first = {r["first_step_reward"] for r in runs if r["seed"] == seed and r["arm"] in args.arms}
         if first:

@@ -181,3 +181,4 @@ def test_study_table_pairs_each_seed_with_its_grpo_run():
     rlfr = next(line for line in table.splitlines() if line.startswith("| rlfr "))
     # differences 0.06 and 0.04: mean 0.05, SE = sd / √2 = 0.01414 / 1.414 = 0.010
     assert rlfr.startswith("| rlfr | 2 | 0.200 | +0.050 ± 0.010 | 0.500 | +0.000 ± 0.000 |")
+    assert rlfr.endswith("| – | 2/2 |"), rlfr  # no flow AUROC in these rows; both seeds above their GRPO run
