@@ -163,8 +163,6 @@ class FlowkitCLI(LightningCLI):
             self._run_lock = lock_run_directory(config.trainer.default_root_dir or os.getcwd())
         self._checkpoint_dirs = place_run(config, fresh_fit=self.subcommand == "fit" and config.get("ckpt_path") is None
                                           and not self._requeued(config))
-        if self.subcommand == "fit":
-            _note_unreached_validation(config)
 
     def _requeued(self, config) -> bool:
         """A requeued SLURM job (the same command again) resumes its run from the newest checkpoint, as Lightning's
@@ -175,6 +173,12 @@ class FlowkitCLI(LightningCLI):
         return True
 
     def before_fit(self) -> None:
+        """The resume's checks (:meth:`_check_resume`), then the note on a validation the fit will not reach (not
+        for a resume that has nothing left to do)."""
+        self._check_resume()
+        _note_unreached_validation(self.config[self.subcommand])
+
+    def _check_resume(self) -> None:
         """Before any work of a resume: ``last`` is the newest of ``last*.ckpt`` and ``hpc_ckpt_N.ckpt``; a file that
         is no Lightning checkpoint, or one the model's config does not fit (``check_resume``), is one line; a run
         with nothing left to do (``max_steps`` reached, validated, exported) says so and ends, writing nothing."""

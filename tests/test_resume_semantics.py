@@ -68,8 +68,11 @@ def test_a_resume_with_nothing_left_says_so_and_writes_nothing(finished_run, tmp
     last = run_dir(root) / "checkpoints" / "last.ckpt"
     exported = run_dir(root) / "version_0" / "export" / "flow.safetensors"
     exported_at = exported.stat().st_mtime_ns
-    result = cli_errors.fit(root, 1, *every_step(root), *PRETRAIN, "--ckpt_path", "last")
+    # with validation data and an interval the fit would not reach: the run is over, so no note on validation
+    result = cli_errors.fit(root, 1, *every_step(root), *PRETRAIN, "--ckpt_path", "last", "--data.init_args.val_path",
+                            "bundled:arithmetic/val.jsonl", "--trainer.val_check_interval", "5")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "note: no validation" not in result.stderr, result.stderr
     assert result.stdout.splitlines()[-1] == (
         f"nothing left to do: {last} is at step 1 of --trainer.max_steps 1, and its fit ended (validated, exported); "
         "raise --trainer.max_steps to train further")
