@@ -228,15 +228,14 @@ def paired_table(runs: list[dict], arms: list[str], samples: int) -> str:
         seeds = sorted(s for (a, s) in by if a == arm)
         if not seeds:
             continue
-        cells = [arm, str(len(seeds))]
+        cells, paired = [arm, str(len(seeds))], [s for s in seeds if ("grpo", s) in by]
         for _, how, metric in columns:
             cells.append(f"{_mean([how(by[(arm, s)], metric) for s in seeds]):.3f}")
-            diffs = [how(by[(arm, s)], metric) - how(by[("grpo", s)], metric) for s in seeds if ("grpo", s) in by]
+            diffs = [how(by[(arm, s)], metric) - how(by[("grpo", s)], metric) for s in paired]
             cells.append("–" if arm == "grpo" or not diffs else f"{_mean(diffs):+.3f} ± {_se(diffs):.3f}")
         flows = [by[(arm, s)]["evals"] for s in seeds if "auroc_deviation" in by[(arm, s)]["evals"][0]]
         start, end = (_mean([e[i]["auroc_deviation"] for e in flows]) for i in (0, -1)) if flows else (None, None)
         cells.append(f"{start:.3f} → {end:.3f}" if flows else "–")
-        paired = [s for s in seeds if ("grpo", s) in by]
         won = sum(final(by[(arm, s)], "pass@1") > final(by[("grpo", s)], "pass@1") for s in paired)
         cells.append("–" if arm == "grpo" or not paired else f"{won}/{len(paired)}")
         lines.append("| " + " | ".join(cells) + " |")
