@@ -1,7 +1,8 @@
 """2-rank ZeRO-3 job for tests/rl/test_lm_head_logprobs.py (run with ``torch.distributed.run``): counts the
 all-gathers of the LM head over one micro-batch's forward and backward through lm_head_logprobs, whose ranks hold
 different numbers of response tokens (several chunks each), and checks the log-probs and the head's gradient (the
-ranks' mean, as ZeRO reduces it) against full logits. Prints one JSON line per rank."""
+ranks' mean, as ZeRO reduces it) against full logits. Rank 0 prints one line, ``RESULTS`` and the JSON list of every
+rank's result (lines printed by each rank could interleave on the shared stdout)."""
 
 import json
 import sys
@@ -87,4 +88,7 @@ if not frozen:
     (reference,) = torch.autograd.grad(expected, weight)
     dist.all_reduce(reference)
     result["head_grad_close"] = bool(torch.allclose(grad, reference / world, atol=1e-5))
-print(json.dumps(result), flush=True)
+results = [None] * world
+dist.all_gather_object(results, result)
+if rank == 0:
+    print("RESULTS", json.dumps(results), flush=True)
