@@ -327,7 +327,9 @@ def main() -> None:
             append_line(path, json.dumps(row))
     runs = [r for r in read_runs(path, setting) if r["seed"] in args.seeds]  # --seeds also picks what is reported
     for seed in args.seeds:  # pairing check: step 1 uses the same prompts, policy and sampling in every arm
-        first = {r["first_step_reward"] for r in runs if r["seed"] == seed and r["arm"] in args.arms}
+        # except dynamic sampling, whose step-1 reward is over the groups it kept
+        first = {r["first_step_reward"] for r in runs
+                 if r["seed"] == seed and r["arm"] in args.arms and r["arm"] != "grpo_dynamic"}
         if first:
             print(f"seed {seed}: step-1 outcome reward {'identical' if len(first) == 1 else 'DIFFERS'} across arms "
                   f"{sorted(first)}")
