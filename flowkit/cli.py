@@ -15,45 +15,32 @@ subcommand's options::
 and make it a plugin: an installed package names it in the entry-point group ``flowkit.subcommands`` (see
 :func:`load_plugins`), and ``flowkit my-report --config ...`` runs it with the same config machinery as ``fit``.
 
-This module imports neither torch nor Lightning at its top (they take seconds): ``flowkit --help`` is built without
-them (:func:`print_overview` reads the built-in commands' docstrings from their source), ``flowkit COMMAND --help``
-is answered from a cache (:func:`cached_help`), and :mod:`flowkit.lightning_cli` is imported only when a command runs.
+This module imports neither torch nor Lightning at its top (they take seconds): ``flowkit --help`` and ``flowkit
+COMMAND --help`` are built without them (:mod:`flowkit.command_help`), and :mod:`flowkit.lightning_cli` is imported
+only when a command runs.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import difflib
-import hashlib
 import importlib
 import importlib.metadata
-import importlib.util
 import inspect
-import io
-import json
 import os
 import re
-import shutil
 import sys
-import textwrap
 from pathlib import Path
 
+from flowkit.command_help import (
+    HELP_FLAGS, LIGHTNING_COMMANDS, builtin_commands, config_commands, print_command_help, print_overview,
+    standalone_module,
+)
 from flowkit.errors import ConfigError, RunError
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
 
 PLUGIN_GROUP = "flowkit.subcommands"
-# Lightning's commands as flowkit runs them (their Trainer docstrings speak of epochs and dataloaders)
-LIGHTNING_COMMANDS = {
-    "fit": "Train the model: RL steps (after any flow pretraining) until trainer.max_steps, then export.",
-    "validate": "Evaluate a checkpoint (--ckpt_path) on the validation sets.",
-    "test": "Evaluate a checkpoint (--ckpt_path) on the test sets.",
-    "predict": "Run the model's predict_step over the data module's predict set.",
-}
-COMMANDS_DIR = Path(__file__).resolve().parent / "commands"
-PLUGIN_WARNINGS: list[str] = []  # the last load_plugins() warnings
 LAZY_ATTRIBUTES = ("FlowkitCLI", "FlowkitTrainer", "place_run")
 
 
@@ -67,8 +54,10 @@ def __getattr__(name: str):
 
 
 def _load_builtin_subcommands() -> None:
-    import flowkit.commands  # noqa: F401  (registers flowkit's own subcommands)
+    import flowkit.commands
     import flowkit.strategies  # noqa: F401  (registers the deepspeed_cpu* strategy names)
+
+    flowkit.commands.load_all()
 
 
 def load_plugins() -> list[str]:
@@ -78,10 +67,9 @@ def load_plugins() -> list[str]:
     :func:`subcommand` / :func:`~flowkit.registry.standalone` decorators) or a function (``count-params =
     my_project.commands:count_params``: registered as ``flowkit count-params`` unless a decorator already registered
     it). A plugin that fails to load is left out with a one-line warning naming it; flowkit itself still runs.
-    Returns the warnings (printed to stderr, and kept in :data:`PLUGIN_WARNINGS` for the help cache).
+    Returns the warnings (printed to stderr).
     """
-    warnings_printed = PLUGIN_WARNINGS
-    warnings_printed.clear()
+    warnings_printed = []
     taken = {*LIGHTNING_COMMANDS, *builtin_commands(), *SUBCOMMANDS, *STANDALONE}  # flowkit's and a launcher's
     for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
         try:
@@ -114,12 +102,29 @@ def main(args: list[str] | None = None) -> None:
     _put_working_directory_on_path()
     argv = sys.argv[1:] if args is None else list(args)
     if len(argv) == 1 and argv[0] in HELP_FLAGS:
+        load_plugins()  # a plugin's own imports are its own
         print_overview()
         return
-    if args is None and _is_help_request(argv):  # a console `--help` (callers passing `args` get argparse's exit)
-        cached_help(argv, lambda: _run(args, argv))
+    if len(argv) == 2 and argv[1] in HELP_FLAGS and _print_help(argv[0]):
         return
     _run(args, argv)
+
+
+def _print_help(command: str) -> bool:
+    """``flowkit COMMAND --help`` without Lightning's parser, whose import alone takes seconds: a config command's
+    options from their sources (:func:`~flowkit.command_help.print_command_help`), a standalone command's from its
+    own module alone. ``False`` for a name that is no command (the parser then says so)."""
+    load_plugins()
+    module = standalone_module(command)
+    if module is not None or command in STANDALONE:
+        if module is not None:
+            importlib.import_module(module)
+        STANDALONE[command](["--help"])
+        return True
+    if command in config_commands():
+        print_command_help(command)
+        return True
+    return False
 
 
 def _run(args: list[str] | None, argv: list[str]) -> None:
@@ -140,157 +145,6 @@ def _run(args: list[str] | None, argv: list[str]) -> None:
             raise
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
-
-
-# --------------------------------------------------------------------------------------------- help
-HELP_FLAGS = ("-h", "--help")
-
-
-def builtin_commands() -> dict[str, tuple[str, str]]:
-    """flowkit's own commands, ``{name: (kind, first docstring line)}`` with kind ``subcommand`` or ``standalone``,
-    read from the ``@subcommand("name")`` / ``@standalone("name")`` decorators in ``flowkit/commands/*.py`` without
-    importing them (they import torch and Lightning)."""
-    found = {}
-    for path in sorted(COMMANDS_DIR.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.FunctionDef):
-                continue
-            for decorator in node.decorator_list:
-                if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Name)
-                        and decorator.func.id in ("subcommand", "standalone") and decorator.args
-                        and isinstance(decorator.args[0], ast.Constant)):
-                    found[decorator.args[0].value] = (decorator.func.id, _first_line(ast.get_docstring(node)))
-    return found
-
-
-def print_overview() -> None:
-    """``flowkit --help``: every command with its first docstring line (plugins' included), no torch import."""
-    load_plugins()  # a plugin's own imports are its own
-    builtin = builtin_commands()
-    with_config = dict(LIGHTNING_COMMANDS)
-    with_config.update({name: doc for name, (kind, doc) in builtin.items() if kind == "subcommand"})
-    with_config.update({name: _first_line(fn.__doc__) for name, fn in SUBCOMMANDS.items()})
-    other = {name: doc for name, (kind, doc) in builtin.items() if kind == "standalone"}
-    other.update({name: _first_line(fn.__doc__) for name, fn in STANDALONE.items()})
-    width = max(map(len, [*with_config, *other])) + 2
-    text_width = max(40, shutil.get_terminal_size().columns - width - 4)
-
-    def rows(commands: dict[str, str]) -> list[str]:
-        lines = []
-        for name, doc in commands.items():
-            wrapped = textwrap.wrap(doc, text_width) or [""]
-            lines.append(f"  {name:<{width}}{wrapped[0]}")
-            lines += [" " * (width + 2) + more for more in wrapped[1:]]
-        return lines
-
-    print("\n".join([
-        "usage: flowkit COMMAND [--config CONFIG.yaml] [--section.option VALUE ...]",
-        "       flowkit COMMAND --help    (the command's options)",
-        "",
-        "flowkit: RL for language models with flow-matching rewards, on PyTorch Lightning.",
-        "",
-        "commands with a config (model, data, trainer; see `flowkit fit --help`):",
-        *rows(with_config),
-        "",
-        "other commands:",
-        *rows(other),
-        "",
-        "Start with: flowkit fit --config configs/rlfr_tiny.yaml",
-    ]))
-
-
-def _first_line(doc: str | None) -> str:
-    return " ".join(((doc or "").strip().split("\n\n") or [""])[0].split())
-
-
-def _is_help_request(argv: list[str]) -> bool:
-    """``flowkit COMMAND --help``: text that depends only on the installed code."""
-    return len(argv) == 2 and argv[1] in HELP_FLAGS and not argv[0].startswith("-")
-
-
-def cached_help(argv: list[str], build) -> None:
-    """Print the help text of ``argv`` from the cache, or build it (``build()`` prints it) and cache it.
-
-    Building needs Lightning's parser, whose import alone takes seconds; the text changes only with the code, so
-    it is cached under a key of everything it is made from: ``argv``, the terminal width, flowkit's source files,
-    the versions of Lightning, jsonargparse and torch, the subcommands registered before :func:`main` ran (a
-    launcher's) and the installed plugins (their entry points and source files). The plugins' load warnings are kept with the text and printed again. The cache lives in
-    ``$FLOWKIT_CACHE_DIR`` (default ``~/.cache/flowkit``); a cache that cannot be written is skipped.
-    """
-    path = _help_cache_file(argv)
-    if path is not None and path.is_file():
-        try:
-            cached = json.loads(path.read_text(encoding="utf-8"))
-            for line in cached["warnings"]:
-                print(line, file=sys.stderr)
-            sys.stdout.write(cached["text"])
-            return
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged entry is rebuilt
-    captured = io.StringIO()
-    with contextlib.redirect_stdout(_Tee(sys.stdout, captured)):
-        try:
-            build()
-        except SystemExit as exit:  # argparse ends a help request with exit 0
-            if exit.code not in (0, None):
-                raise
-    if path is not None:
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            temporary.write_text(json.dumps({"text": captured.getvalue(), "warnings": PLUGIN_WARNINGS}))
-            temporary.replace(path)
-
-
-class _Tee(io.TextIOBase):
-    def __init__(self, *streams):
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self.streams:
-            stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for stream in self.streams:
-            stream.flush()
-
-
-def _help_cache_file(argv: list[str]) -> Path | None:
-    root = os.environ.get("FLOWKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flowkit")
-    key = hashlib.sha256()
-    key.update(json.dumps([argv, shutil.get_terminal_size().columns, sys.version]).encode())
-    for name in ("lightning", "jsonargparse", "torch"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            key.update(f"{name}=={importlib.metadata.version(name)}".encode())
-    _hash_sources(key, Path(__file__).resolve().parent)
-    for name, fn in sorted({**SUBCOMMANDS, **STANDALONE}.items()):  # registered before main(), e.g. by a launcher
-        key.update(name.encode())
-        with contextlib.suppress(TypeError, OSError):
-            _hash_file(key, Path(inspect.getsourcefile(fn)))
-    for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
-        key.update(f"{entry.name}={entry.value}".encode())
-        top = entry.value.split(":")[0].split(".")[0]
-        try:
-            spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
-        except (ImportError, ValueError):
-            spec = None
-        origin = spec.origin if spec is not None else None
-        if origin and origin.endswith(".py"):
-            source = Path(origin)
-            _hash_sources(key, source.parent) if source.name == "__init__.py" else _hash_file(key, source)
-    return Path(root) / "help" / f"{key.hexdigest()[:32]}.json"
-
-
-def _hash_sources(key, directory: Path) -> None:
-    for path in sorted(directory.rglob("*.py")):
-        _hash_file(key, path)
-
-
-def _hash_file(key, path: Path) -> None:
-    with contextlib.suppress(OSError):
-        stat = path.stat()
-        key.update(f"{path}:{stat.st_mtime_ns}:{stat.st_size}".encode())
 
 
 def _check_config_files(argv: list[str]) -> None:

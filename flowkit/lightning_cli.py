@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
-from flowkit.cli import LIGHTNING_COMMANDS, config_file_with_key, did_you_mean
+from flowkit.cli import config_file_with_key, did_you_mean
 from flowkit.checkpointing import fault_tolerance_defaults
 from flowkit.checkpointing.preemption import VALIDATION_INTERRUPTED_KEY
 from flowkit.checkpointing.resume import (
@@ -32,6 +32,7 @@ from flowkit.checkpointing.resume import (
 )
 from flowkit.checkpointing.run_lock import RunDirectoryLock, lock_run_directory
 from flowkit.checkpointing.safe_loading import tensors_only_loading
+from flowkit.command_help import LIGHTNING_COMMANDS, command_description, first_paragraph
 from flowkit.errors import ConfigError
 from flowkit.modules.callbacks import ExportArtifacts
 from flowkit.modules.completions import CompletionLogs
@@ -77,13 +78,6 @@ class FlowkitTrainer(Trainer):
         return super().fit(*args, ckpt_path=ckpt_path, **kwargs)
 
 
-def _command_description(command: str) -> str:
-    first = LIGHTNING_COMMANDS.get(command) or ((SUBCOMMANDS[command].__doc__ or "").strip().splitlines() or [""])[0]
-    return (f"{first} The options below are Lightning's and the command's; the model's and the data's are listed by "
-            f"`flowkit {command} --model.help flowkit.modules.PolicyModule` and `--data.help "
-            "flowkit.modules.RolloutDataModule` (or another class), and set as `--model.init_args.NAME`.")
-
-
 class FlowkitCLI(LightningCLI):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("trainer_class", FlowkitTrainer)
@@ -98,7 +92,8 @@ class FlowkitCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         parser_kwargs = dict(kwargs.get("parser_kwargs") or {})
         for command in ("fit", "validate", "test", "predict", *SUBCOMMANDS):
-            parser_kwargs.setdefault(command, {}).setdefault("description", _command_description(command))
+            summary = LIGHTNING_COMMANDS.get(command) or first_paragraph(SUBCOMMANDS[command].__doc__)
+            parser_kwargs.setdefault(command, {}).setdefault("description", command_description(command, summary))
         kwargs["parser_kwargs"] = parser_kwargs
         self._run_lock: RunDirectoryLock | None = None
         try:

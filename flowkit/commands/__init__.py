@@ -1,7 +1,10 @@
-"""flowkit's own subcommands; importing this package registers them in :mod:`flowkit.registry`."""
-from flowkit.commands import score  # noqa: F401
-from flowkit.commands import explain_rules  # noqa: F401
-from flowkit.commands import export  # noqa: F401
-from flowkit.commands import convert_flow  # noqa: F401
-from flowkit.commands import plot  # noqa: F401
-from flowkit.commands import rollout_server  # noqa: F401
+"""flowkit's own subcommands, a module each; :func:`load_all` imports them, which registers them in
+:mod:`flowkit.registry` (``flowkit COMMAND --help`` imports only the command's own module)."""
+
+import importlib
+import pkgutil
+
+
+def load_all() -> None:
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
