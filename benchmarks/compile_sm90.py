@@ -15,6 +15,9 @@ lengths (a second key is a recompile on the GPU). The ``.cu`` files are compiled
 (csrc/check_cuda_compile.sh): no spills, no stack frame above 64 B.
 
     python benchmarks/compile_sm90.py [--skip-nvcc] [--only velocity|attention]   # prints the table; exit 1 on a failure
+
+The GPU image runs Triton 3.6.0 and this machine 3.9.0; the gate runs under both (CI installs 3.6.0 into
+build/triton36 and tests/kernels/test_compile_sm90.py runs the gate with it first on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -331,6 +334,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-nvcc", action="store_true", help="only the Triton kernels")
     parser.add_argument("--only", choices=["velocity", "attention"], help="one family of Triton kernels")
     args = parser.parse_args(argv)
+    import triton
+
+    print(f"Triton {triton.__version__}, torch {torch.__version__}, sm_90 target")
     rows = triton_rows(args.only)
     if not args.skip_nvcc:
         if find_nvcc() is None:
