@@ -131,7 +131,18 @@ install_wheels() {  # WHEELS into $WORK/site, from $WHEEL_DIR only (PYTHONPATH h
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
     "$WHEEL_DIR"/*.whl && "$PYTHON" -c "import flowkit.modules, flowkit.rewards; print('flowkit imports')"
 }
-export -f check_gpu install_wheels
+build_native() {  # flowkit._C; setup.py builds the CUDA kernels only where torch finds a CUDA toolkit
+  # torch's CUDA wheels carry no nvcc; the image's own toolkit (nvcc 13.0, device KINDS.md) is what builds them
+  "$PYTHON" -c "
+import sys, torch
+from torch.utils.cpp_extension import CUDA_HOME
+if CUDA_HOME is None:
+    sys.exit('no nvcc here (PATH, CUDA_HOME, /usr/local/cuda): flowkit._C cannot build its CUDA kernels; '
+             'the native checks fail, the Triton ones stand')
+print('CUDA toolkit', CUDA_HOME, 'for torch', torch.__version__, 'CUDA', torch.version.cuda)" &&
+    "$PYTHON" setup.py -q build_ext --inplace
+}
+export -f check_gpu install_wheels build_native
 export PYTHON WHEEL_DIR WORK
 
 setup() {
@@ -145,7 +156,7 @@ kernels() {
   # Triton needs no build: it goes first. -k triton: the Triton cases and the Triton opcheck.
   step kernels triton-vs-reference 90 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py -m gpu -k triton -q \
     -p no:cacheprovider
-  step kernels build 150 "$PYTHON" setup.py -q build_ext --inplace
+  step kernels build 150 bash -c build_native
   step kernels native-vs-reference 45 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py -m gpu -k "not triton" \
     -q -p no:cacheprovider
 }

@@ -9,7 +9,11 @@
 // Shared rows have an odd stride (head_dim | 1 elements), so the 32 lanes of a warp that read one column of 32
 // different rows (the q·k and dO·v dot products) hit 32 different banks; a stride of head_dim = 128 put them all in
 // one bank (32-way conflicts).
-#include <ATen/ATen.h>
+// ATen's per-operator headers instead of ATen/ATen.h (every op's declaration): ~40% less for nvcc's three passes
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>

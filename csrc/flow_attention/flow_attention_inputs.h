@@ -2,7 +2,7 @@
 // (they index raw pointers with these sizes, so a mismatch must stop here, not read out of bounds).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 

@@ -97,3 +97,19 @@ def test_a_failing_build_is_reported_and_the_rest_still_runs(tmp_path):
     assert result.returncode == 1
     assert (tmp_path / "out" / "status.txt").read_text() == "setup: ok\nkernels: FAILED (build)\nrl: ok\n"
     assert any("-k not triton" in call for call in calls) and any("bench_rl_scale.py" in call for call in calls)
+
+
+def test_an_image_without_nvcc_is_named_in_one_line(tmp_path):
+    """torch's CUDA wheels carry no nvcc: where the image has no toolkit either, the build step says so and fails
+    before setup.py would quietly build flowkit._C without its CUDA kernels. A stand-in torch finds no toolkit."""
+    fake = tmp_path / "fake_torch" / "torch"
+    (fake / "utils").mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '2.11.0'\n")
+    (fake / "utils" / "__init__.py").write_text("")
+    (fake / "utils" / "cpp_extension.py").write_text("CUDA_HOME = None\n")
+    result, _ = run_script(tmp_path, "kernels", python=sys.executable, PYTHONPATH=str(fake.parent))
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    no_nvcc = [line for line in log.splitlines() if line.startswith("no nvcc here")]
+    assert len(no_nvcc) == 1 and "flowkit._C cannot build its CUDA kernels" in no_nvcc[0], log
+    assert "kernels/build: failed (rc=1" in log and "setup.py" not in log
+    assert result.returncode == 1
