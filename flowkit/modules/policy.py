@@ -29,6 +29,7 @@ from flowkit.modules.policy_options import (
 )
 from flowkit.modules.policy_validation import ValidationHooks
 from flowkit.modules.sft import supervised_start
+from flowkit.options import registry_entry
 from flowkit.rewards.base import ExportsWeights, PretrainsOnLatents, TokenRewardModel, check_reward_model
 from flowkit.rewards.functions import build_reward_functions, outcome_rewards
 from flowkit.rl.advantages import ESTIMATORS
@@ -140,7 +141,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
             getattr(self.policy, "activation_checkpointing_enable", self.policy.gradient_checkpointing_enable)(
                 {"use_reentrant": False})
         self.value_head = (torch.nn.Linear(self.policy.config.hidden_size, 1)
-                           if ESTIMATORS[advantage.estimator].value_head else None)
+                           if registry_entry(ESTIMATORS, advantage.estimator).value_head else None)
         self.reward_model = reward_model
         self.tap = None
         if reward_model is not None and reward_model.percentiles:
@@ -170,7 +171,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
             group.check(f"{OWNER}.{key}")
         controls.check_within(f"{OWNER}.controls", sampling.max_new_tokens)
         rollout.check_group_size(f"{OWNER}.rollout", sampling.num_samples)
-        ROLLOUT_ENGINES[rollout.engine].check()
+        registry_entry(ROLLOUT_ENGINES, rollout.engine).check()
         if flow_pretrain.steps > 0 and not (isinstance(reward_model, PretrainsOnLatents) and reward_model.percentiles):
             missing = "percentiles" if isinstance(reward_model, PretrainsOnLatents) else "pretrain_losses"
             raise ConfigError(f"{OWNER}.flow_pretrain.steps {flow_pretrain.steps} needs a reward_model with latents to "
@@ -181,7 +182,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
     def _build_engine(self, backbone: str, with_kl: bool) -> None:
         """The rollout engine, the actor and the RL step."""
         sampling, rollout = self.sampling, self.rollout
-        self.engine: RolloutEngine = ROLLOUT_ENGINES[rollout.engine].build(EngineSetup(
+        self.engine: RolloutEngine = registry_entry(ROLLOUT_ENGINES, rollout.engine).build(EngineSetup(
             self.policy, self.tokenizer, backbone, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
             rollout, whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy)))
         if rollout.max_staleness and not hasattr(self.engine, "prefetch"):
