@@ -147,9 +147,13 @@ def _range_text(option: Field) -> str:
 
 def options_table(group: type, prefix: str) -> str:
     """A Markdown table of ``group``'s options (key ``prefix.name``, default, allowed values or range, help), made
-    from their declarations: the README's tables are this text."""
+    from their declarations, a nested group's below its own row: the README's tables are this text."""
+    return "\n".join(["| key | default | allowed | meaning |", "|---|---|---|---|", *_option_rows(group, prefix)])
+
+
+def _option_rows(group: type, prefix: str) -> list[str]:
     hints, helps = typing.get_type_hints(group), option_help(group)
-    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+    rows = []
     for option in fields(group):
         if not option.init:
             continue
@@ -158,4 +162,7 @@ def options_table(group: type, prefix: str) -> str:
         meaning = markdown(helps.get(option.name, "")).replace("|", "\\|")
         rows.append(f"| `{prefix}.{option.name}` | `{_default_text(option)}` | {allowed or _range_text(option)} "
                     f"| {meaning} |")
-    return "\n".join(rows)
+        nested = hints[option.name]
+        if isinstance(nested, type) and issubclass(nested, OptionGroup):
+            rows.extend(_option_rows(nested, f"{prefix}.{option.name}"))
+    return rows

@@ -130,9 +130,8 @@ class LossOptions(OptionGroup):
     rollout_correction: RolloutCorrection = RolloutCorrection()
     """the correction of rows the rollout engine sampled from another distribution than the trainer's forward (its
     numerics, or older weights): truncated / masked importance weights per token or sequence, IcePop, the off-policy
-    sequence mask, or PPO anchored at the rollout's log-probs (TRL / verl; its fields ``mode``, ``cap``, ``floor``,
-    ``off_policy_mask``, ``bypass``: :class:`~flowkit.rl.rollout_correction.RolloutCorrection`). The mismatch is
-    logged as ``rollout_corr/...`` whatever it is set to"""
+    sequence mask, or PPO anchored at the rollout's log-probs (TRL / verl; the keys below). The mismatch is logged as
+    ``rollout_corr/...`` whatever it is set to"""
     kl_coef: float = bounded(0.0, 0)
     """weight of the KL to the initial policy (0 = off, the paper's setting). The reference is the base model read
     with the LoRA adapters disabled under ``lora`` (no second copy), else a frozen copy; after an SFT start, the
@@ -169,7 +168,6 @@ class LossOptions(OptionGroup):
         return bound
 
     def check_rules(self, owner: str) -> None:
-        self.rollout_correction.check(owner)
         accepted = registry_entry(POLICY_LOSSES, self.policy_loss).args
         unknown = sorted(set(self.policy_loss_args) - set(accepted))
         if unknown:
