@@ -35,7 +35,7 @@ from flowkit.command_help import (
     HELP_FLAGS, LIGHTNING_COMMANDS, builtin_commands, config_commands, print_command_help, print_overview,
     standalone_module,
 )
-from flowkit.errors import ConfigError, RunError
+from flowkit.errors import ConfigError, RunError, did_you_mean
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
@@ -333,9 +333,3 @@ def config_file_with_key(argv: list[str], dotted: str, leaf: bool = False) -> st
         if isinstance(node, dict) and last in node and not (leaf and isinstance(node[last], dict)):
             found = path
     return found
-
-
-def did_you_mean(word: str, choices) -> str:
-    """``"; did you mean 'X'?"`` for the choice nearest to ``word``, or ``""`` when none is near."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""

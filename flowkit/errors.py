@@ -7,8 +7,9 @@ for what the user must fix outside the configuration (a full disk, a run directo
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Sized
+from collections.abc import Iterable, Sized
 
 
 class ConfigError(ValueError):
@@ -43,6 +44,12 @@ def check_range(owner: str, name: str, value: float | None, low: float | None = 
     else:
         allowed = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
     raise ConfigError(f"{owner}.{name} must be {allowed}, got {value!r}")
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'X'?"`` for the choice nearest to ``word``, or ``""`` when none is near."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def check_nonempty(owner: str, name: str, values: Sized) -> None:

@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
-from flowkit.cli import config_file_with_key, did_you_mean
+from flowkit.cli import config_file_with_key
 from flowkit.checkpointing import fault_tolerance_defaults
 from flowkit.checkpointing.preemption import VALIDATION_INTERRUPTED_KEY
 from flowkit.checkpointing.resume import (
@@ -33,7 +33,7 @@ from flowkit.checkpointing.resume import (
 from flowkit.checkpointing.run_lock import RunDirectoryLock, lock_run_directory
 from flowkit.checkpointing.safe_loading import tensors_only_loading
 from flowkit.command_help import LIGHTNING_COMMANDS, command_description, first_paragraph
-from flowkit.errors import ConfigError
+from flowkit.errors import ConfigError, did_you_mean
 from flowkit.modules.callbacks import ExportArtifacts
 from flowkit.modules.completions import CompletionLogs
 from flowkit.modules.summary import ParameterSummary, RunSummary

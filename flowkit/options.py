@@ -2,22 +2,25 @@
 
 Each option is declared once, as a field of its group: its name, its type (a ``Literal`` lists the allowed values),
 its default, its help (the string literal under the field, which ``flowkit fit --model.help`` and the README's tables
-print) and its range (:func:`bounded`) or registry (:func:`registered`). :meth:`OptionGroup.check` checks every field against them, then the group's
-own rules between fields (:meth:`OptionGroup.check_rules`).
+print) and its range (:func:`bounded`) or registry (:func:`registered`). :meth:`OptionGroup.check` checks every field
+against them, then the group's own rules between fields (:meth:`OptionGroup.check_rules`).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 import textwrap
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from flowkit.errors import ConfigError, check_range
+from flowkit.errors import ConfigError, check_range, did_you_mean
+
+Entry = TypeVar("Entry")
 
 
 def bounded(default: Any, low: float | None = None, high: float | None = None, *, open_low: bool = False,
@@ -28,10 +31,20 @@ def bounded(default: Any, low: float | None = None, high: float | None = None, *
 
 
 def registered(default: str, registry: dict[str, Any]) -> Any:
-    """A field naming an entry of ``registry`` (a loss, an estimator): its allowed values are the registry's names,
-    which include entries registered from Python after import (the ``Literal`` type lists the built-in ones, for the
-    command line and the help)."""
+    """A field (typed ``str``) naming an entry of ``registry`` (a loss, an estimator, an engine): its allowed values
+    are the registry's names when the option is checked, so an entry a user registers counts; ``module.name`` names
+    the entry ``name`` that importing ``module`` registers (:func:`registry_entry`)."""
     return field(default=default, metadata={"registry": registry})
+
+
+def registry_entry(registry: dict[str, Entry], name: str) -> Entry:
+    """``registry[name]``; for ``module.entry`` not registered under that name, the entry ``entry`` after importing
+    ``module`` (a file of the user's project: the flowkit CLI puts the working directory on ``sys.path``), whose
+    decorators register it. KeyError or ImportError when there is none."""
+    if name not in registry and "." in name:
+        module, _, name = name.rpartition(".")
+        importlib.import_module(module)
+    return registry[name]
 
 
 def literal_values(annotation: Any) -> tuple[Any, ...]:
@@ -58,8 +71,9 @@ class OptionGroup:
             if not option.init:
                 continue
             value = getattr(self, option.name)
-            registry = option.metadata.get("registry")
-            allowed = tuple(registry) if registry is not None else literal_values(hints[option.name])
+            if "registry" in option.metadata:
+                self._check_registered(f"{owner}.{option.name}", value, option.metadata["registry"])
+            allowed = literal_values(hints[option.name])
             if allowed and value not in allowed:
                 shown = ", ".join("null" if v is None else str(v) for v in allowed)
                 raise ConfigError(f"{owner}.{option.name} must be one of {shown}, got {value!r}")
@@ -72,6 +86,18 @@ class OptionGroup:
 
     def check_rules(self, owner: str) -> None:
         """The group's rules between its fields (none by default)."""
+
+    @staticmethod
+    def _check_registered(key: str, value: str, registry: dict[str, Any]) -> None:
+        """A one-line ConfigError unless ``value`` names an entry of ``registry`` (:func:`registry_entry`)."""
+        module, _, name = value.rpartition(".")
+        try:
+            registry_entry(registry, value)
+        except ImportError as err:
+            raise ConfigError(f"{key} {value!r}: cannot import {module!r} ({type(err).__name__}: {err})") from None
+        except KeyError:
+            why = f": importing {module!r} registered no {name!r}" if module else did_you_mean(value, registry)
+            raise ConfigError(f"{key} must be one of {', '.join(registry)}, got {value!r}{why}") from None
 
 
 def option_help(group: type) -> dict[str, str]:
@@ -121,14 +147,22 @@ def _range_text(option: Field) -> str:
 
 def options_table(group: type, prefix: str) -> str:
     """A Markdown table of ``group``'s options (key ``prefix.name``, default, allowed values or range, help), made
-    from their declarations: the README's tables are this text."""
+    from their declarations, a nested group's below its own row: the README's tables are this text."""
+    return "\n".join(["| key | default | allowed | meaning |", "|---|---|---|---|", *_option_rows(group, prefix)])
+
+
+def _option_rows(group: type, prefix: str) -> list[str]:
     hints, helps = typing.get_type_hints(group), option_help(group)
-    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+    rows = []
     for option in fields(group):
         if not option.init:
             continue
-        allowed = ", ".join("null" if v is None else f"`{v}`" for v in literal_values(hints[option.name]))
+        values = tuple(option.metadata.get("registry", ())) or literal_values(hints[option.name])
+        allowed = ", ".join("null" if v is None else f"`{v}`" for v in values)
         meaning = markdown(helps.get(option.name, "")).replace("|", "\\|")
         rows.append(f"| `{prefix}.{option.name}` | `{_default_text(option)}` | {allowed or _range_text(option)} "
                     f"| {meaning} |")
-    return "\n".join(rows)
+        nested = hints[option.name]
+        if isinstance(nested, type) and issubclass(nested, OptionGroup):
+            rows.extend(_option_rows(nested, f"{prefix}.{option.name}"))
+    return rows

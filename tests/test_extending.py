@@ -123,6 +123,81 @@ def test_project_code_imports_from_the_working_directory_and_from_a_file(tmp_pat
     assert {"train/reward/short_answer", "train/reward/length"} <= logged
 
 
+USER_ALGORITHMS = '''
+    from pathlib import Path
+
+    import torch
+
+    from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSpec
+    from flowkit.llm.hf_engine import HFRolloutEngine
+    from flowkit.rl.advantages import register_advantage
+    from flowkit.rl.losses import aggregated, policy_metrics, register_policy_loss, token_ratio
+
+    CALLS = Path("calls.txt")
+
+
+    @register_policy_loss("advantage_clipped", advantage_clip=1.0)
+    def advantage_clipped_policy_loss(logprobs, old_logprobs, advantages, mask, ctx):
+        bound = ctx.args["advantage_clip"]
+        with CALLS.open("a") as calls:
+            calls.write(f"loss advantage_clip={bound}\\n")
+        per_token = -token_ratio(logprobs, old_logprobs) * advantages.clamp(-bound, bound)
+        return aggregated(per_token, mask, ctx), policy_metrics(logprobs, old_logprobs, mask, advantages.abs() > bound)
+
+
+    @register_advantage("centered")
+    def centered_outcome(rewards, group_ids, ctx):
+        with CALLS.open("a") as calls:
+            calls.write(f"estimator rows={len(rewards)}\\n")
+        return rewards - rewards.mean()
+
+
+    def build_logged_hf(setup):
+        with CALLS.open("a") as calls:
+            calls.write("engine built\\n")
+        return HFRolloutEngine(setup.policy, setup.tokenizer, setup.max_new_tokens, setup.temperature, setup.top_p)
+
+
+    ROLLOUT_ENGINES["logged_hf"] = EngineSpec(build_logged_hf)
+'''
+USER_SELECTION = """
+model:
+  init_args:
+    advantage:
+      estimator: my_algos.centered
+    loss:
+      policy_loss: my_algos.advantage_clipped
+      policy_loss_args: {advantage_clip: 0.5}
+    rollout:
+      engine: my_algos.logged_hf
+    update:
+      skip_zero_advantage_rows: false  # the loss runs even when every outcome of the step was equal
+"""
+
+
+def test_a_loss_an_estimator_and_an_engine_registered_in_a_project_file_are_selected_from_a_yaml(tmp_path):
+    """``my_algos.name`` imports the user's ``my_algos.py`` (the working directory is on ``sys.path``), whose
+    registrations then name the loss (with its own hyper-parameter from the YAML), the estimator and the engine."""
+    (tmp_path / "my_algos.py").write_text(textwrap.dedent(USER_ALGORITHMS))
+    (tmp_path / "selection.yaml").write_text(USER_SELECTION)
+    result = flowkit(tmp_path, "fit", "--config", str(CONFIG), "--config", "selection.yaml", *ONE_STEP,
+                     "--trainer.default_root_dir", "runs/own_algorithms")
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert calls[0] == "engine built" and "estimator rows=4" in calls, calls  # 2 prompts × 2 samples
+    assert "loss advantage_clip=0.5" in calls, calls
+    misspelt = flowkit(tmp_path, "fit", "--config", str(CONFIG), "--config", "selection.yaml", *ONE_STEP,
+                       "--model.init_args.loss.policy_loss", "my_algos.advantage_clip")
+    assert cli_errors.one_line_error(misspelt) == (
+        "error: PolicyModule.loss.policy_loss must be one of ppo, gspo, cispo, advantage_clipped, got "
+        "'my_algos.advantage_clip': importing 'my_algos' registered no 'advantage_clip'"), misspelt.stderr[-2000:]
+    unknown = flowkit(tmp_path, "fit", "--config", str(CONFIG), *ONE_STEP, "--model.init_args.advantage.estimator",
+                      "rlo")
+    assert cli_errors.one_line_error(unknown) == (
+        "error: PolicyModule.advantage.estimator must be one of grpo, gae, reinforce, rloo, got 'rlo'; did you mean "
+        "'rloo'?"), unknown.stderr[-2000:]
+
+
 def test_a_reward_function_returning_a_dict_is_one_line_naming_it(tmp_path):
     (tmp_path / "bad.py").write_text("def by_index(completions, **columns):\n"
                                      "    return {i: 1.0 for i in range(len(completions))}\n")

@@ -20,6 +20,7 @@ from flowkit.engine.stats import StepStats
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.forward import forward_hidden
 from flowkit.llm.kv_cache import forward_hidden_shared_prompts
+from flowkit.options import registry_entry
 from flowkit.rl.logprobs import lm_head_logprobs
 from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_aggregate, masked_sum
 from flowkit.rl.rollout_correction import (
@@ -164,7 +165,7 @@ class Actor:
         anchor, weights = micro.old_logprobs, None
         if micro.rollout_logprobs is not None:
             anchor, weights = self._rollout_correction(micro, out, stats)
-        policy_loss = POLICY_LOSSES[options.policy_loss].fn
+        policy_loss = registry_entry(POLICY_LOSSES, options.policy_loss).fn
         loss, info = policy_loss(out.logprobs, anchor, micro.advantages, micro.response_mask,
                                  options.context(weights, denominator))
         count = float(micro.response_mask.sum())

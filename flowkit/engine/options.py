@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 from flowkit.errors import ConfigError
-from flowkit.options import OptionGroup, bounded, registered
-from flowkit.rl.advantages import ESTIMATORS, AdvantageContext, AdvantageName, OutcomePlacement, ScaleRewards
+from flowkit.options import OptionGroup, bounded, registered, registry_entry
+from flowkit.rl.advantages import ESTIMATORS, AdvantageContext, OutcomePlacement, ScaleRewards
 from flowkit.rl.logprobs import DEFAULT_LM_HEAD_CHUNK
-from flowkit.rl.losses import POLICY_LOSSES, Aggregation, KLEstimator, LossContext, PolicyLossName
+from flowkit.rl.losses import POLICY_LOSSES, Aggregation, KLEstimator, LossContext
 from flowkit.rl.rollout_correction import RolloutCorrection
 
 
@@ -85,12 +85,13 @@ class SamplingControls(OptionGroup):
 class AdvantageOptions(OptionGroup):
     """The advantage estimator (:mod:`flowkit.rl.advantages`)."""
 
-    estimator: AdvantageName = registered("grpo", ESTIMATORS)
+    estimator: str = registered("grpo", ESTIMATORS)
     """``grpo`` (group-normalised outcome + reward-to-go of the token rewards, RLFR eq. 9), ``rloo`` (eq. 9's form
     with the leave-one-out baseline r_i − mean_{j≠i} r_j of the row's group, unscaled), ``gae`` (a value head on
     the policy's last hidden state, GAE(γ, λ) over the token rewards with the outcome on the last token, whitened;
     PPO as TRL's PPO trainer), ``reinforce`` (the whitened reward-to-go, no value head) or another registered one
-    (:func:`~flowkit.rl.advantages.register_advantage`)"""
+    (:func:`~flowkit.rl.advantages.register_advantage`; ``module.name``: the one ``name`` that importing ``module``, a
+    file of your project, registers)"""
     gamma: float = bounded(1.0, 0, 1)
     """discount of the dense rewards' reward-to-go"""
     lam: float = bounded(0.95, 0, 1)
@@ -129,9 +130,8 @@ class LossOptions(OptionGroup):
     rollout_correction: RolloutCorrection = RolloutCorrection()
     """the correction of rows the rollout engine sampled from another distribution than the trainer's forward (its
     numerics, or older weights): truncated / masked importance weights per token or sequence, IcePop, the off-policy
-    sequence mask, or PPO anchored at the rollout's log-probs (TRL / verl; its fields ``mode``, ``cap``, ``floor``,
-    ``off_policy_mask``, ``bypass``: :class:`~flowkit.rl.rollout_correction.RolloutCorrection`). The mismatch is
-    logged as ``rollout_corr/...`` whatever it is set to"""
+    sequence mask, or PPO anchored at the rollout's log-probs (TRL / verl; the keys below). The mismatch is logged as
+    ``rollout_corr/...`` whatever it is set to"""
     kl_coef: float = bounded(0.0, 0)
     """weight of the KL to the initial policy (0 = off, the paper's setting). The reference is the base model read
     with the LoRA adapters disabled under ``lora`` (no second copy), else a frozen copy; after an SFT start, the
@@ -146,12 +146,13 @@ class LossOptions(OptionGroup):
     """weight of the value loss (``gae``; TRL's default)"""
     value_clip: float = bounded(0.2, 0, open_low=True)
     """clip of the value loss (``gae``; TRL's default)"""
-    policy_loss: PolicyLossName = registered("ppo", POLICY_LOSSES)
+    policy_loss: str = registered("ppo", POLICY_LOSSES)
     """``ppo`` (the clipped surrogate), ``gspo`` (its ratio replaced by the row's length-normalised sequence ratio,
     GSPO-token; TRL ``importance_sampling_level="sequence"``, verl ``loss_mode: gspo``; ``aggregation: seq-mean`` for
     the paper's objective) or ``cispo`` (the clipped
     importance weight, detached, times ∇logπ: MiniMax-M1; verl ``loss_mode: cispo``); each with ``clip_low`` /
-    ``clip_high`` (:data:`~flowkit.rl.losses.POLICY_LOSSES`)"""
+    ``clip_high``; or another registered one (:func:`~flowkit.rl.losses.register_policy_loss`; ``module.name``: the
+    one ``name`` that importing ``module``, a file of your project, registers)"""
     entropy_coef: float = bounded(0.0, 0)
     """weight of an entropy bonus, −coef × the token entropy aggregated as the policy loss (verl's
     ``entropy_coeff``); 0 is off. With it, every row runs (a zero-advantage row still has an entropy)"""
@@ -167,8 +168,7 @@ class LossOptions(OptionGroup):
         return bound
 
     def check_rules(self, owner: str) -> None:
-        self.rollout_correction.check(owner)
-        accepted = POLICY_LOSSES[self.policy_loss].args
+        accepted = registry_entry(POLICY_LOSSES, self.policy_loss).args
         unknown = sorted(set(self.policy_loss_args) - set(accepted))
         if unknown:
             raise ConfigError(f"{owner}.policy_loss_args: policy_loss {self.policy_loss!r} accepts "
@@ -184,7 +184,7 @@ class LossOptions(OptionGroup):
         ``importance_weights`` and its minibatch's aggregation ``denominator``."""
         return LossContext(self.clip_low, self.clip_high, self.clip_ratio_c, self.aggregation, importance_weights,
                            denominator, self.max_new_tokens,
-                           {**POLICY_LOSSES[self.policy_loss].args, **self.policy_loss_args})
+                           {**registry_entry(POLICY_LOSSES, self.policy_loss).args, **self.policy_loss_args})
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, se
 from flowkit.engine.options import AdvantageOptions, SamplingControls, UpdateOptions
 from flowkit.engine.stats import StepStats
 from flowkit.llm.engines import RolloutEngine
+from flowkit.options import registry_entry
 from flowkit.rewards.base import (
     LearnsOnline, ReportsMetrics, StepScorer, TokenRewardModel, check_step_scorer, check_token_rewards,
 )
@@ -74,7 +75,7 @@ class RLStep:
         self.advantage, self.update, self.num_samples = advantage, update, num_samples
         self.backward, self.step_optimizer = backward, step_optimizer
         self.controls, self.draw_prompts = controls, draw_prompts
-        self.estimator, self.estimator_context = ESTIMATORS[advantage.estimator], advantage.context()
+        self.estimator, self.estimator_context = registry_entry(ESTIMATORS, advantage.estimator), advantage.context()
 
     def __call__(self, prompts: list[str], answers: list[str], step: int,
                  columns: dict[str, list] | None = None) -> tuple[RolloutBatch, dict[str, Tensor]]:

@@ -25,7 +25,7 @@ from flowkit.llm.backbone import resolve_backbone_path
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import build_server_engine
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
-from flowkit.options import OptionGroup, bounded
+from flowkit.options import OptionGroup, bounded, registered
 
 
 @runtime_checkable
@@ -47,59 +47,6 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's processes and memory; it is not used afterwards."""
-
-
-@dataclass(frozen=True)
-class RolloutOptions(OptionGroup):
-    """Which engine generates the rollouts, and its own settings."""
-
-    engine: str = "hf"
-    """a name of :data:`ROLLOUT_ENGINES`: ``hf`` (flowkit's decoding loop over the policy itself), ``vllm`` (a vLLM
-    engine colocated in this process, one per rank, ``pip install flowkit[vllm]``, into which the policy's weights are
-    synced after every training step: LoRA merged, ZeRO-3 gathered) or ``server`` (generation in a ``flowkit
-    rollout-server`` process on its own devices, ``server_*`` below). Each returns its sampler's log-probs for
-    ``loss.rollout_correction``"""
-    batch_size: int | None = bounded(None, 1)
-    """sequences per decoding batch of ``hf`` and ``server`` (a multiple of ``sampling.num_samples``; bounds the KV
-    cache; vLLM schedules its own batches); null: the whole batch in one call"""
-    vllm_gpu_memory_utilization: float = bounded(0.3, 0, 1, open_low=True)
-    """share of the GPU vLLM may take for its weights and KV cache (CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``
-    GiB instead)"""
-    vllm_max_model_len: int | None = bounded(None, 1)
-    """longest prompt + response vLLM sizes its KV cache for; null: the model's maximum"""
-    vllm_enable_sleep_mode: bool = True
-    """on GPU, vLLM releases its memory while the trainer trains (weights offloaded to CPU, KV cache freed) and takes
-    it back to generate; vLLM's CPU backend has no sleep mode"""
-    server_url: str | None = None
-    """the ``server`` engine's address, where ``flowkit rollout-server`` listens (e.g. ``http://10.0.0.5:8000``;
-    :mod:`flowkit.llm.server_engine`); the weights are pushed to it over torch.distributed (gloo on CPU, NCCL on
-    GPU)"""
-    server_timeout: float = bounded(300.0, 0, open_low=True)
-    """seconds any wait on the server may take (a request, a weight push, prefetched rollouts); past it, or when the
-    server is down, restarted or serves another model, the run stops with one line naming the address"""
-    server_sync_every: int = bounded(1, 1)
-    """push the weights to the server every this many optimizer steps (1: each); rollouts in between come from
-    weights up to that many versions old"""
-    server_bucket_mb: int = bounded(256, 1)
-    """a weight push moves the weights in buckets of this size (ZeRO-3: gathered one weight at a time), which bounds
-    its memory"""
-    max_staleness: int = bounded(0, 0)
-    """k ≥ 1 overlaps generation with training (an engine that generates elsewhere: ``server``): while step t trains,
-    the server generates step t+1's rollouts from the weights it holds; rollouts more than k versions behind are
-    regenerated (``rollout/regenerated_rows``), the staleness is logged (``rollout/staleness_mean|max``). The flow
-    reward reads the latents of the trainer's own forward, so only the sampling distribution goes stale
-    (``loss.rollout_correction`` weighs it). 0: each step generates its own rollouts when it starts"""
-
-    def check_rules(self, owner: str) -> None:
-        if self.engine not in ROLLOUT_ENGINES:
-            raise ConfigError(f"{owner}.engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {self.engine!r}")
-
-    def check_group_size(self, owner: str, num_samples: int) -> None:
-        """:meth:`check`, and a decoding batch holds whole groups of ``num_samples``."""
-        self.check(owner)
-        if self.batch_size is not None and self.batch_size % num_samples:
-            raise ConfigError(f"{owner}.batch_size must be a positive multiple of sampling.num_samples ({num_samples}) "
-                              f"(or null), got {self.batch_size}")
 
 
 @dataclass(frozen=True)
@@ -145,6 +92,56 @@ ROLLOUT_ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(_vllm, require_vllm),
     "server": EngineSpec(build_server_engine),
 }
+
+
+@dataclass(frozen=True)
+class RolloutOptions(OptionGroup):
+    """Which engine generates the rollouts, and its own settings."""
+
+    engine: str = registered("hf", ROLLOUT_ENGINES)
+    """a name of :data:`ROLLOUT_ENGINES`: ``hf`` (flowkit's decoding loop over the policy itself), ``vllm`` (a vLLM
+    engine colocated in this process, one per rank, ``pip install flowkit[vllm]``, into which the policy's weights are
+    synced after every training step: LoRA merged, ZeRO-3 gathered) or ``server`` (generation in a ``flowkit
+    rollout-server`` process on its own devices, ``server_*`` below), or another one added to it (``module.name``:
+    the one ``name`` that importing ``module`` adds). Each returns its sampler's log-probs for
+    ``loss.rollout_correction``"""
+    batch_size: int | None = bounded(None, 1)
+    """sequences per decoding batch of ``hf`` and ``server`` (a multiple of ``sampling.num_samples``; bounds the KV
+    cache; vLLM schedules its own batches); null: the whole batch in one call"""
+    vllm_gpu_memory_utilization: float = bounded(0.3, 0, 1, open_low=True)
+    """share of the GPU vLLM may take for its weights and KV cache (CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``
+    GiB instead)"""
+    vllm_max_model_len: int | None = bounded(None, 1)
+    """longest prompt + response vLLM sizes its KV cache for; null: the model's maximum"""
+    vllm_enable_sleep_mode: bool = True
+    """on GPU, vLLM releases its memory while the trainer trains (weights offloaded to CPU, KV cache freed) and takes
+    it back to generate; vLLM's CPU backend has no sleep mode"""
+    server_url: str | None = None
+    """the ``server`` engine's address, where ``flowkit rollout-server`` listens (e.g. ``http://10.0.0.5:8000``;
+    :mod:`flowkit.llm.server_engine`); the weights are pushed to it over torch.distributed (gloo on CPU, NCCL on
+    GPU)"""
+    server_timeout: float = bounded(300.0, 0, open_low=True)
+    """seconds any wait on the server may take (a request, a weight push, prefetched rollouts); past it, or when the
+    server is down, restarted or serves another model, the run stops with one line naming the address"""
+    server_sync_every: int = bounded(1, 1)
+    """push the weights to the server every this many optimizer steps (1: each); rollouts in between come from
+    weights up to that many versions old"""
+    server_bucket_mb: int = bounded(256, 1)
+    """a weight push moves the weights in buckets of this size (ZeRO-3: gathered one weight at a time), which bounds
+    its memory"""
+    max_staleness: int = bounded(0, 0)
+    """k ≥ 1 overlaps generation with training (an engine that generates elsewhere: ``server``): while step t trains,
+    the server generates step t+1's rollouts from the weights it holds; rollouts more than k versions behind are
+    regenerated (``rollout/regenerated_rows``), the staleness is logged (``rollout/staleness_mean|max``). The flow
+    reward reads the latents of the trainer's own forward, so only the sampling distribution goes stale
+    (``loss.rollout_correction`` weighs it). 0: each step generates its own rollouts when it starts"""
+
+    def check_group_size(self, owner: str, num_samples: int) -> None:
+        """:meth:`check`, and a decoding batch holds whole groups of ``num_samples``."""
+        self.check(owner)
+        if self.batch_size is not None and self.batch_size % num_samples:
+            raise ConfigError(f"{owner}.batch_size must be a positive multiple of sampling.num_samples ({num_samples}) "
+                              f"(or null), got {self.batch_size}")
 
 
 # Saved in the hyper-parameters of a checkpoint, which Lightning and flowkit load with weights_only.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
@@ -15,7 +15,7 @@ from flowkit.engine import (
     UpdateOptions,
 )
 from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
-from flowkit.errors import ConfigError, NonFiniteTraining, check_range
+from flowkit.errors import ConfigError, NonFiniteTraining
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSetup, RolloutEngine, RolloutOptions
 from flowkit.llm.latent_tap import LatentTap
@@ -25,12 +25,13 @@ from flowkit.modules.policy_checkpoints import CheckpointHooks
 from flowkit.modules.policy_guard import FiniteStateGuard
 from flowkit.modules.policy_optimizers import OptimizerHooks
 from flowkit.modules.policy_options import (
-    MOVED_OPTIONS, FlowPretrainOptions, OptimOptions, SFTOptions, ValidationOptions,
+    MOVED_OPTIONS, FlowPretrainOptions, OptimOptions, SFTOptions, ValidationOptions, check_options,
 )
 from flowkit.modules.policy_validation import ValidationHooks
 from flowkit.modules.sft import supervised_start
-from flowkit.rewards.base import ExportsWeights, PretrainsOnLatents, TokenRewardModel, check_reward_model
-from flowkit.rewards.functions import build_reward_functions, outcome_rewards
+from flowkit.options import registry_entry
+from flowkit.rewards.base import ExportsWeights, TokenRewardModel, check_reward_model
+from flowkit.rewards.functions import OutcomeReward, build_reward_functions, outcome_rewards
 from flowkit.rl.advantages import ESTIMATORS
 from flowkit.strategies import accumulate_until_step, manual_backward, whole_weights_for_generation
 
@@ -100,7 +101,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         lora: LoraSettings | None = None,
         gradient_checkpointing: bool = False,
         reward_model: TokenRewardModel | None = None,
-        outcome_reward: Literal["official", "binary", "none"] = "official",
+        outcome_reward: OutcomeReward = "official",
         reward_functions: list[dict[str, Any]] | None = None,
         grader_timeout: float = 1.0,
         sampling: SamplingOptions = SamplingOptions(),
@@ -116,8 +117,9 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         peak_flops: float | None = None,
     ):
         super().__init__()
-        self._check_options(reward_model, outcome_reward, grader_timeout, peak_flops, sampling, advantage, loss,
-                            update, optim, controls, rollout, flow_pretrain, validation, sft)
+        check_options(OWNER, reward_model, outcome_reward, grader_timeout, peak_flops, dict(
+            sampling=sampling, advantage=advantage, loss=loss, update=update, optim=optim, controls=controls,
+            rollout=rollout, flow_pretrain=flow_pretrain, validation=validation, sft=sft))
         self.sampling, self.advantage, self.optim, self.controls = sampling, advantage, optim, controls
         self.rollout, self.flow_pretrain, self.validation, self.sft = rollout, flow_pretrain, validation, sft
         self.loss_options = loss.with_budget(sampling.max_new_tokens)
@@ -140,7 +142,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
             getattr(self.policy, "activation_checkpointing_enable", self.policy.gradient_checkpointing_enable)(
                 {"use_reentrant": False})
         self.value_head = (torch.nn.Linear(self.policy.config.hidden_size, 1)
-                           if ESTIMATORS[advantage.estimator].value_head else None)
+                           if registry_entry(ESTIMATORS, advantage.estimator).value_head else None)
         self.reward_model = reward_model
         self.tap = None
         if reward_model is not None and reward_model.percentiles:
@@ -155,33 +157,10 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         self.val_metrics = torch.nn.ModuleDict()
         self.val_set_names: list[str] = []
 
-    @staticmethod
-    def _check_options(reward_model: TokenRewardModel | None, outcome_reward: str, grader_timeout: float,
-                       peak_flops: float | None, sampling: SamplingOptions, *groups: Any) -> None:
-        """A one-line ConfigError for any option out of its range, before the backbone loads."""
-        check_range(OWNER, "grader_timeout", grader_timeout, 0, open_low=True)
-        check_range(OWNER, "peak_flops", peak_flops, 0, open_low=True)
-        if outcome_reward not in ("official", "binary", "none"):
-            raise ConfigError(f"{OWNER}.outcome_reward must be one of official, binary, none, got {outcome_reward!r}")
-        sampling.check(f"{OWNER}.sampling")
-        advantage, loss, update, optim, controls, rollout, flow_pretrain, validation, sft = groups
-        for key, group in (("advantage", advantage), ("loss", loss), ("update", update), ("optim", optim),
-                           ("flow_pretrain", flow_pretrain), ("validation", validation), ("sft", sft)):
-            group.check(f"{OWNER}.{key}")
-        controls.check_within(f"{OWNER}.controls", sampling.max_new_tokens)
-        rollout.check_group_size(f"{OWNER}.rollout", sampling.num_samples)
-        ROLLOUT_ENGINES[rollout.engine].check()
-        if flow_pretrain.steps > 0 and not (isinstance(reward_model, PretrainsOnLatents) and reward_model.percentiles):
-            missing = "percentiles" if isinstance(reward_model, PretrainsOnLatents) else "pretrain_losses"
-            raise ConfigError(f"{OWNER}.flow_pretrain.steps {flow_pretrain.steps} needs a reward_model with latents to "
-                              f"pretrain (flowkit.rewards.PretrainsOnLatents, e.g. a FlowReward); "
-                              f"{type(reward_model).__name__ if reward_model else None} has no {missing}; "
-                              "set flow_pretrain.steps 0")
-
     def _build_engine(self, backbone: str, with_kl: bool) -> None:
         """The rollout engine, the actor and the RL step."""
         sampling, rollout = self.sampling, self.rollout
-        self.engine: RolloutEngine = ROLLOUT_ENGINES[rollout.engine].build(EngineSetup(
+        self.engine: RolloutEngine = registry_entry(ROLLOUT_ENGINES, rollout.engine).build(EngineSetup(
             self.policy, self.tokenizer, backbone, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
             rollout, whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy)))
         if rollout.max_staleness and not hasattr(self.engine, "prefetch"):

@@ -1,7 +1,7 @@
 """Every option group of :class:`~flowkit.modules.PolicyModule` (importable from here; those the RL engine reads are
-declared in :mod:`flowkit.engine.options`, the rollout engine's in :mod:`flowkit.llm.engines`), the table of options
-that moved into groups (a config in the old flat form is a one-line error naming the new key), and the groups'
-README tables (:func:`readme_tables`)."""
+declared in :mod:`flowkit.engine.options`, the rollout engine's in :mod:`flowkit.llm.engines`), the check of all its
+options (:func:`check_options`), the table of options that moved into groups (a config in the old flat form is a
+one-line error naming the new key), and the groups' README tables (:func:`readme_tables`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from typing import Literal
 import torch
 
 from flowkit.engine.options import AdvantageOptions, LossOptions, SamplingControls, SamplingOptions, UpdateOptions
-from flowkit.llm.engines import RolloutOptions
+from flowkit.errors import ConfigError, check_range
+from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
 from flowkit.modules.optim import LrDecay
-from flowkit.options import OptionGroup, bounded, markdown, options_table
+from flowkit.options import OptionGroup, bounded, literal_values, markdown, options_table, registry_entry
+from flowkit.rewards.base import PretrainsOnLatents, TokenRewardModel
+from flowkit.rewards.functions import OutcomeReward
 
 __all__ = ["AdvantageOptions", "FlowPretrainOptions", "GROUPS", "LossOptions", "MOVED_OPTIONS", "OptimOptions",
            "RolloutOptions", "SFTOptions", "SamplingControls", "SamplingOptions", "UpdateOptions", "ValidationOptions",
-           "readme_tables"]
+           "check_options", "readme_tables"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,30 @@ GROUPS: dict[str, type] = {
     "flow_pretrain": FlowPretrainOptions,
     "validation": ValidationOptions, "sft": SFTOptions,
 }
+
+def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_reward: str, grader_timeout: float,
+                  peak_flops: float | None, groups: dict[str, OptionGroup]) -> None:
+    """A one-line ConfigError for any of PolicyModule's options out of its range, before the backbone loads;
+    ``groups`` holds every group by its key in :data:`GROUPS`."""
+    check_range(owner, "grader_timeout", grader_timeout, 0, open_low=True)
+    check_range(owner, "peak_flops", peak_flops, 0, open_low=True)
+    if outcome_reward not in literal_values(OutcomeReward):
+        raise ConfigError(f"{owner}.outcome_reward must be one of {', '.join(literal_values(OutcomeReward))}, got "
+                          f"{outcome_reward!r}")
+    for key, group in groups.items():
+        if key not in ("controls", "rollout"):  # checked against the sampling group below
+            group.check(f"{owner}.{key}")
+    sampling, rollout, flow_pretrain = groups["sampling"], groups["rollout"], groups["flow_pretrain"]
+    groups["controls"].check_within(f"{owner}.controls", sampling.max_new_tokens)
+    rollout.check_group_size(f"{owner}.rollout", sampling.num_samples)
+    registry_entry(ROLLOUT_ENGINES, rollout.engine).check()
+    if flow_pretrain.steps > 0 and not (isinstance(reward_model, PretrainsOnLatents) and reward_model.percentiles):
+        missing = "percentiles" if isinstance(reward_model, PretrainsOnLatents) else "pretrain_losses"
+        raise ConfigError(f"{owner}.flow_pretrain.steps {flow_pretrain.steps} needs a reward_model with latents to "
+                          f"pretrain (flowkit.rewards.PretrainsOnLatents, e.g. a FlowReward); "
+                          f"{type(reward_model).__name__ if reward_model else None} has no {missing}; "
+                          "set flow_pretrain.steps 0")
+
 
 _RENAMED = {
     "advantage": "advantage.estimator", "entropy_advantage_alpha": "advantage.entropy_alpha",

@@ -6,6 +6,7 @@ backpropagate the loss in row-bounded pieces (``FlowReward.max_rows_per_piece``)
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,28 +51,9 @@ def pretrain_flow_reward(trainer: L.Trainer, policy: torch.nn.Module, tokenizer,
     generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
     batches = trainer.datamodule.expert_batches(batch_size, seed=torch.initial_seed() % 2**31)
     state_path = PreemptionCheckpoint.pretraining_state_path(trainer)
-    done = 0
-    if state_path.is_file():
-        state = torch.load(state_path, map_location=device, weights_only=True)
-        try:
-            reward.load_state_dict(state["reward_model"])
-        except RuntimeError as err:
-            raise ConfigError(f"{state_path} holds the pretraining of another reward model: "
-                              f"{str(err).splitlines()[0]}; move it away to pretrain afresh") from None
-        done = int(state["steps_done"])
-        if state.get("finished") or done >= steps:  # (older files have no "finished")
-            if done != steps:
-                log.warning("flow pretraining finished at step %d (%s); flow_pretrain.steps %d is not applied: move "
-                            "the file away to pretrain afresh", done, state_path, steps)
-            else:
-                log.info("flow pretraining: %d steps done before (%s)", done, state_path)
-            return
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        generator.set_state(state["generator"])
-        log.warning("flow pretraining: continuing from %s at step %d of %d", state_path, done, steps)
-        for _ in range(done):  # the batches an uninterrupted run would see next
-            next(batches)
+    done = _resume_pretraining(state_path, device, steps, reward, optimizer, schedule, generator, batches)
+    if done is None:
+        return
     policy.eval()
     if cache_latents:
         encode = ExpertLatentCache(policy, tokenizer, tap, device)
@@ -106,6 +88,37 @@ def pretrain_flow_reward(trainer: L.Trainer, policy: torch.nn.Module, tokenizer,
         raise PretrainingPreempted()
     policy.train()
     log.info("flow pretraining: %d steps done, state in %s", steps, state_path)
+
+
+def _resume_pretraining(state_path: Path, device: torch.device, steps: int, reward: FlowReward,
+                        optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
+                        generator: torch.Generator, batches: Iterator[dict[str, list[str]]]) -> int | None:
+    """The steps an earlier pretraining of this run saved in ``state_path`` (0 without the file), its reward model,
+    optimizer, schedule and noise generator loaded and ``batches`` past the batches it saw; None when it finished
+    (its weights loaded: nothing to train)."""
+    if not state_path.is_file():
+        return 0
+    state = torch.load(state_path, map_location=device, weights_only=True)
+    try:
+        reward.load_state_dict(state["reward_model"])
+    except RuntimeError as err:
+        raise ConfigError(f"{state_path} holds the pretraining of another reward model: "
+                          f"{str(err).splitlines()[0]}; move it away to pretrain afresh") from None
+    done = int(state["steps_done"])
+    if state.get("finished") or done >= steps:  # (older files have no "finished")
+        if done != steps:
+            log.warning("flow pretraining finished at step %d (%s); flow_pretrain.steps %d is not applied: move "
+                        "the file away to pretrain afresh", done, state_path, steps)
+        else:
+            log.info("flow pretraining: %d steps done before (%s)", done, state_path)
+        return None
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    generator.set_state(state["generator"])
+    log.warning("flow pretraining: continuing from %s at step %d of %d", state_path, done, steps)
+    for _ in range(done):  # the batches an uninterrupted run would see next
+        next(batches)
+    return done
 
 
 class FlowRewardModule(L.LightningModule):

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -186,7 +186,10 @@ def _import_from_file(spec: str, where: str) -> Any:
     return getattr(module, attr)
 
 
-def outcome_rewards(responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str], scheme: str,
+OutcomeReward = Literal["official", "binary", "none"]  # PolicyModule.outcome_reward
+
+
+def outcome_rewards(responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str], scheme: OutcomeReward,
                     functions: Sequence[WeightedReward], timeout_s: float,
                     columns: dict[str, list] | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """The outcome reward r_o of each row: the math grader's reward (``scheme``: ``official`` 1 correct / 0.5 wrong but

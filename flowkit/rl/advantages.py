@@ -178,7 +178,6 @@ class Estimator:
 
 
 ESTIMATORS: dict[str, Estimator] = {}
-AdvantageName = Literal["grpo", "rloo", "gae", "reinforce"]
 
 
 def _outcome_at_last_token(inputs: AdvantageInputs) -> Tensor:

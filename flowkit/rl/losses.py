@@ -98,7 +98,6 @@ class PolicyLoss:
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
-PolicyLossName = Literal["ppo", "gspo", "cispo"]
 
 
 def register_policy_loss(name: str, **args: float) -> Callable[[PolicyLossFn], PolicyLossFn]:

@@ -30,7 +30,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flowkit.errors import ConfigError, check_range
+from flowkit.errors import ConfigError
+from flowkit.options import OptionGroup, bounded
 
 CorrectionMode = Literal["token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"]
 LOG_RATIO_BOUND = 20.0  # verl's safety bound on log ρ (ρ ∈ [2e-9, 5e8]) before exp
@@ -99,27 +100,25 @@ def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
 
 
 @dataclass(frozen=True)
-class RolloutCorrection:
-    """How the loss treats rows whose rollout engine sampled from another distribution than the trainer's (a
-    config's ``rollout_correction:`` group; it applies when the engine returns its sampler's log-probs).
-
-    Args:
-        mode: the importance weights (module docstring): ``token_tis``, ``seq_tis``, ``token_mis``, ``seq_mis``,
-            ``icepop``; None: no weights (the mismatch is still logged).
-        cap: the upper bound C of ρ (TRL's ``vllm_importance_sampling_clip_max``, verl's ``rollout_is_threshold``);
-            None: 2, or 5 for ``icepop``.
-        floor: the lower bound of ρ (masked modes: below it the weight is 0; truncated modes: clamped up to it);
-            None: no lower bound, or 0.5 for ``icepop``.
-        off_policy_mask: δ of :func:`off_policy_sequence_mask`; None is off.
-        bypass: use π_rollout as PPO's π_old (verl ``bypass_mode``): the clipped ratio π_θ / π_rollout corrects by
-            itself, so ``mode`` must be None.
-    """
+class RolloutCorrection(OptionGroup):
+    """How the loss treats rows whose rollout engine sampled from another distribution than the trainer's (the
+    group ``loss.rollout_correction``; it applies when the engine returns its sampler's log-probs)."""
 
     mode: CorrectionMode | None = None
-    cap: float | None = None
-    floor: float | None = None
-    off_policy_mask: float | None = None
+    """the importance weights (the modes of :mod:`flowkit.rl.rollout_correction`); null: no weights (the mismatch is
+    still logged)"""
+    cap: float | None = bounded(None, 0, open_low=True)
+    """the upper bound C of ρ (TRL's ``vllm_importance_sampling_clip_max``, verl's ``rollout_is_threshold``); null: 2,
+    or 5 for ``icepop``"""
+    floor: float | None = bounded(None, 0)
+    """the lower bound of ρ (masked modes: below it the weight is 0; truncated modes: clamped up to it); null: no
+    lower bound, or 0.5 for ``icepop``"""
+    off_policy_mask: float | None = bounded(None, 0)
+    """δ of the off-policy sequence mask (DeepSeek-V3.2; TRL ``off_policy_mask_threshold``): a row whose mean
+    log π_rollout − log π_θ exceeds it loses its tokens of negative advantage; null: off"""
     bypass: bool = False
+    """use π_rollout as PPO's π_old (verl ``bypass_mode``): the clipped ratio π_θ / π_rollout corrects by itself, so
+    ``mode`` must be null"""
 
     @property
     def upper(self) -> float:
@@ -129,19 +128,12 @@ class RolloutCorrection:
     def lower(self) -> float | None:
         return self.floor if self.floor is not None else (ICEPOP_BAND[0] if self.mode == "icepop" else None)
 
-    def check(self, owner: str) -> None:
-        name = f"{owner}.rollout_correction"
-        if self.mode is not None and self.mode not in CORRECTIONS:
-            raise ConfigError(f"{name}.mode must be one of {', '.join(CORRECTIONS)} (or null), got {self.mode!r}")
-        check_range(name, "cap", self.cap, 0, open_low=True)
-        check_range(name, "floor", self.floor, 0)
-        check_range(name, "off_policy_mask", self.off_policy_mask, 0)
+    def check_rules(self, owner: str) -> None:
         if self.lower is not None and not self.lower < self.upper:
-            raise ConfigError(f"{name}.floor ({self.lower}) must be below cap ({self.upper})")
+            raise ConfigError(f"{owner}.floor ({self.lower}) must be below cap ({self.upper})")
         if self.bypass and self.mode is not None:
-            raise ConfigError(f"{name}.bypass takes the rollout's log-probs as PPO's anchor, whose clipped ratio is the "
+            raise ConfigError(f"{owner}.bypass takes the rollout's log-probs as PPO's anchor, whose clipped ratio is the "
                               f"correction: set mode null (got {self.mode!r})")
-
 
 # Saved in the hyper-parameters of a checkpoint, which Lightning and flowkit load with weights_only.
 torch.serialization.add_safe_globals([RolloutCorrection])

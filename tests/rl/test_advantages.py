@@ -7,7 +7,6 @@ from flowkit.rl.advantages import (
     ESTIMATORS,
     AdvantageContext,
     AdvantageInputs,
-    AdvantageName,
     entropy_shaped_advantages,
     gae_tokens,
     group_normalized_advantage,
@@ -123,7 +122,6 @@ def test_rloo_ignores_scale_rewards_and_rescales_the_centred_reward_by_k_over_k_
 
 
 def test_estimators_are_registered_with_their_stages_and_flags():
-    assert set(typing.get_args(AdvantageName)) == set(ESTIMATORS)  # the config's Literal lists every registered one
     flags = {name: (e.value_head, e.whiten) for name, e in ESTIMATORS.items()}
     assert flags == {"grpo": (False, False), "rloo": (False, False), "gae": (True, True), "reinforce": (False, True)}
     assert ESTIMATORS["rloo"].outcome is rloo_outcome and ESTIMATORS["rloo"].tokens is outcome_and_reward_to_go
