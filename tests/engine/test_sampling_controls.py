@@ -1,6 +1,6 @@
 """DAPO's sampling controls in the RL step: dynamic sampling on the raw outcomes (by hand, and 2 gloo ranks that keep
 different numbers of groups and then train on different numbers of rows), the overlong penalty of DAPO eq. 13 and
-truncation by hand.
+truncation by hand, and truncated rows left out of the update (also under a token budget).
 
 Facts re-stated (not copied): DAPO (Yu et al. 2025) eq. 13, R_length(y) = 0 for |y| ≤ L_max − L_cache,
 ((L_max − L_cache) − |y|)/L_cache inside the buffer, −1 beyond L_max; verl ``recipe/dapo`` / ``DAPORewardManager``
@@ -252,3 +252,45 @@ def test_ranks_with_different_kept_rows_make_the_same_collective_calls(tmp_path,
     update = UNEVEN_UPDATES[case]
     assert rank0["events"].count("step") == update.ppo_epochs * update.num_minibatches
     assert rank0["events"].count("score") == (4 if "micro_batch_size" in case or case == "token_budget" else 1)
+
+
+class LossMaskActor(EventActor):
+    """Records, per row of each loss call, (generated length, tokens left in the loss) and each denominator."""
+
+    def __init__(self):
+        super().__init__([])
+        self.rows: list[tuple[int, int]] = []
+        self.denominators: list[float] = []
+
+    def loss(self, micro, out, denominator, tokens, stats) -> torch.Tensor:
+        lengths = micro.attention_mask.sum(-1) - 1  # the prompt is one token; the mask in the loss may be cut
+        self.rows += list(zip(lengths.tolist(), micro.response_mask.sum(-1).int().tolist()))
+        self.denominators.append(float(denominator))
+        return super().loss(micro, out, denominator, tokens, stats)
+
+
+@pytest.mark.parametrize("update", [UpdateOptions(), UpdateOptions(micro_batch_tokens=7),
+                                    UpdateOptions(micro_batch_tokens=14, num_minibatches=2)],
+                         ids=["fused", "token_budget", "token_budget_2_minibatches"])
+def test_mask_truncated_leaves_truncated_rows_out_of_the_update(update):
+    """Rows of lengths 6, 6 (no EOS: truncated at MAX_NEW 6), 2, 4, 6 (truncated), 3. Each loss sees the truncated
+    rows with no token and the others whole, and divides by the 9 tokens of the untruncated rows (token-mean) — also
+    under a token budget, which runs the rows longest first (the truncated ones first), so the mask must follow
+    the reordering."""
+    outcomes = {"long": [0, 1], "short": [1, 0], "mixed": [0, 1]}
+    lengths = {"long": [MAX_NEW, MAX_NEW], "short": [2, 4], "mixed": [MAX_NEW, 3]}
+    rollout, actor = StubRollout(outcomes, lengths), LossMaskActor()
+
+    def grade(batch: RolloutBatch) -> RolloutBatch:
+        batch.outcome_rewards = torch.tensor([v for p in dict.fromkeys(batch.prompts) for v in outcomes[p]]).float()
+        batch.correct = batch.outcome_rewards >= 1
+        return batch
+    step = RLStep(actor, rollout, None, grade, AdvantageOptions(), update, 2, backward=lambda loss: loss.backward(),
+                  step_optimizer=lambda groups: None, controls=SamplingControls(mask_truncated=True))
+    _, stats = step(["long", "short", "mixed"], [""] * 3, 0)
+    assert sorted(actor.rows) == [(2, 2), (3, 3), (4, 4), (MAX_NEW, 0), (MAX_NEW, 0), (MAX_NEW, 0)]
+    if update.num_minibatches == 1:
+        assert set(actor.denominators) == {9.0}
+    else:  # longest first, then by minibatch: rows (6, 6, 2) and (4, 6, 3) in generated order → 2 and 7 tokens
+        assert set(actor.denominators) == {2.0, 7.0}
+    assert stats["train/truncated_frac"] == pytest.approx(0.5)
