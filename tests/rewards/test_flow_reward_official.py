@@ -278,11 +278,13 @@ def test_reward_loop_host_syncs_do_not_grow_with_rows(monkeypatch):
     assert syncs(16, "correct") == many
 
 
-def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatch):
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatch, minibatches):
     """Three RL steps of the tiny job, the first two inside flow_warmup_steps: in those no backward reaches the
     policy (its gradients stay None) and no optimizer step moves its group, and its weights are the initial ones bit
     for bit when step 3 starts; the flow trains in all three; step 3 trains the policy (backward and step), and the
-    exported policy differs from the initial one."""
+    exported policy differs from the initial one. A warm-up step is one optimizer step of ``trainer.max_steps``, a
+    later one ``num_minibatches``: max_steps 2 + num_minibatches is three RL steps."""
     import flowkit.modules.policy as policy_module
     from flowkit.cli import FlowkitCLI
     from flowkit.engine import RLStep
@@ -312,11 +314,13 @@ def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatc
     monkeypatch.setattr(FiniteStateGuard, "step_optimizer", step_optimizer)
     monkeypatch.chdir(tmp_path)
     config = str(Path(__file__).resolve().parents[2] / "configs" / "rlfr_tiny.yaml")
-    FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", "3", "--model.init_args.flow_pretrain.steps", "0",
+    FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", str(2 + minibatches),
+                     "--model.init_args.flow_pretrain.steps", "0",
+                     "--model.init_args.update.num_minibatches", str(minibatches),
                      "--model.init_args.reward_model.init_args.flow_update", "micro_batch",
                      "--model.init_args.reward_model.init_args.kappa", "1",
                      "--model.init_args.reward_model.init_args.flow_warmup_steps", "2"])
-    assert [s for s, _ in optimizer_steps] == [0, 1, 2]
+    assert [s for s, _ in optimizer_steps] == [0, 1] + [2] * minibatches
     assert [groups for s, groups in optimizer_steps if s < 2] == [["reward"], ["reward"]]
     assert "policy" in optimizer_steps[2][1]
     warmup = [reached for s, reached in backwards if s < 2]
