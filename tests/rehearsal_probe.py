@@ -4,7 +4,8 @@ Added through the CLI (``--trainer.callbacks+=rehearsal_probe.RehearsalProbe --t
 ``tests/`` on PYTHONPATH). Before training it wraps the places where a rank's data sets how often a sharded module
 is called — the flow-scoring chunks and the online flow-loss pieces — and records, per call, this rank's own count
 and the count every rank then used; and every call into a Linear LM head (one per micro-batch, whatever its tokens:
-``lm_head``), with the tokens it carried. At the end each rank writes ``probe_rank{R}.json``.
+``lm_head``), with the tokens it carried; and after each RL step the groups and rows this rank trained on
+(``kept``: dynamic sampling keeps its own groups per rank). At the end each rank writes ``probe_rank{R}.json``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from flowkit.rewards.flow_reward import FlowReward
 class RehearsalProbe(L.Callback):
     def __init__(self, out: str):
         self.out = Path(out)
-        self.records: dict[str, list[tuple[int, int]]] = {"lm_head": [], "flow_scoring": [], "flow_pieces": []}
+        self.records: dict[str, list[tuple[int, int]]] = {"lm_head": [], "flow_scoring": [], "flow_pieces": [],
+                                                           "kept": []}
 
     def setup(self, trainer, pl_module, stage):
         matching.agreed_call_count = self._recording(matching.agreed_call_count, "flow_scoring")
@@ -49,6 +51,11 @@ class RehearsalProbe(L.Callback):
             records.append((count, agreed))
             return agreed
         return recording
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if outputs:  # a skipped step returns nothing
+            rollouts = outputs["rollouts"]
+            self.records["kept"].append((int(rollouts.group_ids.unique().numel()), rollouts.batch_size))
 
     def on_train_end(self, trainer, pl_module):
         self.out.mkdir(parents=True, exist_ok=True)

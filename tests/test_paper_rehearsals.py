@@ -107,16 +107,26 @@ def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_
     assert served == [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
 
 
-def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_path):
-    """rlfr_qwen_official.yaml as shipped (the official per-micro-batch flow update, 8 minibatches) on 2 ZeRO-3 ranks,
-    with DAPO's controls on: ranks accept different numbers of rows and keep different numbers of groups, and still
-    run as many flow pieces, draws and micro-batches. 2 RL steps of 8 optimizer steps."""
+@pytest.mark.parametrize("budget", [[], ["--model.init_args.update.micro_batch_tokens", "64"]],
+                         ids=["micro_batch_size_1", "token_budget"])
+def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_path, budget):
+    """rlfr_qwen_official.yaml as shipped (the official per-micro-batch flow update, micro-batches of 1 row, 8
+    minibatches) on 2 ZeRO-3 ranks, with DAPO's controls on and an outcome reward (tests/uneven_groups.py) under
+    which rank 0 keeps 2 groups (16 rows) and rank 1, out of draws, 1 group (8 rows) per step: ranks accept
+    different numbers of rows and keep different numbers of groups, and still run as many flow pieces, draws,
+    minibatches and micro-batches (padding ones: the scoring pass's under a token budget too). 2 RL steps of 8
+    optimizer steps."""
     paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 16, "--model.init_args.rollout.engine", "hf",
                         "--model.init_args.controls.dynamic_sampling_max_draws", "3",
                         "--model.init_args.controls.mask_truncated", "true",
                         "--model.init_args.controls.overlong_buffer_length", "8",
-                        "--model.init_args.controls.overlong_penalty", "0.5", *probed(tmp_path))
+                        "--model.init_args.controls.overlong_penalty", "0.5",
+                        "--model.init_args.outcome_reward", "none",
+                        "--model.init_args.reward_functions", "[{function: uneven_groups.rank_dependent_reward}]",
+                        *budget, *probed(tmp_path))
     assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
+    records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
+    assert [records[rank]["kept"] for rank in range(2)] == [[[2, 16], [2, 16]], [[1, 8], [1, 8]]]
     for site in ("lm_head", "flow_scoring", "flow_pieces"):
         assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
     steps = metrics(next((tmp_path / "run").glob("version_*")))

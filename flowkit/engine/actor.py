@@ -219,9 +219,10 @@ class Actor:
         the same chunked LM head as RL."""
         return -(self.forward(micro, temperature=1.0).logprobs * micro.response_mask).sum() / tokens
 
-    def padding_loss(self, batch: RolloutBatch) -> Tensor:
-        """A zero loss through one row, reaching every trained module the real micro-batches reach: this rank's
-        share of a forward/backward that other ranks still run (each is a collective under DDP and ZeRO)."""
-        out = self.forward(batch.select([0]))
+    @staticmethod
+    def padding_loss(out: ActorOutput) -> Tensor:
+        """A zero loss through the :meth:`forward` ``out`` of one row, reaching every trained module the real
+        micro-batches reach: this rank's share of a backward that other ranks still run (a collective under DDP and
+        ZeRO)."""
         loss = out.logprobs.sum() * 0.0
         return loss if out.values is None else loss + out.values.sum() * 0.0

@@ -9,8 +9,10 @@ token budget the step's rows are put longest first and packed into runs of conse
 (:mod:`flowkit.engine.micro_batches`); minibatches keep the rows they would have had.
 
 Multi-rank rule (docs/design.md): every forward/backward is a collective under DDP and ZeRO, so the number of
-micro-batches and of loss pieces agrees over ranks before the first one runs; a rank with fewer runs zero-loss
-padding micro-batches, and ranks decide to skip a step together.
+minibatches, of micro-batches and of loss pieces agrees over ranks before the first one runs — also when ranks hold
+different numbers of rows (dynamic sampling keeps its own groups on each rank); a rank with fewer runs padding
+micro-batches (one row through every module a real one reaches, zero loss), and ranks decide to skip a step
+together.
 
 Finite state: a non-finite quantity (logits, rewards, advantages, the policy or the flow loss, the gradients of a
 parameter group) skips the step before the optimizer moves anything (:class:`NonFiniteStep`, agreed over ranks);
@@ -37,7 +39,7 @@ from flowkit.engine.stats import StepStats
 from flowkit.llm.engines import RolloutEngine
 from flowkit.options import registry_entry
 from flowkit.rewards.base import (
-    LearnsOnline, ReportsMetrics, StepScorer, TokenRewardModel, check_step_scorer, check_token_rewards,
+    LearnsOnline, PadsScoring, ReportsMetrics, StepScorer, TokenRewardModel, check_step_scorer, check_token_rewards,
 )
 from flowkit.rl.advantages import ESTIMATORS, AdvantageInputs, entropy_shaped_advantages, whitened
 from flowkit.rl.losses import aggregation_denominator, kl_shaped_rewards
@@ -221,6 +223,10 @@ class RLStep:
         names = ["old_logprobs", "ref_logprobs", "old_values", "advantages", "returns"]
         parts: dict[str, list[Tensor]] = {name: [] for name in names}
         for rows in self._micro_batches(batch):  # runs of consecutive rows, in order
+            if rows is None:
+                self._padding(batch, scorer, scoring=True)
+                raise_if_nonfinite([])  # the other ranks check their micro-batch here
+                continue
             micro = batch.select(rows).trimmed()
             self._fill(micro, rows, self.actor.forward(micro, tap=True), outcome, batch, scorer)
             raise_if_nonfinite(_nonfinite(micro))
@@ -237,12 +243,14 @@ class RLStep:
                 order: Tensor | None, in_loss: Tensor | None, scorer: StepScorer | None) -> dict[str, Tensor]:
         """``ppo_epochs`` passes × ``num_minibatches`` minibatches, each micro-batched and ended by one optimizer step;
         ``fused``: one pass whose forward also scores (old log-probs = its own, detached: ρ = 1 with gradient ∇logπ).
-        A minibatch holds the same generated rows whatever ``order`` the batch is in. ``in_loss`` (B float): rows
-        outside the policy loss and its normalisation (``mask_truncated``) are 0."""
+        A minibatch holds the same generated rows whatever ``order`` the batch is in; there are ``num_minibatches``
+        of them on every rank whatever its rows (sizes differing by at most one; a rank with fewer rows than
+        minibatches has empty ones, which run padding micro-batches). ``in_loss`` (B float): rows outside the policy
+        loss and its normalisation (``mask_truncated``) are 0."""
         stats = StepStats()
         position = torch.arange(batch.batch_size) if order is None else torch.argsort(order)
         minibatches = [position[rows].sort().values for _ in range(self.update.ppo_epochs)
-                       for rows in torch.arange(batch.batch_size).chunk(self.update.num_minibatches)]
+                       for rows in torch.arange(batch.batch_size).tensor_split(self.update.num_minibatches)]
         for index, minibatch_rows in enumerate(minibatches):
             mini = batch if fused else batch.select(minibatch_rows)
             options = self.actor.options
@@ -253,9 +261,9 @@ class RLStep:
             losses = LossCheck()
             for rows in self._micro_batches(mini, self._rows_with_gradient(mini, outcome, fused)):
                 if rows is None:
+                    loss = self._padding(batch, scorer, scoring=fused)
                     if fused:
                         raise_if_nonfinite([])  # the other ranks check their micro-batch here
-                    loss = self.actor.padding_loss(mini.trimmed())
                     losses.note("policy loss", loss)  # 0 × the outputs: NaN when the weights are
                     self.backward(loss)
                     continue
@@ -281,6 +289,20 @@ class RLStep:
         self._finish_minibatch(batch, stats, timings, LossCheck(), scorer, policy_groups=())
         return stats.means()
 
+    def _padding(self, batch: RolloutBatch, scorer: StepScorer | None, scoring: bool) -> Tensor:
+        """A padding micro-batch (another rank runs a real one here): the step's first row through every module a
+        real micro-batch of the pass reaches — the policy (and value head); in a ``scoring`` pass also the KL
+        reference and the step scorer (:class:`~flowkit.rewards.base.PadsScoring`) — each a collective under
+        ZeRO-3. Returns the zero loss to backpropagate (a no-grad pass drops it)."""
+        row = batch.select([0]).trimmed()
+        out = self.actor.forward(row, tap=scoring and scorer is not None)
+        if scoring and self.actor.reference is not None:
+            self.actor.reference_logprobs(row)
+        if scoring and isinstance(scorer, PadsScoring):
+            row.latents, row.token_entropy = out.latents, out.entropy.detach()
+            scorer.pad(row)
+        return self.actor.padding_loss(out)
+
     def _rows_with_gradient(self, mini: RolloutBatch, outcome: Tensor, fused: bool) -> Tensor | None:
         """``skip_zero_advantage_rows``: the rows whose advantages are not all 0 (None: every row runs). The policy
         loss of a token is proportional to its advantage, so such a row adds nothing — unless a KL, value or entropy
@@ -289,24 +311,22 @@ class RLStep:
                 or self.actor.value_head is not None or (fused and self.reward_model is not None)
                 or self.actor.options.entropy_coef > 0):
             return None
-        advantages = outcome if fused else mini.advantages * mini.response_mask
-        return advantages.reshape(len(advantages), -1).ne(0).any(-1)
+        nonzero = (outcome if fused else mini.advantages * mini.response_mask).ne(0)
+        return nonzero if fused else nonzero.any(-1)
 
     def _micro_batches(self, batch: RolloutBatch, keep: Tensor | None = None) -> list[Tensor | None]:
         """Row indices of each micro-batch of ``batch``, in order: ``micro_batch_size`` rows each, or with
         ``micro_batch_tokens`` (the rows come longest first) runs of rows packed under the token budget
         (:func:`~flowkit.engine.micro_batches.pack_by_token_budget`, at most ``micro_batch_size`` rows when that is
-        set too), as many on every rank as on the rank that packs the most (every rank holds as many rows, so each
-        can split its runs that often). With ``keep`` (a bool per row), only the kept rows, in as many micro-batches
-        as the rank that keeps the most (at least one): a rank with fewer adds ``None`` entries (padding
+        set too; a rank splits its runs until it has as many as the rank that packs the most, or one row each).
+        With ``keep`` (a bool per row), only the kept rows. Every rank runs as many micro-batches as the rank with
+        the most (at least one): a rank with fewer (fewer rows, kept or held) adds ``None`` entries (padding
         micro-batches). Counts are agreed before the first micro-batch runs."""
         index = torch.arange(batch.batch_size) if keep is None else keep.cpu().nonzero().flatten()
         budget, max_rows = self.update.micro_batch_tokens, self.update.micro_batch_size
         if budget is None:
             parts: list[Tensor | None] = list(index.split(max_rows or batch.batch_size)) if len(index) else []
-            if keep is not None:
-                parts += [None] * (all_reduce_int(max(1, len(parts)), ReduceOp.MAX) - len(parts))
-            return parts
+            return parts + [None] * (all_reduce_int(max(1, len(parts)), ReduceOp.MAX) - len(parts))
         lengths = sequence_lengths(batch.attention_mask)[index]
         count = all_reduce_int(max(1, len(pack_by_token_budget(lengths, budget, max_rows))), ReduceOp.MAX)
         runs = pack_by_token_budget(lengths, budget, max_rows, min(count, len(index)))

@@ -1,10 +1,11 @@
 """Reward models and graders (plain PyTorch / HF, no Lightning)."""
 
 from flowkit.rewards.base import (
-    EvaluatesPolicy, ExportsWeights, LearnsOnline, PretrainsOnLatents, ReportsMetrics, StepScorer, TokenRewardModel,
+    EvaluatesPolicy, ExportsWeights, LearnsOnline, PadsScoring, PretrainsOnLatents, ReportsMetrics, StepScorer,
+    TokenRewardModel,
 )
 from flowkit.rewards.explanation import ExplanationReward
 from flowkit.rewards.flow_reward import FlowReward
 
 __all__ = ["EvaluatesPolicy", "ExplanationReward", "ExportsWeights", "FlowReward", "LearnsOnline",
-           "PretrainsOnLatents", "ReportsMetrics", "StepScorer", "TokenRewardModel"]
+           "PadsScoring", "PretrainsOnLatents", "ReportsMetrics", "StepScorer", "TokenRewardModel"]

@@ -7,7 +7,8 @@ reward model from one step to the next unless it means to learn across steps (e.
 Optional features are written as :func:`~typing.runtime_checkable` Protocols and found by ``isinstance``:
 
 - a step scorer: :class:`StepScorer` (``score``, required), :class:`LearnsOnline` (``end_step``: the online loss),
-  :class:`ReportsMetrics` (``metrics``: the step's scalars);
+  :class:`ReportsMetrics` (``metrics``: the step's scalars), :class:`PadsScoring` (``pad``: another rank's extra
+  micro-batch);
 - a reward model: :class:`PretrainsOnLatents` (offline pretraining, ``flow_pretrain.steps``),
   :class:`EvaluatesPolicy` (its own validation metrics), :class:`ExportsWeights` (``flowkit export``).
 
@@ -46,6 +47,17 @@ class StepScorer(Protocol):
         if the reward model's ``percentiles`` is set — the tapped latents P×b×S×d filled in): a floating tensor
         shaped like ``micro.response_mask`` (b×S), on its device; only response tokens are read. Keep what the
         online update needs: the micro-batch's latents are freed afterwards."""
+        ...
+
+
+@runtime_checkable
+class PadsScoring(Protocol):
+    """A step scorer whose :meth:`~StepScorer.score` runs collectives (a reward model sharded under ZeRO-3)."""
+
+    def pad(self, micro: RolloutBatch) -> None:
+        """Another rank scores a micro-batch where this rank has none (ranks hold different numbers of rows, e.g.
+        under dynamic sampling): run the collectives a :meth:`~StepScorer.score` call runs, on ``micro`` (one row of
+        the step, filled in like a real micro-batch), and keep nothing of it."""
         ...
 
 

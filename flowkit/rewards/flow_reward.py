@@ -82,9 +82,12 @@ class FlowReward(TokenRewardModel):
             micro-batch of the scoring pass, a masked mean — per row over its tokens weighted a_j (1, or by
             ``entropy_quantile``), then over the micro-batch's rows weighted b_r (1 if accepted, else
             ``soft_weight``) — and the step's loss is the mean of these over the rank's micro-batches (DeepSpeed's
-            gradient accumulation). flowkit skips the flow step when no rank has a weighted row, where the official
-            steps its optimizer on a zero gradient (Adam's momentum alone moves it), and scores a row whose token
-            weights are all 0 as 0 where the official divides by 0.
+            gradient accumulation). flowkit takes one flow step per RL step, on all of the step's micro-batches; the
+            official steps the flow once per policy minibatch, on that minibatch's micro-batches (the same with
+            ``update.num_minibatches`` 1; ``num_minibatches`` N: N flow steps per RL step there, 1 here). flowkit
+            skips the flow step when no rank has a weighted row, where the official steps its optimizer on a zero
+            gradient (Adam's momentum alone moves it), and scores a row whose token weights are all 0 as 0 where the
+            official divides by 0.
         soft_weight: weight b_r of a rejected row, and a_j of a token below the entropy quantile, in the
             ``micro_batch`` loss (official ``--soft_flow``, default 0: rejected rollouts do not train the flow).
         entropy_quantile: q of the token-level selection (official ``--metrics_entropy_quantile``): in each row,
@@ -96,7 +99,9 @@ class FlowReward(TokenRewardModel):
             ``pow`` of a negative score is NaN for fractional γ). 1 is off.
         flow_warmup_steps: for the first N RL steps the policy is frozen (no policy backward, no policy optimizer
             step) and only the flow trains, on the policy's own rollouts (official
-            ``--freezing_actor_steps_for_flow N``: its steps 1…N).
+            ``--freezing_actor_steps_for_flow N``: its steps 1…N). ``trainer.max_steps`` counts optimizer steps: a
+            warm-up RL step is one (the flow's), a later one ``ppo_epochs × num_minibatches``; so N warm-up steps
+            take N of ``max_steps``, not N × num_minibatches.
         online_update: set False to freeze the flow during RL (ablation).
         pretrain_timesteps: offline pretraining copies of every token, each with its own logit-normal t and
             noise (the official ``flow_batch_mul``: 4 for Qwen2.5-1.5B, 2 for 7B).

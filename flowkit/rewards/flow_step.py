@@ -53,6 +53,13 @@ class FlowStep:
         self.micro_batches.append((first, rows.numel()))
         return rewards
 
+    @torch.no_grad()
+    def pad(self, micro: RolloutBatch) -> None:
+        """A padding micro-batch (:class:`~flowkit.rewards.base.PadsScoring`): the field runs on ``micro`` as often as
+        the ranks agree for a real one (ZeRO-3 gathers its weights in each call); no sums, no candidates, and it is
+        not one of the step's micro-batches."""
+        self.reward.token_rewards(micro, self.step)
+
     def _candidate_rows(self, batch: RolloutBatch) -> Tensor:
         """B bool: the rows the online update may weigh — the correct ones when only correct rows can (``correct``,
         ``both``, ``correct+token_entropy`` with ``soft_weight`` 0), else every row (an entropy metric's batch

@@ -58,9 +58,9 @@ class FakeActor:
         self.advantages.append(micro.advantages.detach().clone())
         return -(out.logprobs * micro.advantages).sum() / denominator
 
-    def padding_loss(self, batch: RolloutBatch) -> torch.Tensor:
+    def padding_loss(self, out: ActorOutput) -> torch.Tensor:
         self.paddings += 1
-        return self.weight * 0.0
+        return out.logprobs.sum() * 0.0
 
 
 class RecordingReward(TokenRewardModel):
@@ -160,7 +160,8 @@ def test_rows_without_advantage_do_not_run_and_an_empty_pass_pads(single_thread)
     actor = FakeActor()
     step, backwards, steps = make_step(actor, None, UpdateOptions(micro_batch_size=1), outcomes=(0.0, 0.0, 1.0, 1.0))
     step(["a", "b"], ["1", "2"], 0)
-    assert actor.forwards == [] and actor.paddings == 1 and steps == [["policy", "value"]]
+    # no row has an advantage: one padding micro-batch (a forward of one row, zero loss)
+    assert actor.forwards == [(1, True)] and actor.paddings == 1 and steps == [["policy", "value"]]
 
 
 def test_non_finite_token_rewards_stop_the_step_before_any_optimizer_step(single_thread):

@@ -1,5 +1,6 @@
 """DAPO's sampling controls in the RL step: dynamic sampling on the raw outcomes (by hand, and 2 gloo ranks that keep
-different numbers of groups), the overlong penalty of DAPO eq. 13 and truncation by hand.
+different numbers of groups and then train on different numbers of rows), the overlong penalty of DAPO eq. 13 and
+truncation by hand, and truncated rows left out of the update (also under a token budget).
 
 Facts re-stated (not copied): DAPO (Yu et al. 2025) eq. 13, R_length(y) = 0 for |y| ≤ L_max − L_cache,
 ((L_max − L_cache) − |y|)/L_cache inside the buffer, −1 beyond L_max; verl ``recipe/dapo`` / ``DAPORewardManager``
@@ -20,9 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flowkit.batch import RolloutBatch
-from flowkit.engine import AdvantageOptions, RLStep, SamplingControls, UpdateOptions
+from flowkit.engine import ActorOutput, AdvantageOptions, LossOptions, RLStep, SamplingControls, UpdateOptions
 from flowkit.engine.step import _informative_rows, overlong_penalty
 from flowkit.errors import ConfigError
+from flowkit.rewards.base import TokenRewardModel
 
 EOS, MAX_NEW = 9, 6
 
@@ -151,3 +153,144 @@ def test_ranks_draw_equally_often_while_keeping_different_groups(tmp_path):
     assert len(rank0["calls"]) == len(rank1["calls"]) == 2  # rank 0 was full after 1 draw, rank 1 after 2
     assert rank0["kept"] == ["a", "b"] and rank1["kept"] == ["d", "f"]
     assert rank0["stats"]["train/groups_drawn"] == rank1["stats"]["train/groups_drawn"] == 4.0
+
+
+class EventActor:
+    """Log-probs through one trainable weight; appends each call that is a collective under ZeRO-3 (a forward, a
+    backward) to ``events``."""
+
+    def __init__(self, events: list[str]):
+        self.weight = torch.nn.Parameter(torch.tensor(0.5))
+        self.options = LossOptions().with_budget(MAX_NEW)
+        self.reference, self.value_head, self.tap, self.events = None, None, None, events
+
+    def forward(self, batch: RolloutBatch, tap: bool = False, temperature: float | None = None) -> ActorOutput:
+        self.events.append("forward")
+        logprobs = -self.weight * batch.response_mask
+        return ActorOutput(logprobs, torch.ones(batch.response_mask.shape))
+
+    def loss(self, micro, out, denominator, tokens, stats) -> torch.Tensor:
+        return -(out.logprobs * micro.advantages).sum() / denominator
+
+    @staticmethod
+    def padding_loss(out: ActorOutput) -> torch.Tensor:
+        return out.logprobs.sum() * 0.0
+
+
+class EventReward(TokenRewardModel):
+    """A reward model whose every scoring call (real or padding) is a collective, as a ZeRO-3-sharded one's."""
+
+    percentiles = None
+
+    def __init__(self, events: list[str]):
+        super().__init__()
+        self.events = events
+
+    def begin_step(self, step, batch):
+        return EventScorer(self.events)
+
+
+class EventScorer:
+    def __init__(self, events: list[str]):
+        self.events = events
+
+    def score(self, micro, rows):
+        self.events.append("score")
+        return torch.zeros(micro.response_mask.shape)
+
+    def pad(self, micro):
+        self.events.append("score")
+
+
+# rank 0 keeps both groups of its first draw; rank 1 keeps only c (e, g, h: every sample alike) after max_draws 2
+UNEVEN_OUTCOMES = {"a": [0, 1], "b": [1, 0], "c": [1, 0], "e": [1, 1], "d": [0, 1], "f": [1, 0], "g": [0, 0],
+                   "h": [1, 1]}
+UNEVEN_DRAWS = {0: (["a", "b"], [["d", "f"]]), 1: (["c", "e"], [["g", "h"]])}
+UNEVEN_UPDATES = {  # each breaks an agreement when ranks hold 4 and 2 rows
+    "micro_batch_size_1": UpdateOptions(micro_batch_size=1, ppo_epochs=2),  # scoring pass and updates: 4 vs 2
+    "token_budget": UpdateOptions(micro_batch_tokens=4, ppo_epochs=2),  # one row of 4 tokens per micro-batch
+    "num_minibatches_4": UpdateOptions(num_minibatches=4),  # 4 rows in 4 minibatches, 2 rows in 2 (or 4)
+    "fused_micro_batch_size_1": UpdateOptions(micro_batch_size=1),  # the training forward also scores
+}
+
+
+def uneven_rows_worker(rank: int, store: str, out: str, case: str) -> None:
+    """One RL step with dynamic sampling on ranks that keep 2 and 1 groups; writes the rank's collective calls."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    events: list[str] = []
+    rollout = StubRollout(UNEVEN_OUTCOMES)
+    first, extra = UNEVEN_DRAWS[rank]
+
+    def grade(batch: RolloutBatch) -> RolloutBatch:
+        batch.outcome_rewards = torch.tensor([v for p in dict.fromkeys(batch.prompts) for v in UNEVEN_OUTCOMES[p]])
+        batch.correct = batch.outcome_rewards >= 1
+        return batch
+
+    actor = EventActor(events)
+    step = RLStep(actor, rollout, EventReward(events), grade, AdvantageOptions(), UNEVEN_UPDATES[case], 2,
+                  backward=lambda loss: (events.append("backward"), loss.backward()),
+                  step_optimizer=lambda groups: events.append("step"),
+                  controls=SamplingControls(dynamic_sampling_max_draws=2),
+                  draw_prompts=lambda step, draw: (extra[draw - 1], [""] * len(extra[draw - 1]), {}))
+    batch, stats = step(first, [""] * len(first), 0)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"events": events, "rows": batch.batch_size,
+                                                          "kept": stats["train/groups_kept"]}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", sorted(UNEVEN_UPDATES))
+def test_ranks_with_different_kept_rows_make_the_same_collective_calls(tmp_path, case):
+    """Rank 0 trains on 4 rows (2 groups), rank 1 on 2 (it ran out of draws with 1 group); yet both run the same
+    sequence of forwards, scoring calls, backwards and optimizer steps (each a collective under ZeRO-3): padding
+    micro-batches, agreed micro-batch counts under micro_batch_size and micro_batch_tokens, and num_minibatches
+    minibatches on every rank."""
+    mp.spawn(uneven_rows_worker, args=(str(tmp_path / "store"), str(tmp_path), case), nprocs=2)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert (rank0["kept"], rank0["rows"], rank1["kept"], rank1["rows"]) == (2.0, 4, 1.0, 2)
+    assert rank0["events"] == rank1["events"]
+    update = UNEVEN_UPDATES[case]
+    assert rank0["events"].count("step") == update.ppo_epochs * update.num_minibatches
+    assert rank0["events"].count("score") == (4 if "micro_batch_size" in case or case == "token_budget" else 1)
+
+
+class LossMaskActor(EventActor):
+    """Records, per row of each loss call, (generated length, tokens left in the loss) and each denominator."""
+
+    def __init__(self):
+        super().__init__([])
+        self.rows: list[tuple[int, int]] = []
+        self.denominators: list[float] = []
+
+    def loss(self, micro, out, denominator, tokens, stats) -> torch.Tensor:
+        lengths = micro.attention_mask.sum(-1) - 1  # the prompt is one token; the mask in the loss may be cut
+        self.rows += list(zip(lengths.tolist(), micro.response_mask.sum(-1).int().tolist()))
+        self.denominators.append(float(denominator))
+        return super().loss(micro, out, denominator, tokens, stats)
+
+
+@pytest.mark.parametrize("update", [UpdateOptions(), UpdateOptions(micro_batch_tokens=7),
+                                    UpdateOptions(micro_batch_tokens=14, num_minibatches=2)],
+                         ids=["fused", "token_budget", "token_budget_2_minibatches"])
+def test_mask_truncated_leaves_truncated_rows_out_of_the_update(update):
+    """Rows of lengths 6, 6 (no EOS: truncated at MAX_NEW 6), 2, 4, 6 (truncated), 3. Each loss sees the truncated
+    rows with no token and the others whole, and divides by the 9 tokens of the untruncated rows (token-mean) — also
+    under a token budget, which runs the rows longest first (the truncated ones first), so the mask must follow
+    the reordering."""
+    outcomes = {"long": [0, 1], "short": [1, 0], "mixed": [0, 1]}
+    lengths = {"long": [MAX_NEW, MAX_NEW], "short": [2, 4], "mixed": [MAX_NEW, 3]}
+    rollout, actor = StubRollout(outcomes, lengths), LossMaskActor()
+
+    def grade(batch: RolloutBatch) -> RolloutBatch:
+        batch.outcome_rewards = torch.tensor([v for p in dict.fromkeys(batch.prompts) for v in outcomes[p]]).float()
+        batch.correct = batch.outcome_rewards >= 1
+        return batch
+    step = RLStep(actor, rollout, None, grade, AdvantageOptions(), update, 2, backward=lambda loss: loss.backward(),
+                  step_optimizer=lambda groups: None, controls=SamplingControls(mask_truncated=True))
+    _, stats = step(["long", "short", "mixed"], [""] * 3, 0)
+    assert sorted(actor.rows) == [(2, 2), (3, 3), (4, 4), (MAX_NEW, 0), (MAX_NEW, 0), (MAX_NEW, 0)]
+    if update.num_minibatches == 1:
+        assert set(actor.denominators) == {9.0}
+    else:  # longest first, then by minibatch: rows (6, 6, 2) and (4, 6, 3) in generated order → 2 and 7 tokens
+        assert set(actor.denominators) == {2.0, 7.0}
+    assert stats["train/truncated_frac"] == pytest.approx(0.5)

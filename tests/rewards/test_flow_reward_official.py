@@ -29,7 +29,7 @@ from flowkit import kernels
 from flowkit.batch import RolloutBatch
 from flowkit.errors import ConfigError
 from flowkit.flow.matching import scored_token_mask
-from flowkit.rewards import FlowReward
+from flowkit.rewards import FlowReward, flow_step
 from flowkit.rewards.flow_step import FlowStep
 from flowkit.rl.rejection import entropy_quantile_weights
 from flowkit.rl.rewards import flow_token_rewards
@@ -141,6 +141,57 @@ def test_micro_batch_update_of_correct_rows_by_hand():
     assert scorer.metrics()["flow/accepted_frac"] == 0.5
 
 
+def hand_batch() -> RolloutBatch:
+    """Rows 0-3 with 2, 4, 3 and 1 response tokens (all scored: ``previous``), from column 2; rows 0 and 2 correct;
+    token entropies chosen for the quantiles below."""
+    lengths, entropies = [2, 4, 3, 1], [[0.2, 0.6], [0.1, 0.5, 0.3, 0.9], [0.3, 0.1, 0.2], [0.7]]
+    mask, token_entropy = torch.zeros(4, 7), torch.zeros(4, 7)
+    for row, (length, values) in enumerate(zip(lengths, entropies)):
+        mask[row, 2:2 + length] = 1.0
+        token_entropy[row, 2:2 + length] = torch.tensor(values)
+    batch = RolloutBatch(input_ids=torch.zeros(4, 7, dtype=torch.long), attention_mask=torch.ones(4, 7),
+                         response_mask=mask, group_ids=torch.arange(4))
+    batch.latents = torch.randn(P, 4, 7, D, generator=torch.Generator().manual_seed(6))
+    batch.correct, batch.entropy, batch.token_entropy = torch.tensor([True, False, True, False]), torch.rand(4), \
+        token_entropy
+    return batch
+
+
+# Token weights a_rj / Σ_j a_rj · b_r / Σ_{r∈m} b_r / M by hand: micro-batches {0, 1} and {2, 3} (M = 2), soft
+# weight s = 0.25, so b = (1, .25) in each and Σ b = 1.25: rows 0 and 2 get 1 / 1.25 / 2 = 0.4, rows 1 and 3 get
+# 0.25 / 1.25 / 2 = 0.1 (columns 0-1 are the prompt).
+HAND_WEIGHTS = {
+    # correct, s 0.25: every token of a row alike — 0.4 / 2, 0.1 / 4, 0.4 / 3, 0.1 / 1
+    "correct": [[0, 0, 0.2, 0.2, 0, 0], [0, 0, 0.025, 0.025, 0.025, 0.025],
+                [0, 0, 0.4 / 3, 0.4 / 3, 0.4 / 3, 0], [0, 0, 0.1, 0, 0, 0]],
+    # correct+token_entropy, s 0.25, q 0.5: row 0's median entropy 0.4 → a = (s, 1) = (.2, .8)·0.4; row 1's 0.4 →
+    # (s, 1, s, 1) = (.1, .4, .1, .4)·0.1; row 2's 0.2 → (1, s, 1) = (4, 1, 4)/9·0.4; row 3: its one token, 0.1
+    "correct+token_entropy": [[0, 0, 0.08, 0.32, 0, 0], [0, 0, 0.01, 0.04, 0.01, 0.04],
+                              [0, 0, 1.6 / 9, 0.4 / 9, 1.6 / 9, 0], [0, 0, 0.1, 0, 0, 0]],
+}
+
+
+@pytest.mark.parametrize("metric", sorted(HAND_WEIGHTS))
+def test_soft_weight_and_token_entropy_weights_by_hand(metric, monkeypatch):
+    """The token weights the micro_batch update hands the flow loss, against the literal values of HAND_WEIGHTS;
+    the loss is their sum over the tokens' flow losses."""
+    seen = {}
+    original = flow_step.flow_matching_loss_pieces
+
+    def recording(*args, token_weights=None, **kwargs):
+        seen["weights"] = token_weights
+        return original(*args, token_weights=token_weights, **kwargs)
+    monkeypatch.setattr(flow_step, "flow_matching_loss_pieces", recording)
+    batch = hand_batch()
+    reward = bound_reward(flow_update="micro_batch", rejection_metric=metric, soft_weight=0.25,
+                          entropy_quantile=0.5 if metric.endswith("token_entropy") else None)
+    loss = float(sum(piece() for piece in scored_in_micro_batches(reward, batch, 2).end_step(batch)))
+    torch.testing.assert_close(seen["weights"], torch.tensor(HAND_WEIGHTS[metric]))
+    losses = per_token_flow_loss(batch, [0, 1, 2, 3])
+    expected = sum(HAND_WEIGHTS[metric][r][j] * value for (r, j), value in losses.items())
+    assert loss == pytest.approx(expected, rel=1e-5)
+
+
 def test_micro_batch_update_skips_a_step_without_weighted_rows():
     batch = scored_batch(4, torch.Generator().manual_seed(2))
     batch.correct[:] = False
@@ -227,26 +278,64 @@ def test_reward_loop_host_syncs_do_not_grow_with_rows(monkeypatch):
     assert syncs(16, "correct") == many
 
 
-def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatch):
-    """Two RL steps of the tiny job, both inside flow_warmup_steps: the exported policy is the initial one, bit for
-    bit, and the flow moved (lr 5e-5 would move every policy weight in two steps)."""
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatch, minibatches):
+    """Three RL steps of the tiny job, the first two inside flow_warmup_steps: in those no backward reaches the
+    policy (its gradients stay None) and no optimizer step moves its group, and its weights are the initial ones bit
+    for bit when step 3 starts; the flow trains in all three; step 3 trains the policy (backward and step), and the
+    exported policy differs from the initial one. A warm-up step is one optimizer step of ``trainer.max_steps``, a
+    later one ``num_minibatches``: max_steps 2 + num_minibatches is three RL steps."""
+    import flowkit.modules.policy as policy_module
     from flowkit.cli import FlowkitCLI
+    from flowkit.engine import RLStep
     from flowkit.llm.backbone import load_backbone
+    from flowkit.modules.policy_guard import FiniteStateGuard
 
+    backwards, optimizer_steps, weights_at_start = [], [], []  # (RL step, policy reached / groups moved)
+    current = {}
+    original_call, original_backward = RLStep.__call__, policy_module.manual_backward
+    original_step = FiniteStateGuard.step_optimizer
+
+    def call(self, prompts, answers, step, columns=None):
+        current["step"], current["policy"] = step, self.actor.policy
+        weights_at_start.append([p.detach().clone() for p in self.actor.policy.parameters()])
+        return original_call(self, prompts, answers, step, columns)
+
+    def backward(module, loss):
+        original_backward(module, loss)
+        reached = any(p.grad is not None for p in current["policy"].parameters())
+        backwards.append((current["step"], reached))
+
+    def step_optimizer(self, groups):
+        optimizer_steps.append((current["step"], sorted(groups)))
+        original_step(self, groups)
+    monkeypatch.setattr(RLStep, "__call__", call)
+    monkeypatch.setattr(policy_module, "manual_backward", backward)
+    monkeypatch.setattr(FiniteStateGuard, "step_optimizer", step_optimizer)
     monkeypatch.chdir(tmp_path)
     config = str(Path(__file__).resolve().parents[2] / "configs" / "rlfr_tiny.yaml")
-    FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", "2", "--model.init_args.flow_pretrain.steps", "0",
+    FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", str(2 + minibatches),
+                     "--model.init_args.flow_pretrain.steps", "0",
+                     "--model.init_args.update.num_minibatches", str(minibatches),
                      "--model.init_args.reward_model.init_args.flow_update", "micro_batch",
                      "--model.init_args.reward_model.init_args.kappa", "1",
                      "--model.init_args.reward_model.init_args.flow_warmup_steps", "2"])
+    assert [s for s, _ in optimizer_steps] == [0, 1] + [2] * minibatches
+    assert [groups for s, groups in optimizer_steps if s < 2] == [["reward"], ["reward"]]
+    assert "policy" in optimizer_steps[2][1]
+    warmup = [reached for s, reached in backwards if s < 2]
+    assert warmup and not any(warmup)  # flow pieces only: 0 policy backward calls in the warm-up
+    assert sum(reached for s, reached in backwards if s == 2) >= 1
+    for before, after in zip(weights_at_start[0], weights_at_start[2]):
+        assert torch.equal(before, after)
     run_dir = next(tmp_path.glob("runs/rlfr_tiny/version_*"))
     initial, _ = load_backbone("bundled:tiny_adder", "float32")
     trained, _ = load_backbone(str(run_dir / "export" / "hf_policy"), "float32")
-    for (name, want), got in zip(initial.state_dict().items(), trained.state_dict().values()):
-        assert torch.equal(want, got), name
+    assert any(not torch.equal(want, got) for want, got in zip(initial.state_dict().values(),
+                                                                 trained.state_dict().values()))
     with open(run_dir / "metrics.csv") as f:
         losses = [float(r["flow/loss"]) for r in csv.DictReader(f) if r.get("flow/loss")]
-    assert any(loss == loss and loss > 0 for loss in losses)  # a flow loss was backpropagated (not NaN)
+    assert len(losses) == 3 and all(loss > 0 for loss in losses)  # a flow loss backpropagated in every step
     reward = FlowReward(percentiles=(0.25,), depth=2, timesteps=(0.9,), seed=0)
     reward.bind(initial, [0.25])
     flow = load_file(str(run_dir / "export" / "flow.safetensors"))
