@@ -8,6 +8,7 @@ one only in the vLLM venv (``-m vllm``, as .ci/run runs this file there), where 
 The tests that compare the served run with a local HF run bit for bit take the HF backend only."""
 
 import csv
+import signal
 import socket
 import subprocess
 import sys
@@ -287,6 +288,71 @@ def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prom
     assert sorted(steps) == [3, 4]
     assert steps[3]["rollout/staleness_max"] == 0.0 and steps[4]["rollout/staleness_max"] == 1.0
     assert steps[4]["rollout/regenerated_rows"] == 0.0
+
+
+def stopped(process: subprocess.Popen) -> bool:
+    return Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+def test_a_trainer_killed_mid_push_resumes_from_last_against_the_same_server(signal_name, tmp_path):
+    """The trainer SIGKILLed in its weight push of version 2 (the server inside the push, waiting for the next
+    bucket; ``max_staleness 1``: step 3's prefetch was asked for before), or SIGSTOPped there (a trainer that hangs or
+    whose host vanished: its sockets stay open, and the server's receive would wait for its own bound); then
+    ``--ckpt_path last`` against the same server, which still runs (after a SIGSTOP from a copy of the checkpoints:
+    the stopped process holds its run directory's lock). The resumed run pushes its restored weights and finishes,
+    without waiting for the server's bound on the dead push (4 × the trainer's here)."""
+    import shutil
+
+    import rlfr_run
+
+    server_timeout = 4 * TIMEOUT_S
+    survivor = RolloutServer(tmp_path / "server.log", server_timeout)
+    (tmp_path / "override.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+        "      init_args: {dirpath: runs/rlfr_tiny/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 1}\n")
+    options = ["--config", str(tmp_path / "override.yaml"), "--model.init_args.sampling.num_samples", "2",
+               "--model.init_args.sampling.max_new_tokens", "24", "--model.init_args.rollout.engine", "server",
+               "--model.init_args.rollout.server_url", survivor.url, "--model.init_args.rollout.server_timeout",
+               str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "1",
+               "--model.init_args.rollout.server_bucket_mb", "1"]  # the tiny policy's 4 MB in several buckets
+    first = tmp_path / "first"
+    first.mkdir()
+    doomed = subprocess.Popen(rlfr_run.command(first, 4, *options, "--trainer.callbacks+=fault_injection.SignalMidPush",
+                                               "--trainer.callbacks.version", "2", "--trainer.callbacks.signal",
+                                               signal_name),
+                              env=rlfr_run.env(), cwd=first, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while doomed.poll() is None and not stopped(doomed):
+            assert time.monotonic() < deadline, "the trainer reached no push of version 2 within 300 s"
+            time.sleep(0.05)
+        if signal_name == "SIGKILL":
+            assert doomed.returncode == -signal.SIGKILL, doomed.stderr.read()[-3000:]
+            resumed_root = first
+        else:
+            resumed_root = tmp_path / "resumed"
+            shutil.copytree(first / "runs" / "rlfr_tiny" / "checkpoints",
+                            resumed_root / "runs" / "rlfr_tiny" / "checkpoints")
+        checkpoint = torch.load(resumed_root / "runs" / "rlfr_tiny" / "checkpoints" / "last.ckpt", weights_only=True)
+        assert checkpoint["global_step"] == 2  # saved before the push of the weights it holds
+        assert "policy version 2 loaded" not in survivor.log.read_text()
+        start = time.monotonic()
+        resumed = subprocess.run(rlfr_run.command(resumed_root, 4, *options, "--ckpt_path", "last"),
+                                 env=rlfr_run.env(), cwd=resumed_root, capture_output=True, text=True,
+                                 timeout=server_timeout + 120)
+        elapsed = time.monotonic() - start
+        assert survivor.process.poll() is None, survivor.log.read_text()[-3000:]
+    finally:
+        survivor.kill()
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait(timeout=30)
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + survivor.log.read_text()[-3000:]
+    steps = rlfr_run.metrics(rlfr_run.version_dirs(resumed_root)[-1])
+    assert sorted(steps) == [3, 4]
+    assert float(steps[3]["rollout/staleness_max"]) == 0.0 and float(steps[4]["rollout/staleness_max"]) == 1.0
+    assert elapsed < server_timeout, elapsed  # not held up until the server gave the dead push up
 
 
 @pytest.mark.slow
