@@ -13,10 +13,11 @@ instance id changed, so its weights are no longer the trainer's) or serves anoth
 architecture, hidden size, layers, vocabulary) is one line naming the address, a :class:`ConfigError` at build
 time and a :class:`RuntimeError` later.
 
-With ``rollout.max_staleness`` k ≥ 1 the module calls :meth:`ServerRolloutEngine.prefetch` with the next batch's prompts
-before the current step trains, and the server generates them meanwhile from the weights it holds (one version
-behind); :meth:`ServerRolloutEngine.generate` takes those rollouts when asked for the same prompts, and regenerates a
-batch more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
+With ``rollout.max_staleness`` k ≥ 1 the module keeps the next k batches' prompts prefetched
+(:meth:`ServerRolloutEngine.prefetch`, :func:`flowkit.llm.engines.prefetch_ahead`) before the current step trains, and
+the server generates them meanwhile, in order, from the weights it holds (up to k versions behind);
+:meth:`ServerRolloutEngine.generate` takes those rollouts when asked for the same prompts, and regenerates a batch
+more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
 """
 
 from __future__ import annotations

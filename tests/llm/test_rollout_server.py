@@ -153,6 +153,53 @@ def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, t
     assert len(times.generations) == 4  # every step's prompts generated once (none regenerated, none at the end)
 
 
+def test_max_staleness_2_keeps_two_steps_of_rollouts_in_flight(server, tmp_path, monkeypatch, single_thread):
+    """k = 2: at the start of step t the engine has asked for the rollouts of t+1 and t+2, so the server generates
+    step t+2's before step t+1 starts; rows are at most 2 versions behind (some exactly 2), and nothing is asked for
+    past the last step."""
+    monkeypatch.chdir(tmp_path)
+    times = StepTimes()
+    cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--trainer.max_steps", "5",
+              "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
+              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "2",
+              callbacks=[times])
+    steps = metrics(cli)
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    staleness = [steps[step]["rollout/staleness_max"] for step in sorted(steps)]
+    assert staleness[0] == 0.0 and max(staleness) == 2.0 and all(0 <= s <= 2 for s in staleness), staleness
+    for step, values in steps.items():  # one prompt batch per step, all its rows from one reply: one bucket is all
+        assert values[f"rollout/staleness_{int(values['rollout/staleness_max'])}"] == 1.0
+        assert {key for key in values if key.startswith("rollout/staleness_")} >= {
+            "rollout/staleness_0", "rollout/staleness_1", "rollout/staleness_2"}
+    assert steps[5]["rollout/regenerated_rows"] == 0.0
+    for step in (0, 1, 2):  # batch indices (0-based) of the trainer's hooks
+        two_ahead = times.start[step + 2][1]
+        started = next(s for prompts, s, _ in times.generations if prompts == two_ahead)
+        assert started < times.start[step + 1][0], (step, started, times.start[step + 1][0])
+    assert len(times.generations) == 5  # every step's prompts generated once, none past the last step
+
+
+@HF_ONLY
+def test_rollouts_more_than_max_staleness_behind_are_regenerated(server, tmp_path, monkeypatch, single_thread):
+    """Weights pushed every 2 steps (``server_sync_every 2``) with ``max_staleness 1``: a batch prefetched while the
+    server still held version v trains at v + 2 or later, too stale, so it is generated again from the newest weights
+    pushed; the rows trained are never more than 1 version behind, and the count is of those batches' rows."""
+    monkeypatch.chdir(tmp_path)
+    times = StepTimes()
+    cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--trainer.max_steps", "5",
+              "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
+              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "1",
+              "--model.init_args.rollout.server_sync_every", "2", callbacks=[times])
+    steps = metrics(cli)
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    assert all(values["rollout/staleness_max"] <= 1.0 for values in steps.values())
+    requested = [prompts for prompts, _, _ in times.generations]
+    twice = [prompts for prompts in dict.fromkeys(requested) if requested.count(prompts) == 2]
+    rows = 4 * 2  # prompts × samples of a batch
+    assert twice and len(requested) == 5 + len(twice)  # each batch once, the regenerated ones once more
+    assert steps[5]["rollout/regenerated_rows"] == rows * len(twice) == cli.model.engine.regenerated_rows
+
+
 def test_server_down_is_one_line_naming_the_address():
     model, tokenizer = load_backbone("bundled:tiny_adder")
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
