@@ -86,10 +86,9 @@ class RolloutService:
         store = WeightChannel.join_store(request["host"], request["port"], self.timeout_s)
         device = self.backend.device if request["device"] == "cuda" and self.backend.device.type == "cuda" \
             else torch.device("cpu")
-        earlier, self.channel = self.channel, None
-        if earlier is not None:
-            earlier.cancel()
-            threading.Thread(target=earlier.close, daemon=True).start()
+        if self.channel is not None:
+            self.channel.cancel()
+        self.channel = None
         self.joined = joined = threading.Event()
 
         def join() -> None:
@@ -111,18 +110,21 @@ class RolloutService:
             if not self.joined.wait(self.timeout_s) or self.channel is None:
                 log.error("push of version %d: no weight channel", version)
                 return
-            channel = self.channel
+            channel, failed = self.channel, False
             with self.ready:
                 try:
                     received, loaded = channel.receive(self.backend.load)
                 except RuntimeError as err:  # the trainer gone, past the timeout, or superseded by another one
                     log.error("push of version %d failed: %s", version, err)
-                    self.version = TORN
+                    self.version, failed = TORN, True
                     if self.channel is channel:
                         self.channel = None
-                    return
-                self.version = received
-                self.ready.notify_all()
+                else:
+                    self.version = received
+                    self.ready.notify_all()
+            if failed:
+                channel.close()  # outside the lock: a cancelled push's operation ends within its timeout
+                return
             log.info("policy version %d loaded (%d tensors)", received, loaded)
 
         threading.Thread(target=receive, daemon=True).start()

@@ -99,6 +99,8 @@ class WeightChannel:
     def _broadcast(self, tensor: Tensor, root: int) -> None:
         options = torch.distributed.BroadcastOptions()
         options.rootRank, options.timeout = root, self.timeout
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise RuntimeError("the push was abandoned: another trainer connected")
         work = self.group.broadcast([tensor], options)
         if self.cancelled is not None:  # gloo's abort() does not interrupt a wait: poll, so that cancel() can
             self._in_flight = work
@@ -114,8 +116,8 @@ class WeightChannel:
         self.cancelled.set()
 
     def close(self) -> None:
-        """Wait out (within the timeout) an operation a cancelled receive left in flight: the process group's
-        destructor would wait for it, wherever the last reference drops."""
+        """Wait out (within the timeout) an operation a cancelled receive left in flight, in the receiving thread:
+        the process group's destructor would wait for it wherever the last reference drops (an HTTP answer)."""
         work, self._in_flight = self._in_flight, None
         if work is not None:
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -226,7 +227,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         a resumed run restarts the pipeline from its first step, no step's prompts lost or generated twice."""
         stream = getattr(self.trainer.train_dataloader, "dataset", None)
         if isinstance(self.engine, PrefetchingEngine) and hasattr(stream, "batch") and "index" in batch:
-            steps_after = (-(-(self.trainer.max_steps - self.global_step) // self.update.updates) - 1
+            steps_after = (math.ceil((self.trainer.max_steps - self.global_step) / self.update.updates) - 1
                            if self.trainer.max_steps >= 0 else self.rollout.max_staleness)
             prefetch_ahead(self.engine, lambda index: stream.batch(index)["prompt"], int(batch["index"]),
                            self.sampling.num_samples, steps_after)

@@ -491,3 +491,39 @@ def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets(monkeyp
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
     largest = max(t.numel() * t.element_size() for _, t in weights)
     assert len(payloads) >= 3 and max(payloads) <= bucket_bytes + largest
+
+
+def test_a_cancelled_receive_ends_at_once_while_its_trainer_stays_silent():
+    """The server end of a channel whose trainer formed the group and then sends nothing (hung, or its host gone
+    with its sockets open): cancel() ends the receive within a second, not at the channel's timeout, and close()
+    then waits out the abandoned operation within that timeout."""
+    import threading
+
+    from flowkit.llm.server_engine import WeightChannel
+
+    timeout_s = 6.0
+    store = WeightChannel.host_store("127.0.0.1", TIMEOUT_S)
+    ended = {}
+
+    def server_end():
+        channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, timeout_s,
+                                torch.device("cpu"), cancellable=True)
+        ended["channel"] = channel
+        try:
+            channel.receive(lambda stream: sum(1 for _ in stream))
+        except RuntimeError as err:
+            ended["error"], ended["at"] = str(err), time.monotonic()
+
+    thread = threading.Thread(target=server_end)
+    thread.start()
+    silent_trainer = WeightChannel(store, 0, timeout_s, torch.device("cpu"))  # noqa: F841 (keeps its sockets open)
+    while "channel" not in ended:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the receive is waiting for the first header
+    cancelled = time.monotonic()
+    ended["channel"].cancel()
+    thread.join(timeout=TIMEOUT_S)
+    assert ended["error"] == "the push was abandoned: another trainer connected"
+    assert ended["at"] - cancelled < 1.0
+    ended["channel"].close()
+    assert time.monotonic() - cancelled < timeout_s + 5
