@@ -16,8 +16,8 @@ Generation runs on the server's own copy of the model (``--backend``, :mod:`flow
 flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``vllm``, built as the colocated
 engine builds it; the pushed weights go through vLLM's loader). A push waits for the generation in flight and
 generations wait for a push in progress (one lock), so every reply comes from one policy version; after a push that
-failed part way none is served until the next whole one. Every answer carries the server's ``instance`` id: a trainer notices a restart.
-Start it before the trainer::
+failed part way none is served until the next whole one. Every answer carries the server's ``instance`` id: a
+trainer notices a restart. Start it before the trainer::
 
     flowkit rollout-server --backbone Qwen/Qwen2.5-Math-7B --dtype bfloat16 --host 0.0.0.0 --port 8000 --backend vllm
 """

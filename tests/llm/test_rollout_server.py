@@ -161,8 +161,8 @@ def test_max_staleness_2_keeps_two_steps_of_rollouts_in_flight(server, tmp_path,
     times = StepTimes()
     cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--trainer.max_steps", "5",
               "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
-              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "2",
-              callbacks=[times])
+              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S),
+              "--model.init_args.rollout.max_staleness", "2", callbacks=[times])
     steps = metrics(cli)
     assert sorted(steps) == [1, 2, 3, 4, 5]
     staleness = [steps[step]["rollout/staleness_max"] for step in sorted(steps)]
@@ -188,8 +188,9 @@ def test_rollouts_more_than_max_staleness_behind_are_regenerated(server, tmp_pat
     times = StepTimes()
     cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--trainer.max_steps", "5",
               "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
-              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "1",
-              "--model.init_args.rollout.server_sync_every", "2", callbacks=[times])
+              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S),
+              "--model.init_args.rollout.max_staleness", "1", "--model.init_args.rollout.server_sync_every", "2",
+              callbacks=[times])
     steps = metrics(cli)
     assert sorted(steps) == [1, 2, 3, 4, 5]
     assert all(values["rollout/staleness_max"] <= 1.0 for values in steps.values())
@@ -356,8 +357,8 @@ def test_a_trainer_killed_mid_push_resumes_from_last_against_the_same_server(sig
     server_timeout = 4 * TIMEOUT_S
     survivor = RolloutServer(tmp_path / "server.log", server_timeout)
     (tmp_path / "override.yaml").write_text(
-        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
-        "      init_args: {dirpath: runs/rlfr_tiny/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 1}\n")
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:"
+        " {dirpath: runs/rlfr_tiny/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 1}\n")
     options = ["--config", str(tmp_path / "override.yaml"), "--model.init_args.sampling.num_samples", "2",
                "--model.init_args.sampling.max_new_tokens", "24", "--model.init_args.rollout.engine", "server",
                "--model.init_args.rollout.server_url", survivor.url, "--model.init_args.rollout.server_timeout",
@@ -368,7 +369,8 @@ def test_a_trainer_killed_mid_push_resumes_from_last_against_the_same_server(sig
     doomed = subprocess.Popen(rlfr_run.command(first, 4, *options, "--trainer.callbacks+=fault_injection.SignalMidPush",
                                                "--trainer.callbacks.version", "2", "--trainer.callbacks.signal",
                                                signal_name),
-                              env=rlfr_run.env(), cwd=first, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              env=rlfr_run.env(), cwd=first, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
     try:
         deadline = time.monotonic() + 300
         while doomed.poll() is None and not stopped(doomed):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flowkit.rl.rollout_correction import (
-    CORRECTIONS, RolloutCorrection, correction_fractions, correction_weights, mismatch_metrics, off_policy_sequence_mask, rollout_log_ratio,
+    CORRECTIONS, RolloutCorrection, correction_fractions, correction_weights, mismatch_metrics,
+    off_policy_sequence_mask, rollout_log_ratio,
 )
 
 # Two rows, three positions; row 1's last position is padding.
