@@ -90,11 +90,11 @@ def rollout_metrics(engine: RolloutEngine, batch: RolloutBatch, max_staleness: i
     being more than ``max_staleness`` behind (``rollout/regenerated_rows``)."""
     if batch.policy_versions is None:
         return {}
-    staleness = engine.policy_version - batch.policy_versions.long()
-    counts = torch.bincount(staleness, minlength=max_staleness + 1)
-    metrics: dict[str, torch.Tensor | float] = {"rollout/staleness_mean": staleness.float().mean(),
-                                                "rollout/staleness_max": staleness.max().float()}
-    metrics.update({f"rollout/staleness_{s}": count / len(staleness) for s, count in enumerate(counts.float())})
+    staleness = (engine.policy_version - batch.policy_versions).float()
+    metrics: dict[str, torch.Tensor | float] = {"rollout/staleness_mean": staleness.mean(),
+                                                "rollout/staleness_max": staleness.max()}
+    for behind in range(max(max_staleness, int(staleness.max())) + 1):
+        metrics[f"rollout/staleness_{behind}"] = (staleness == behind).float().mean()
     if isinstance(engine, PrefetchingEngine):
         metrics["rollout/regenerated_rows"] = float(engine.regenerated_rows)
     return metrics
