@@ -5,9 +5,15 @@
   optimizer step makes the weights NaN, as a schedule that divides by zero would).
 * :class:`NanLoss`: in the first batch at RL step ``step``, on rank ``rank`` only, the ``loss`` ("policy" or "flow")
   is NaN (once: a skipped step does not advance the step count).
+* :class:`SignalMidPush`: send this process ``signal`` (``SIGKILL``; ``SIGSTOP``: a trainer that hangs or whose host
+  vanished, its sockets left open) in its weight push of policy version ``version`` to a rollout server
+  (``rollout.engine: server``), right after the push's first bucket went out.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import lightning as L
 
@@ -54,3 +60,20 @@ class NanLoss(L.Callback):
         if self._restore is not None:
             self._restore()
             self._restore = None
+
+
+class SignalMidPush(L.Callback):
+    def __init__(self, version: int, signal: str = "SIGKILL"):
+        self.version, self.signal = version, signal
+
+    def on_fit_start(self, trainer, pl_module):
+        from flowkit.llm.server_engine import WeightChannel
+
+        send_bucket = WeightChannel._send_bucket
+
+        def killing(channel, bucket, version, last):
+            send_bucket(channel, bucket, version, last)
+            if version == self.version:  # the server is now inside the push, waiting for the next bucket
+                os.kill(os.getpid(), getattr(signal, self.signal))
+
+        WeightChannel._send_bucket = killing

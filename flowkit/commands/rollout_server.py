@@ -7,15 +7,17 @@ It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib on
     POST /generate          {prompts, n, temperature, top_p, max_new_tokens, rollout_batch_size, seed, min_version,
                              wait_s}
                             → per row: response token ids and sampler log-probs; the policy version they came from
-    POST /weights/connect   {host, port, device}: join the trainer's weight channel (a TCPStore + gloo / NCCL group)
+    POST /weights/connect   {host, port, device}: join the trainer's weight channel (a TCPStore + gloo / NCCL group),
+                            abandoning a push still arriving on the earlier one (a trainer killed or hung mid-push)
                             → the device it moves tensors on (cuda: NCCL, both sides on GPUs; cpu: gloo)
     POST /weights           {version}: receive one push on that channel (buckets), then load it
 
 Generation runs on the server's own copy of the model (``--backend``, :mod:`flowkit.llm.server_backends`):
 flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``vllm``, built as the colocated
-engine builds it; the pushed weights go through vLLM's loader). A push waits for the generation in flight and generations wait for a push in progress (one lock), so every reply
-comes from one policy version. Every answer carries the server's ``instance`` id: a trainer notices a restart.
-Start it before the trainer::
+engine builds it; the pushed weights go through vLLM's loader). A push waits for the generation in flight and
+generations wait for a push in progress (one lock), so every reply comes from one policy version; after a push that
+failed part way none is served until the next whole one. Every answer carries the server's ``instance`` id: a
+trainer notices a restart. Start it before the trainer::
 
     flowkit rollout-server --backbone Qwen/Qwen2.5-Math-7B --dtype bfloat16 --host 0.0.0.0 --port 8000 --backend vllm
 """
@@ -38,6 +40,10 @@ from flowkit.llm.vllm_engine import seed_sampling
 from flowkit.registry import standalone
 
 log = logging.getLogger(__name__)
+
+TORN = -1
+"""The version after a push that failed part way (the model holds a mix of two versions): below every request's
+``min_version``, so nothing is generated until the next whole push."""
 
 
 class RolloutService:
@@ -74,16 +80,22 @@ class RolloutService:
                     "started": started, "finished": time.time()}
 
     def connect(self, request: dict) -> dict:
-        """Join the trainer's store and group in the background: the trainer forms its side after this answer."""
+        """Join the trainer's store and group in the background: the trainer forms its side after this answer. A
+        trainer that connects takes the server over: a push still arriving on the earlier channel (a trainer killed
+        or hung mid-push, now resumed) is abandoned at once instead of holding the model until its timeout."""
         store = WeightChannel.join_store(request["host"], request["port"], self.timeout_s)
         device = self.backend.device if request["device"] == "cuda" and self.backend.device.type == "cuda" \
             else torch.device("cpu")
+        if self.channel is not None:
+            self.channel.cancel()
         self.channel = None
         self.joined = joined = threading.Event()
 
         def join() -> None:
             try:
-                self.channel = WeightChannel(store, 1, self.timeout_s, device)
+                channel = WeightChannel(store, 1, self.timeout_s, device, cancellable=True)
+                if self.joined is joined:  # not superseded by a later connect meanwhile
+                    self.channel = channel
             except RuntimeError as err:
                 log.error("weight channel to %s:%s not formed: %s", request["host"], request["port"], err)
             joined.set()
@@ -92,20 +104,27 @@ class RolloutService:
         return {"device": device.type}
 
     def receive_weights(self, version: int) -> None:
-        """Receive a push in the background (the trainer sends after this answer), holding the model meanwhile."""
+        """Receive a push in the background (the trainer sends after this answer), holding the model meanwhile. A
+        push that fails part way leaves the model part old, part new: no version is served until a whole push."""
         def receive() -> None:
             if not self.joined.wait(self.timeout_s) or self.channel is None:
                 log.error("push of version %d: no weight channel", version)
                 return
+            channel, failed = self.channel, False
             with self.ready:
                 try:
-                    received, loaded = self.channel.receive(self.backend.load)
-                except RuntimeError as err:  # the trainer gone or past the timeout: its weights are incomplete
+                    received, loaded = channel.receive(self.backend.load)
+                except RuntimeError as err:  # the trainer gone, past the timeout, or superseded by another one
                     log.error("push of version %d failed: %s", version, err)
-                    self.channel = None
-                    return
-                self.version = received
-                self.ready.notify_all()
+                    self.version, failed = TORN, True
+                    if self.channel is channel:
+                        self.channel = None
+                else:
+                    self.version = received
+                    self.ready.notify_all()
+            if failed:
+                channel.close()  # outside the lock: a cancelled push's operation ends within its timeout
+                return
             log.info("policy version %d loaded (%d tensors)", received, loaded)
 
         threading.Thread(target=receive, daemon=True).start()

@@ -24,7 +24,7 @@ from flowkit.options import registry_entry
 from flowkit.rl.logprobs import lm_head_logprobs
 from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_aggregate, masked_sum
 from flowkit.rl.rollout_correction import (
-    correction_weights, mismatch_metrics, off_policy_sequence_mask, rollout_log_ratio,
+    correction_fractions, correction_weights, mismatch_metrics, off_policy_sequence_mask, rollout_log_ratio,
 )
 
 REFERENCE_ADAPTER = "reference"  # the frozen LoRA adapter holding a snapshot of the policy (e.g. after SFT)
@@ -204,8 +204,10 @@ class Actor:
         if correction.mode is not None:
             weights = correction_weights(log_ratio, mask, correction.mode, correction.upper, correction.lower)
             stats.add_weighted("rollout_corr/weight_mean", masked_aggregate(weights, mask, "token-mean"), count)
-            stats.add_weighted("rollout_corr/masked_frac", masked_aggregate((weights == 0).float(), mask, "token-mean"),
-                               count)
+            rows = float(mask.any(-1).sum())
+            for name, fraction in correction_fractions(log_ratio, mask, correction.mode, correction.upper,
+                                                       correction.lower).items():
+                stats.add_weighted(f"rollout_corr/{name}", fraction, rows if name.startswith("seq_") else count)
         if correction.off_policy_mask is not None:
             keep = off_policy_sequence_mask(out.logprobs, rollout, micro.advantages, mask, correction.off_policy_mask)
             stats.add_weighted("rollout_corr/off_policy_masked_frac",

@@ -7,7 +7,9 @@ and releases what it holds in :meth:`RolloutEngine.close`. Sleeping and waking (
 ``generate``: an engine frees its memory between generations when it can.
 
 Adding an engine is one file with a class that satisfies :class:`RolloutEngine` and a builder
-``fn(setup: EngineSetup) -> RolloutEngine``, plus its line in :data:`ROLLOUT_ENGINES`.
+``fn(setup: EngineSetup) -> RolloutEngine``, plus its line in :data:`ROLLOUT_ENGINES`. An engine that generates
+apart from training also satisfies :class:`PrefetchingEngine` (``rollout.max_staleness`` needs one): the policy
+module keeps later steps' rollouts in flight through it (:func:`prefetch_ahead`) and logs :func:`rollout_metrics`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,55 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's processes and memory; it is not used afterwards."""
+
+
+@runtime_checkable
+class PrefetchingEngine(RolloutEngine, Protocol):
+    """An engine that generates apart from training (``server``), which ``rollout.max_staleness`` ≥ 1 needs: it starts
+    later steps' rollouts now (:meth:`prefetch`, run in order) from the weights it holds, and a later
+    :meth:`generate` of the same prompts takes them when at most ``max_staleness`` versions behind, else regenerates
+    them (counted in ``regenerated_rows``)."""
+
+    max_staleness: int
+    regenerated_rows: int
+
+    def prefetch(self, prompts: list[str], n: int, temperature: float | None = None) -> None:
+        """Start generating these prompts' rollouts, behind the requests already made."""
+
+    def prefetched(self, prompts: list[str], n: int, temperature: float | None = None) -> bool:
+        """Whether these prompts' rollouts were prefetched and not taken yet."""
+
+
+def prefetch_ahead(engine: PrefetchingEngine, prompts_of: Callable[[int], list[str]], index: int, n: int,
+                   steps_after: int) -> None:
+    """At the start of the step that trains batch ``index``: keep the rollouts of batches ``index`` … ``index + k``
+    in flight (k = ``engine.max_staleness``, at most the ``steps_after`` steps left after this one), so that while a
+    step trains, the next k steps' rollouts are generated and a row is at most k versions behind. ``prompts_of(i)``
+    is batch i's prompts (a :class:`~flowkit.modules.datamodule.PromptStream` batch is a pure function of its
+    index). The requests run in order: a step whose own batch was not prefetched (the first, or the first resumed)
+    asks for it first, and no step's prompts are generated twice for training."""
+    depth = min(engine.max_staleness, steps_after)
+    for upcoming in range(index, index + depth + 1) if depth > 0 else ():
+        prompts = prompts_of(upcoming)
+        if not engine.prefetched(prompts, n):
+            engine.prefetch(prompts, n)
+
+
+def rollout_metrics(engine: RolloutEngine, batch: RolloutBatch, max_staleness: int) -> dict[str, torch.Tensor | float]:
+    """How many policy versions behind the weights this step trains (``engine.policy_version``) the rows were
+    sampled: ``rollout/staleness_mean|max`` and the fraction of rows s behind, ``rollout/staleness_<s>`` for
+    s = 0 … max(``max_staleness``, the largest); for a :class:`PrefetchingEngine`, the rows regenerated so far for
+    being more than ``max_staleness`` behind (``rollout/regenerated_rows``)."""
+    if batch.policy_versions is None:
+        return {}
+    staleness = (engine.policy_version - batch.policy_versions).float()
+    metrics: dict[str, torch.Tensor | float] = {"rollout/staleness_mean": staleness.mean(),
+                                                "rollout/staleness_max": staleness.max()}
+    for behind in range(max(max_staleness, int(staleness.max())) + 1):
+        metrics[f"rollout/staleness_{behind}"] = (staleness == behind).float().mean()
+    if isinstance(engine, PrefetchingEngine):
+        metrics["rollout/regenerated_rows"] = float(engine.regenerated_rows)
+    return metrics
 
 
 @dataclass(frozen=True)
@@ -131,10 +182,11 @@ class RolloutOptions(OptionGroup):
     its memory"""
     max_staleness: int = bounded(0, 0)
     """k ≥ 1 overlaps generation with training (an engine that generates elsewhere: ``server``): while step t trains,
-    the server generates step t+1's rollouts from the weights it holds; rollouts more than k versions behind are
-    regenerated (``rollout/regenerated_rows``), the staleness is logged (``rollout/staleness_mean|max``). The flow
-    reward reads the latents of the trainer's own forward, so only the sampling distribution goes stale
-    (``loss.rollout_correction`` weighs it). 0: each step generates its own rollouts when it starts"""
+    the server generates the rollouts of steps t+1 … t+k from the weights it holds; rollouts more than k versions
+    behind are regenerated (``rollout/regenerated_rows``), the staleness is logged (``rollout/staleness_mean|max``
+    and the fraction of rows s behind, ``rollout/staleness_<s>``). The flow reward reads the latents of the
+    trainer's own forward, so only the sampling distribution goes stale (``loss.rollout_correction`` weighs it).
+    0: each step generates its own rollouts when it starts"""
 
     def check_group_size(self, owner: str, num_samples: int) -> None:
         """:meth:`check`, and a decoding batch holds whole groups of ``num_samples``."""

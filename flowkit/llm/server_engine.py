@@ -13,16 +13,19 @@ instance id changed, so its weights are no longer the trainer's) or serves anoth
 architecture, hidden size, layers, vocabulary) is one line naming the address, a :class:`ConfigError` at build
 time and a :class:`RuntimeError` later.
 
-With ``rollout.max_staleness`` k ≥ 1 the module calls :meth:`ServerRolloutEngine.prefetch` with the next batch's prompts
-before the current step trains, and the server generates them meanwhile from the weights it holds (one version
-behind); :meth:`ServerRolloutEngine.generate` takes those rollouts when asked for the same prompts, and regenerates a
-batch more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
+With ``rollout.max_staleness`` k ≥ 1 the module keeps the next k batches' prompts prefetched
+(:meth:`ServerRolloutEngine.prefetch`, :func:`flowkit.llm.engines.prefetch_ahead`) before the current step trains, and
+the server generates them meanwhile, in order, from the weights it holds (up to k versions behind);
+:meth:`ServerRolloutEngine.generate` takes those rollouts when asked for the same prompts, and regenerates a batch
+more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -51,6 +54,7 @@ IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size
 """The config fields that must agree between the trainer's policy and the server's model."""
 
 _ALIGN = 64  # byte offset of every tensor in a bucket, so each is viewed in place as its own dtype
+_CANCEL_POLL_S = 0.005  # how often a cancellable channel's wait looks for a cancellation
 
 
 def model_identity(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
@@ -67,9 +71,12 @@ class WeightChannel:
     payload broadcast from member 0, then the server's acknowledgement (version, tensors loaded) broadcast back.
     """
 
-    def __init__(self, store: torch.distributed.Store, member: int, timeout_s: float, device: torch.device):
+    def __init__(self, store: torch.distributed.Store, member: int, timeout_s: float, device: torch.device,
+                 cancellable: bool = False):
         self.member, self.device = member, device
         self.timeout = timedelta(seconds=timeout_s)
+        self.cancelled = threading.Event() if cancellable else None
+        self._in_flight: torch.distributed.Work | None = None
         store = torch.distributed.PrefixStore("flowkit/weights", store)
         if device.type == "cuda":
             options = torch.distributed.ProcessGroupNCCL.Options()
@@ -92,7 +99,31 @@ class WeightChannel:
     def _broadcast(self, tensor: Tensor, root: int) -> None:
         options = torch.distributed.BroadcastOptions()
         options.rootRank, options.timeout = root, self.timeout
-        self.group.broadcast([tensor], options).wait(self.timeout)
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise RuntimeError("the push was abandoned: another trainer connected")
+        work = self.group.broadcast([tensor], options)
+        if self.cancelled is not None:  # gloo's abort() does not interrupt a wait: poll, so that cancel() can
+            self._in_flight = work
+            deadline = time.monotonic() + self.timeout.total_seconds()
+            while not work.is_completed() and time.monotonic() < deadline:
+                if self.cancelled.wait(_CANCEL_POLL_S):
+                    raise RuntimeError("the push was abandoned: another trainer connected")
+        work.wait(self.timeout)
+        self._in_flight = None
+
+    def cancel(self) -> None:
+        """End a receive in progress (a cancellable channel): its wait raises within a few milliseconds."""
+        self.cancelled.set()
+
+    def close(self) -> None:
+        """Wait out (within the timeout) an operation a cancelled receive left in flight, in the receiving thread:
+        the process group's destructor would wait for it wherever the last reference drops (an HTTP answer)."""
+        work, self._in_flight = self._in_flight, None
+        if work is not None:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError:  # its peer is gone or past the timeout: what a cancelled push expects
+                pass
 
     def _send_json(self, value: dict) -> None:
         data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(self.device)

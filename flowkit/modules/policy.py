@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ from flowkit.engine import (
 from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, NonFiniteTraining
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSetup, RolloutEngine, RolloutOptions
+from flowkit.llm.engines import (
+    ROLLOUT_ENGINES, EngineSetup, PrefetchingEngine, RolloutEngine, RolloutOptions, prefetch_ahead, rollout_metrics,
+)
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.modules.optim import require_fp32_master_weights
@@ -163,7 +166,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         self.engine: RolloutEngine = registry_entry(ROLLOUT_ENGINES, rollout.engine).build(EngineSetup(
             self.policy, self.tokenizer, backbone, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
             rollout, whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy)))
-        if rollout.max_staleness and not hasattr(self.engine, "prefetch"):
+        if rollout.max_staleness and not isinstance(self.engine, PrefetchingEngine):
             raise ConfigError(f"{OWNER}.rollout.max_staleness {rollout.max_staleness} needs a rollout engine that "
                               f"generates apart from training (rollout.engine: server), not {rollout.engine!r}")
         # after an SFT start, PPO's reference is the post-SFT policy: a snapshot (a frozen adapter under LoRA)
@@ -198,29 +201,15 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         self.engine.sync_weights(self.policy, self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """``rollout.max_staleness`` ≥ 1: the engine starts generating the next step's rollouts now, while this step trains
-        (the next batch of a :class:`~flowkit.modules.datamodule.PromptStream`, a pure function of its index; the
-        last step prefetches nothing). The engine's requests run in order, so a step with nothing prefetched asks for
-        its own rollouts first. A resumed run prefetches from its first step on: no step's prompts are lost
-        or generated twice for training."""
+        """``rollout.max_staleness`` k ≥ 1: the engine generates the next k steps' rollouts while this one trains
+        (:func:`~flowkit.llm.engines.prefetch_ahead`, batches of a :class:`~flowkit.modules.datamodule.PromptStream`);
+        a resumed run restarts the pipeline from its first step, no step's prompts lost or generated twice."""
         stream = getattr(self.trainer.train_dataloader, "dataset", None)
-        last = self.trainer.max_steps >= 0 and self.global_step + self.update.updates >= self.trainer.max_steps
-        if self.rollout.max_staleness and hasattr(stream, "batch") and "index" in batch and not last:
-            samples = self.sampling.num_samples
-            if not self.engine.prefetched(batch["prompt"], samples):  # the first step (or resumed): its own first
-                self.engine.prefetch(batch["prompt"], samples)
-            self.engine.prefetch(stream.batch(int(batch["index"]) + 1)["prompt"], samples)
-
-    def _staleness_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        """How many policy versions behind the weights this step trains the rows were sampled from, and the rows
-        regenerated so far for being more than ``rollout.max_staleness`` behind."""
-        if batch.policy_versions is None:
-            return {}
-        staleness = (self.engine.policy_version - batch.policy_versions).float()
-        metrics = {"rollout/staleness_mean": staleness.mean(), "rollout/staleness_max": staleness.max()}
-        if hasattr(self.engine, "regenerated_rows"):
-            metrics["rollout/regenerated_rows"] = float(self.engine.regenerated_rows)
-        return metrics
+        if isinstance(self.engine, PrefetchingEngine) and hasattr(stream, "batch") and "index" in batch:
+            steps_after = (math.ceil((self.trainer.max_steps - self.global_step) / self.update.updates) - 1
+                           if self.trainer.max_steps >= 0 else self.rollout.max_staleness)
+            prefetch_ahead(self.engine, lambda index: stream.batch(index)["prompt"], int(batch["index"]),
+                           self.sampling.num_samples, steps_after)
 
     def training_step(self, prompts: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
@@ -239,7 +228,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
             "train/tokens_per_s": float(batch.response_mask.sum()) / seconds,
             "train/skipped_steps": float(self.skipped_steps),
             **self._throughput(float(batch.attention_mask.sum()), seconds),
-            **self._staleness_metrics(batch),
+            **rollout_metrics(self.engine, batch, self.rollout.max_staleness),
             **stats,
         }
         if self.reward_model is not None:  # the model's own scalars came with the step's stats

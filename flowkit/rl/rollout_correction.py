@@ -75,6 +75,31 @@ def correction_weights(log_ratio: Tensor, mask: Tensor, mode: CorrectionMode, ca
     return CORRECTIONS[mode](log_ratio.detach(), mask, cap, floor) * mask
 
 
+SEQUENCE_MODES = ("seq_tis", "seq_mis")
+"""The modes whose ratio is the row's ∏_t ρ_t, put on every token of the row."""
+TRUNCATING_MODES = ("token_tis", "seq_tis")
+"""The modes that clamp a ratio outside [floor, cap] to the bound; the others give it weight 0."""
+
+
+@torch.no_grad()
+def correction_fractions(log_ratio: Tensor, mask: Tensor, mode: CorrectionMode, cap: float,
+                         floor: float | None = None) -> dict[str, Tensor]:
+    """What ``mode``'s weights did to ``mask``'s tokens: the fraction whose ratio (the row's ∏_t ρ_t in the sequence
+    modes) lay outside [floor, cap] and was masked (weight 0: ``token_mis``, ``seq_mis``, ``icepop``) or truncated
+    (clamped to the bound: ``token_tis``, ``seq_tis``), as ``masked_frac`` and ``truncated_frac`` (one of the two is
+    0); in the sequence modes also the fraction of rows (with response tokens) masked or truncated,
+    ``seq_masked_frac`` or ``seq_truncated_frac``."""
+    on = mask.bool()
+    sequence = mode in SEQUENCE_MODES
+    ratio = torch.exp(_sequence_log_ratio(log_ratio, mask) if sequence else log_ratio)
+    outside = ((ratio > cap) | (ratio < (floor if floor is not None else 0.0))) & on
+    kind, other = ("truncated", "masked") if mode in TRUNCATING_MODES else ("masked", "truncated")
+    fractions = {f"{kind}_frac": outside.sum() / on.sum().clamp(min=1), f"{other}_frac": torch.zeros(())}
+    if sequence:
+        fractions[f"seq_{kind}_frac"] = outside.any(-1).sum() / on.any(-1).sum().clamp(min=1)
+    return fractions
+
+
 def off_policy_sequence_mask(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                              threshold: float) -> Tensor:
     """DeepSeek-V3.2's off-policy sequence mask (TRL ``get_off_policy_mask``): a row whose mean per-token

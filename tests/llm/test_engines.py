@@ -4,6 +4,7 @@ log-probs are the trainer's, and the step logs the mismatch and applies the conf
 import csv
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -12,7 +13,10 @@ import torch
 from flowkit.cli import FlowkitCLI
 from flowkit.llm.backbone import load_backbone
 from flowkit.engine import SamplingOptions
-from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSetup, EngineSpec, RolloutEngine, RolloutOptions
+from flowkit.llm.engines import (
+    ROLLOUT_ENGINES, EngineSetup, EngineSpec, PrefetchingEngine, RolloutEngine, RolloutOptions, prefetch_ahead,
+    rollout_metrics,
+)
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import ServerRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine
@@ -77,6 +81,76 @@ def test_every_registered_engine_has_the_contracts_methods():
     assert set(ROLLOUT_ENGINES) == {"hf", "vllm", "server"}
 
 
+def test_the_server_engine_is_the_prefetching_one():
+    """Checked on the class's methods and on the attributes its constructor sets (an instance needs a server)."""
+    assert not isinstance(HFRolloutEngine(*load_backbone("bundled:tiny_adder"), max_new_tokens=4), PrefetchingEngine)
+    for name in ("prefetch", "prefetched"):
+        expected = list(inspect.signature(getattr(PrefetchingEngine, name)).parameters)
+        assert list(inspect.signature(getattr(ServerRolloutEngine, name)).parameters) == expected, name
+    constructor = inspect.getsource(ServerRolloutEngine.__init__)
+    assert "self.regenerated_rows =" in constructor and "self.max_staleness" in constructor
+
+
+class PrefetchLog:
+    """A prefetching engine that records what it is asked to prefetch; ``take`` is a step's generate taking its own."""
+
+    tokenizer, saw_nonfinite_logits, policy_version, regenerated_rows = None, False, 0, 0
+
+    def __init__(self, max_staleness: int):
+        self.max_staleness, self.pending, self.asked = max_staleness, [], []
+
+    def prefetch(self, prompts, n, temperature=None):
+        self.pending.append(prompts)
+        self.asked.append(prompts[0])
+
+    def prefetched(self, prompts, n, temperature=None):
+        return prompts in self.pending
+
+    def take(self, index):
+        self.pending.remove([f"batch {index}"])
+
+    def generate(self, prompts, n=1, answers=None, temperature=None):
+        raise AssertionError("prefetch_ahead does not generate")
+
+    def sync_weights(self, model, version):
+        raise AssertionError("prefetch_ahead does not sync")
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_prefetch_ahead_keeps_k_batches_in_flight_up_to_the_last_step(k):
+    engine, steps = PrefetchLog(k), 6
+    assert isinstance(engine, PrefetchingEngine)
+    for index in range(2, steps):  # a run resumed at batch 2: its own batch is asked for first
+        prefetch_ahead(engine, lambda i: [f"batch {i}"], index, 2, steps_after=steps - 1 - index)
+        if index + 1 < steps:
+            assert engine.pending == [[f"batch {i}"] for i in range(index, min(index + k, steps - 1) + 1)]
+        if engine.prefetched([f"batch {index}"], 2):
+            engine.take(index)
+    # each batch asked for once, in order, none past the last (batch 5; the last step asks for nothing itself)
+    assert engine.asked == [f"batch {i}" for i in range(2, steps)]
+    synchronous = PrefetchLog(0)
+    prefetch_ahead(synchronous, lambda i: [f"batch {i}"], 0, 2, steps_after=5)
+    assert synchronous.asked == []  # k = 0: nothing, not even the step's own batch
+
+
+def test_rollout_metrics_by_hand():
+    """Rows 3, 1, 1, 0, 0 and 0 versions behind version 7 (k = 2): mean 5/6, max 3, and the fraction of rows at each
+    staleness from 0 to max(k, 3); a non-prefetching engine regenerates nothing and logs no count."""
+    batch = SimpleNamespace(policy_versions=torch.tensor([4, 6, 6, 7, 7, 7]))
+    metrics = {name: float(value) for name, value in
+               rollout_metrics(SimpleNamespace(policy_version=7), batch, max_staleness=2).items()}
+    assert metrics == pytest.approx({"rollout/staleness_mean": 5 / 6, "rollout/staleness_max": 3.0,
+                                     "rollout/staleness_0": 3 / 6, "rollout/staleness_1": 2 / 6,
+                                     "rollout/staleness_2": 0.0, "rollout/staleness_3": 1 / 6})
+    engine = PrefetchLog(2)
+    engine.policy_version, engine.regenerated_rows = 7, 12
+    assert rollout_metrics(engine, batch, max_staleness=2)["rollout/regenerated_rows"] == 12.0
+    assert rollout_metrics(engine, SimpleNamespace(policy_versions=None), max_staleness=2) == {}
+
+
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.0, 1.0)])
 def test_hf_sampler_logprobs_equal_the_trainers_forward(single_thread, temperature, top_p):
     torch.manual_seed(0)
@@ -132,7 +206,15 @@ def test_the_actors_loss_applies_the_correction(single_thread, correction):
     batch.old_logprobs = out.logprobs.detach() + 0.1 * mask  # a PPO ratio ≠ 1, so the anchor matters
     batch.rollout_logprobs = batch.old_logprobs - torch.log(torch.tensor(4.0)) * mask
     denominator = aggregation_denominator(mask)
-    loss = actor.loss(batch, out, denominator, mask.sum(), StepStats())
+    stats = StepStats()
+    loss = actor.loss(batch, out, denominator, mask.sum(), stats)
+    stats.close_minibatch()
+    logged = {name.removeprefix("rollout_corr/"): float(value) for name, value in stats.means().items()
+              if name.endswith("_frac")}
+    assert logged == {"token_tis": {"truncated_frac": 1.0, "masked_frac": 0.0},  # every ρ = 4 is capped at 2
+                      "token_mis": {"masked_frac": 1.0, "truncated_frac": 0.0},  # every ρ = 4 leaves [0, 2]
+                      "seq_tis": {"truncated_frac": 0.0, "masked_frac": 0.0, "seq_truncated_frac": 0.0},  # ≤ e^20
+                      }.get(correction.get("mode"), {})  # bypass: no weights, nothing masked or truncated
 
     anchor, weights = batch.old_logprobs, None
     if correction.get("mode") == "token_tis":

@@ -8,6 +8,7 @@ one only in the vLLM venv (``-m vllm``, as .ci/run runs this file there), where 
 The tests that compare the served run with a local HF run bit for bit take the HF backend only."""
 
 import csv
+import signal
 import socket
 import subprocess
 import sys
@@ -152,6 +153,54 @@ def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, t
     assert len(times.generations) == 4  # every step's prompts generated once (none regenerated, none at the end)
 
 
+def test_max_staleness_2_keeps_two_steps_of_rollouts_in_flight(server, tmp_path, monkeypatch, single_thread):
+    """k = 2: at the start of step t the engine has asked for the rollouts of t+1 and t+2, so the server generates
+    step t+2's before step t+1 starts; rows are at most 2 versions behind (some exactly 2), and nothing is asked for
+    past the last step."""
+    monkeypatch.chdir(tmp_path)
+    times = StepTimes()
+    cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--trainer.max_steps", "5",
+              "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
+              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S),
+              "--model.init_args.rollout.max_staleness", "2", callbacks=[times])
+    steps = metrics(cli)
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    staleness = [steps[step]["rollout/staleness_max"] for step in sorted(steps)]
+    assert staleness[0] == 0.0 and max(staleness) == 2.0 and all(0 <= s <= 2 for s in staleness), staleness
+    for step, values in steps.items():  # one prompt batch per step, all its rows from one reply: one bucket is all
+        assert values[f"rollout/staleness_{int(values['rollout/staleness_max'])}"] == 1.0
+        assert {key for key in values if key.startswith("rollout/staleness_")} >= {
+            "rollout/staleness_0", "rollout/staleness_1", "rollout/staleness_2"}
+    assert steps[5]["rollout/regenerated_rows"] == 0.0
+    for step in (0, 1, 2):  # batch indices (0-based) of the trainer's hooks
+        two_ahead = times.start[step + 2][1]
+        started = next(s for prompts, s, _ in times.generations if prompts == two_ahead)
+        assert started < times.start[step + 1][0], (step, started, times.start[step + 1][0])
+    assert len(times.generations) == 5  # every step's prompts generated once, none past the last step
+
+
+@HF_ONLY
+def test_rollouts_more_than_max_staleness_behind_are_regenerated(server, tmp_path, monkeypatch, single_thread):
+    """Weights pushed every 2 steps (``server_sync_every 2``) with ``max_staleness 1``: a batch prefetched while the
+    server still held version v trains at v + 2 or later, too stale, so it is generated again from the newest weights
+    pushed; the rows trained are never more than 1 version behind, and the count is of those batches' rows."""
+    monkeypatch.chdir(tmp_path)
+    times = StepTimes()
+    cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--trainer.max_steps", "5",
+              "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
+              "--model.init_args.rollout.server_timeout", str(TIMEOUT_S),
+              "--model.init_args.rollout.max_staleness", "1", "--model.init_args.rollout.server_sync_every", "2",
+              callbacks=[times])
+    steps = metrics(cli)
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    assert all(values["rollout/staleness_max"] <= 1.0 for values in steps.values())
+    requested = [prompts for prompts, _, _ in times.generations]
+    twice = [prompts for prompts in dict.fromkeys(requested) if requested.count(prompts) == 2]
+    rows = 4 * 2  # prompts × samples of a batch
+    assert twice and len(requested) == 5 + len(twice)  # each batch once, the regenerated ones once more
+    assert steps[5]["rollout/regenerated_rows"] == rows * len(twice) == cli.model.engine.regenerated_rows
+
+
 def test_server_down_is_one_line_naming_the_address():
     model, tokenizer = load_backbone("bundled:tiny_adder")
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -289,6 +338,72 @@ def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prom
     assert steps[4]["rollout/regenerated_rows"] == 0.0
 
 
+def stopped(process: subprocess.Popen) -> bool:
+    return Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+def test_a_trainer_killed_mid_push_resumes_from_last_against_the_same_server(signal_name, tmp_path):
+    """The trainer SIGKILLed in its weight push of version 2 (the server inside the push, waiting for the next
+    bucket; ``max_staleness 1``: step 3's prefetch was asked for before), or SIGSTOPped there (a trainer that hangs or
+    whose host vanished: its sockets stay open, and the server's receive would wait for its own bound); then
+    ``--ckpt_path last`` against the same server, which still runs (after a SIGSTOP from a copy of the checkpoints:
+    the stopped process holds its run directory's lock). The resumed run pushes its restored weights and finishes,
+    without waiting for the server's bound on the dead push (4 × the trainer's here)."""
+    import shutil
+
+    import rlfr_run
+
+    server_timeout = 4 * TIMEOUT_S
+    survivor = RolloutServer(tmp_path / "server.log", server_timeout)
+    (tmp_path / "override.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:"
+        " {dirpath: runs/rlfr_tiny/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 1}\n")
+    options = ["--config", str(tmp_path / "override.yaml"), "--model.init_args.sampling.num_samples", "2",
+               "--model.init_args.sampling.max_new_tokens", "24", "--model.init_args.rollout.engine", "server",
+               "--model.init_args.rollout.server_url", survivor.url, "--model.init_args.rollout.server_timeout",
+               str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "1",
+               "--model.init_args.rollout.server_bucket_mb", "1"]  # the tiny policy's 4 MB in several buckets
+    first = tmp_path / "first"
+    first.mkdir()
+    doomed = subprocess.Popen(rlfr_run.command(first, 4, *options, "--trainer.callbacks+=fault_injection.SignalMidPush",
+                                               "--trainer.callbacks.version", "2", "--trainer.callbacks.signal",
+                                               signal_name),
+                              env=rlfr_run.env(), cwd=first, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while doomed.poll() is None and not stopped(doomed):
+            assert time.monotonic() < deadline, "the trainer reached no push of version 2 within 300 s"
+            time.sleep(0.05)
+        if signal_name == "SIGKILL":
+            assert doomed.returncode == -signal.SIGKILL, doomed.stderr.read()[-3000:]
+            resumed_root = first
+        else:
+            resumed_root = tmp_path / "resumed"
+            shutil.copytree(first / "runs" / "rlfr_tiny" / "checkpoints",
+                            resumed_root / "runs" / "rlfr_tiny" / "checkpoints")
+        checkpoint = torch.load(resumed_root / "runs" / "rlfr_tiny" / "checkpoints" / "last.ckpt", weights_only=True)
+        assert checkpoint["global_step"] == 2  # saved before the push of the weights it holds
+        assert "policy version 2 loaded" not in survivor.log.read_text()
+        start = time.monotonic()
+        resumed = subprocess.run(rlfr_run.command(resumed_root, 4, *options, "--ckpt_path", "last"),
+                                 env=rlfr_run.env(), cwd=resumed_root, capture_output=True, text=True,
+                                 timeout=server_timeout + 120)
+        elapsed = time.monotonic() - start
+        assert survivor.process.poll() is None, survivor.log.read_text()[-3000:]
+    finally:
+        survivor.kill()
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait(timeout=30)
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + survivor.log.read_text()[-3000:]
+    steps = rlfr_run.metrics(rlfr_run.version_dirs(resumed_root)[-1])
+    assert sorted(steps) == [3, 4]
+    assert float(steps[3]["rollout/staleness_max"]) == 0.0 and float(steps[4]["rollout/staleness_max"]) == 1.0
+    assert elapsed < server_timeout, elapsed  # not held up until the server gave the dead push up
+
+
 @pytest.mark.slow
 def test_killing_the_server_under_two_zero3_ranks_stops_both_within_the_timeout(tmp_path):
     """Both ranks stop with the one line (rank 1, which sends nothing, learns of rank 0's failed push through the
@@ -378,3 +493,39 @@ def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets(monkeyp
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
     largest = max(t.numel() * t.element_size() for _, t in weights)
     assert len(payloads) >= 3 and max(payloads) <= bucket_bytes + largest
+
+
+def test_a_cancelled_receive_ends_at_once_while_its_trainer_stays_silent():
+    """The server end of a channel whose trainer formed the group and then sends nothing (hung, or its host gone
+    with its sockets open): cancel() ends the receive within a second, not at the channel's timeout, and close()
+    then waits out the abandoned operation within that timeout."""
+    import threading
+
+    from flowkit.llm.server_engine import WeightChannel
+
+    timeout_s = 6.0
+    store = WeightChannel.host_store("127.0.0.1", TIMEOUT_S)
+    ended = {}
+
+    def server_end():
+        channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, timeout_s,
+                                torch.device("cpu"), cancellable=True)
+        ended["channel"] = channel
+        try:
+            channel.receive(lambda stream: sum(1 for _ in stream))
+        except RuntimeError as err:
+            ended["error"], ended["at"] = str(err), time.monotonic()
+
+    thread = threading.Thread(target=server_end)
+    thread.start()
+    silent_trainer = WeightChannel(store, 0, timeout_s, torch.device("cpu"))  # noqa: F841 (keeps its sockets open)
+    while "channel" not in ended:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the receive is waiting for the first header
+    cancelled = time.monotonic()
+    ended["channel"].cancel()
+    thread.join(timeout=TIMEOUT_S)
+    assert ended["error"] == "the push was abandoned: another trainer connected"
+    assert ended["at"] - cancelled < 1.0
+    ended["channel"].close()
+    assert time.monotonic() - cancelled < timeout_s + 5

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flowkit.rl.rollout_correction import (
-    CORRECTIONS, RolloutCorrection, correction_weights, mismatch_metrics, off_policy_sequence_mask, rollout_log_ratio,
+    CORRECTIONS, RolloutCorrection, correction_fractions, correction_weights, mismatch_metrics,
+    off_policy_sequence_mask, rollout_log_ratio,
 )
 
 # Two rows, three positions; row 1's last position is padding.
@@ -51,6 +52,24 @@ def test_icepop_is_token_masking_in_the_band_half_to_five():
     log_ratio = torch.log(torch.tensor([[0.4, 0.5, 1.0, 5.0, 5.1]]))
     weights = correction_weights(log_ratio, torch.ones(1, 5), "icepop", option.upper, option.lower)
     torch.testing.assert_close(weights, torch.tensor([[0.0, 0.5, 1.0, 5.0, 0.0]]))
+
+
+@pytest.mark.parametrize("mode, cap, floor, expected", [
+    # ρ per token: row 0: e^0.5 = 1.65, e^−1 = 0.37, 1; row 1: 1, e^−2 = 0.14 (5 tokens). ∏ρ: e^−0.5 = 0.61, e^−2
+    ("token_tis", 1.5, None, {"truncated_frac": 1 / 5, "masked_frac": 0.0}),  # 1.65 clamped to 1.5
+    ("token_tis", 1.5, 0.3, {"truncated_frac": 2 / 5, "masked_frac": 0.0}),  # and 0.14 raised to 0.3
+    ("token_mis", 1.5, 0.2, {"masked_frac": 2 / 5, "truncated_frac": 0.0}),  # 1.65 and 0.14 leave [0.2, 1.5]
+    ("icepop", 5.0, 0.5, {"masked_frac": 2 / 5, "truncated_frac": 0.0}),  # 0.37 and 0.14 below the band
+    ("seq_mis", 2.0, 0.5, {"masked_frac": 2 / 5, "truncated_frac": 0.0, "seq_masked_frac": 1 / 2}),  # row 1
+    ("seq_tis", 2.0, 0.5, {"truncated_frac": 2 / 5, "masked_frac": 0.0, "seq_truncated_frac": 1 / 2}),  # row 1
+    ("seq_tis", 2.0, None, {"truncated_frac": 0.0, "masked_frac": 0.0, "seq_truncated_frac": 0.0}),
+])
+def test_correction_fractions_by_hand(mode, cap, floor, expected):
+    fractions = correction_fractions(LOG_RATIO, MASK, mode, cap, floor)
+    assert {name: pytest.approx(float(value)) for name, value in fractions.items()} == expected
+    if expected.get("masked_frac"):  # what the masked modes zero is what the weights zero
+        zeroed = (correction_weights(LOG_RATIO, MASK, mode, cap, floor) == 0) & MASK.bool()
+        assert float(fractions["masked_frac"]) == pytest.approx(float(zeroed.sum()) / float(MASK.sum()))
 
 
 @pytest.mark.parametrize("mode", ["token_tis", "seq_tis", "token_mis", "seq_mis"])
