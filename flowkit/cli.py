@@ -32,8 +32,8 @@ import sys
 from pathlib import Path
 
 from flowkit.command_help import (
-    HELP_FLAGS, LIGHTNING_COMMANDS, builtin_commands, config_commands, print_command_help, print_overview,
-    standalone_module,
+    HELP_FLAGS, LIGHTNING_COMMANDS, builtin_commands, config_commands, option_names, print_command_help,
+    print_overview, standalone_module,
 )
 from flowkit.errors import ConfigError, RunError
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
@@ -104,14 +104,31 @@ def main(args: list[str] | None = None) -> None:
     if len(argv) == 1 and argv[0] in HELP_FLAGS:
         print_overview()
         return
-    unknown = _unknown_command(argv[0], failed_plugins) if argv and not argv[0].startswith("-") else None
-    if unknown is not None:
-        print(f"error: {unknown}", file=sys.stderr)
-        sys.exit(2)
-    if len(argv) == 2 and argv[1] in HELP_FLAGS:
+    if len(argv) == 2 and argv[1] in HELP_FLAGS and not _unknown_command(argv[0], failed_plugins):
         _print_help(argv[0])
         return
+    try:
+        _check_before_lightning(argv, failed_plugins)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     _run(args, argv)
+
+
+def _check_before_lightning(argv: list[str], failed_plugins: dict[str, str]) -> None:
+    """The mistakes found without Lightning, whose import takes seconds, in the words its parser would use: a name
+    that is no command, a ``--config`` file that is no YAML, and an option ``--trainer.NAME`` the Trainer does not
+    take (:func:`_unknown_trainer_option`)."""
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    if command is not None:
+        unknown = _unknown_command(command, failed_plugins)
+        if unknown is not None:
+            raise ConfigError(unknown)
+        if command not in config_commands():
+            return  # a standalone command (`flowkit plot RUN_DIR`) parses its own arguments
+    _check_config_files(argv)
+    if command is not None:
+        _unknown_trainer_option(command, argv)
 
 
 def _unknown_command(command: str, failed_plugins: dict[str, str]) -> str | None:
@@ -125,6 +142,22 @@ def _unknown_command(command: str, failed_plugins: dict[str, str]) -> str | None
         return f"command {command!r} is a plugin that failed to load (the warning above says why)"
     return (f"unknown command {command!r}{did_you_mean(command, commands)} (the commands: {', '.join(commands)}; "
             "`flowkit --help` describes them)")
+
+
+def _unknown_trainer_option(command: str, argv: list[str]) -> None:
+    """``--trainer.NAME`` that is no option of the Trainer, as the parser reports it (:meth:`~flowkit.lightning_cli.
+    FlowkitCLI._unknown_key_message`: the nearest of the command's options), from the options
+    :mod:`flowkit.command_help` reads from Lightning's sources (``tests/test_command_help.py`` keeps the two equal).
+    Not where the command line asks for help: the parser prints that first."""
+    if any(arg.partition("=")[0] in HELP_FLAGS or arg.partition("=")[0].endswith(".help") for arg in argv):
+        return
+    known: set[str] | None = None
+    for arg in argv[1:]:
+        key = arg.partition("=")[0].removeprefix("--")
+        if re.fullmatch(r"trainer\.\w+", key) and arg.startswith("--"):
+            known = known if known is not None else option_names(command)
+            if key not in known:
+                raise ConfigError(f"unknown option --{key}{did_you_mean(key, known)}")
 
 
 def _print_help(command: str) -> None:
@@ -147,7 +180,6 @@ def _run(args: list[str] | None, argv: list[str]) -> None:
         STANDALONE[argv[0]](argv[1:])
         return
     try:
-        _check_config_files(argv)
         from flowkit.lightning_cli import run
 
         run(args, _checkpoint_argument(argv))
