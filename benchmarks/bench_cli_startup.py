@@ -1,9 +1,11 @@
-"""How long `flowkit --help` and `flowkit COMMAND --help` take, in a fresh subprocess each time, as a user runs them.
+"""How long `flowkit --help`, `flowkit COMMAND --help` and a misspelt trainer option take, in a fresh subprocess
+each time, as a user runs them.
 
-Neither imports torch nor Lightning: a command's help is built from the sources (``flowkit.command_help``). For
-reference, in the same run: the bare ``import torch`` and ``import lightning.pytorch``, and the same ``fit --help``
-text from Lightning's parser (what ``flowkit fit --help`` ran before), with the ratio of the two. Exits 1 when a
-flowkit help call takes longer than ``--bound`` (2 s). Rows go to benchmarks/results/results.csv::
+None imports torch or Lightning: a command's help, and the options an unknown ``--trainer.NAME`` is checked against,
+are built from the sources (``flowkit.command_help``). For reference, in the same run: the bare ``import torch`` and
+``import lightning.pytorch``, the same ``fit --help`` text from Lightning's parser (what ``flowkit fit --help`` ran
+before) and the same mistake found by that parser (what ``flowkit`` ran before), with the ratios. Exits 1 when a
+flowkit call takes longer than ``--bound`` (2 s). Rows go to benchmarks/results/results.csv::
 
     python benchmarks/bench_cli_startup.py --reps 5
 """
@@ -22,15 +24,21 @@ from pathlib import Path
 from common import append_csv, timestamp
 
 ROOT = Path(__file__).resolve().parent.parent
+MISTAKE = ["fit", "--config", "configs/rlfr_tiny.yaml", "--trainer.max_step", "3"]  # exits 2: "did you mean"
 COMMANDS = {"flowkit --help": ["--help"], "flowkit fit --help": ["fit", "--help"],
-            "flowkit export --help": ["export", "--help"]}
+            "flowkit export --help": ["export", "--help"], "flowkit fit --trainer.max_step 3": MISTAKE}
 PARSER_HELP = ("from flowkit.lightning_cli import run\n"
                "try:\n    run(['fit', '--help'], '')\nexcept SystemExit:\n    pass")
+PARSER_MISTAKE = ("from flowkit.errors import ConfigError\nfrom flowkit.lightning_cli import run\n"
+                  f"try:\n    run({MISTAKE!r}, '')\nexcept ConfigError:\n    pass")
 
 
 def seconds(command: list[str], env: dict[str, str]) -> float:
     start = time.perf_counter()
-    subprocess.run(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    done = subprocess.run(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          check=False)
+    if done.returncode not in (0, 2) or (done.returncode == 2 and "did you mean" not in done.stderr):
+        raise RuntimeError(f"{command} failed: {done.stderr[-2000:]}")
     return time.perf_counter() - start
 
 
@@ -50,21 +58,24 @@ def main() -> None:
                for module in ("torch", "lightning.pytorch")}  # the floors of any text built by Lightning's parser
     results["fit --help by Lightning's parser"] = ("reference", [seconds([*python, PARSER_HELP], base)
                                                                  for _ in range(options.reps)])
+    results["fit --trainer.max_step by the parser"] = ("reference", [seconds([*python, PARSER_MISTAKE], base)
+                                                                     for _ in range(options.reps)])
     for name, args in COMMANDS.items():
         results[name] = ("flowkit", [seconds([flowkit, *args], base) for _ in range(options.reps)])
     for name, (kind, times) in results.items():
         median = statistics.median(times)
         deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
-        print(f"{name:34s} {kind:9s} median {median:6.2f} s  (min {min(times):.2f}, max {max(times):.2f}, "
+        print(f"{name:38s} {kind:9s} median {median:6.2f} s  (min {min(times):.2f}, max {max(times):.2f}, "
               f"{len(times)} calls, load average {load:.1f})")
         append_csv(options.csv, {"benchmark": "cli_startup", "implementation": kind, "size": name,
                                  "median_ms": median * 1e3, "p20_ms": deciles[1] * 1e3, "p80_ms": deciles[7] * 1e3,
                                  "device": "cpu", "timestamp": timestamp()})
-    ratio = statistics.median(results["flowkit fit --help"][1]) / statistics.median(
-        results["fit --help by Lightning's parser"][1])
-    print(f"flowkit fit --help / the parser's: {ratio:.3f}x")
+    for ours, theirs in (("flowkit fit --help", "fit --help by Lightning's parser"),
+                         ("flowkit fit --trainer.max_step 3", "fit --trainer.max_step by the parser")):
+        ratio = statistics.median(results[ours][1]) / statistics.median(results[theirs][1])
+        print(f"{ours} / {theirs}: {ratio:.3f}x")
     slowest = max(max(times) for kind, times in results.values() if kind == "flowkit")
-    print(f"slowest flowkit help call {slowest:.2f} s: {'within' if slowest <= options.bound else 'ABOVE'} the "
+    print(f"slowest flowkit call {slowest:.2f} s: {'within' if slowest <= options.bound else 'ABOVE'} the "
           f"{options.bound:.1f} s bound")
     if slowest > options.bound:
         sys.exit(1)

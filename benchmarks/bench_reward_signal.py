@@ -243,13 +243,13 @@ def main() -> None:
     parser.add_argument("--eta", type=float, default=flow["eta"])
     parser.add_argument("--top-k", type=int, default=flow.get("top_k"))
     parser.add_argument("--noise-draws", type=int, default=flow.get("noise_draws", 1))
-    parser.add_argument("--pretrain-steps", type=int, default=config["flow_pretrain_steps"])
-    parser.add_argument("--pretrain-batch", type=int, default=config["flow_pretrain_batch_size"])
+    parser.add_argument("--pretrain-steps", type=int, default=config["flow_pretrain"]["steps"])
+    parser.add_argument("--pretrain-batch", type=int, default=config["flow_pretrain"]["batch_size"])
     parser.add_argument("--pretrain-copies", type=int, default=flow["pretrain_timesteps"])
     parser.add_argument("--pretrain-logit-mean", type=float, default=flow.get("pretrain_logit_mean", 0.0))
-    parser.add_argument("--pretrain-lr-decay", default=config.get("flow_pretrain_lr_decay", "cosine"),
+    parser.add_argument("--pretrain-lr-decay", default=config["flow_pretrain"].get("lr_decay", "cosine"),
                         choices=["cosine", "constant"])
-    parser.add_argument("--flow-lr", type=float, default=float(config["flow_lr"]))
+    parser.add_argument("--flow-lr", type=float, default=float(config["optim"]["flow_lr"]))
     parser.add_argument("--examples", type=int, default=500, help="held-out solutions (bundled val split)")
     parser.add_argument("--samples", type=int, default=8, help="own samples per held-out prompt")
     parser.add_argument("--own-prompts", type=int, default=100)

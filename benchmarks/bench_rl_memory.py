@@ -21,7 +21,7 @@ RSS (``os.wait4``'s ``ru_maxrss``), with glibc's mmap threshold fixed at 64 KiB 
 default) so that freed tensors leave the resident set and the peak counts live memory. Scale s draws
 ``s × prompts`` prompts × ``samples`` samples. The vocabulary is what makes full logits expensive: B × S × 32k floats
 per forward. Issue 10's target: the largest scale's peak ≤ 1.3× the 1× peak. Where PolicyModule has no
-``micro_batch_size`` yet, the runs go without it (the "before"). Appends one row per scale to
+``update.micro_batch_size`` yet, the runs go without it (the "before"). Appends one row per scale to
 benchmarks/results/results.csv.
 """
 
@@ -190,7 +190,8 @@ def main() -> None:
     if args.mode == "pieces":
         piece_memory(args)
         return
-    micro_batched = {"micro_batch_size", "rollout_batch_size"} <= set(inspect.signature(PolicyModule.__init__).parameters)
+    # the option groups of update.micro_batch_size and rollout.batch_size (step_config sets both)
+    micro_batched = {"update", "rollout"} <= set(inspect.signature(PolicyModule.__init__).parameters)
     scales = [int(s) for s in args.scales.split(",")]
     peaks = {}
     with tempfile.TemporaryDirectory(prefix="bench_rl_memory_") as tmp:

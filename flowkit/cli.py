@@ -32,8 +32,8 @@ import sys
 from pathlib import Path
 
 from flowkit.command_help import (
-    HELP_FLAGS, LIGHTNING_COMMANDS, builtin_commands, config_commands, print_command_help, print_overview,
-    standalone_module,
+    HELP_FLAGS, LIGHTNING_COMMANDS, builtin_commands, config_commands, option_names, print_command_help,
+    print_overview, standalone_module,
 )
 from flowkit.errors import ConfigError, RunError, did_you_mean
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
@@ -60,16 +60,16 @@ def _load_builtin_subcommands() -> None:
     flowkit.commands.load_all()
 
 
-def load_plugins() -> list[str]:
+def load_plugins() -> dict[str, str]:
     """Load the subcommands installed packages declare in the entry-point group ``flowkit.subcommands``.
 
     An entry point names a module (``count-params = my_project.commands``: importing it runs its
     :func:`subcommand` / :func:`~flowkit.registry.standalone` decorators) or a function (``count-params =
     my_project.commands:count_params``: registered as ``flowkit count-params`` unless a decorator already registered
-    it). A plugin that fails to load is left out with a one-line warning naming it; flowkit itself still runs.
-    Returns the warnings (printed to stderr).
+    it). A plugin that fails to load is left out with a one-line warning naming it (printed to stderr); flowkit
+    itself still runs. Returns those warnings, ``{entry-point name: warning}``.
     """
-    warnings_printed = []
+    failed = {}
     taken = {*LIGHTNING_COMMANDS, *builtin_commands(), *SUBCOMMANDS, *STANDALONE}  # flowkit's and a launcher's
     for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
         try:
@@ -81,11 +81,10 @@ def load_plugins() -> list[str]:
                 subcommand(entry.name)(loaded)
         except Exception as err:  # noqa: BLE001  (whatever a plugin raises, flowkit runs without it)
             reason = " ".join(f"{type(err).__name__}: {err}".split())
-            line = (f"warning: flowkit plugin {entry.name!r} ({entry.value}) failed to load and is left out: "
-                    f"{reason}")
-            print(line, file=sys.stderr)
-            warnings_printed.append(line)
-    return warnings_printed
+            failed[entry.name] = (f"warning: flowkit plugin {entry.name!r} ({entry.value}) failed to load and is left "
+                                  f"out: {reason}")
+            print(failed[entry.name], file=sys.stderr)
+    return failed
 
 
 def _put_working_directory_on_path() -> None:
@@ -101,41 +100,86 @@ def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _put_working_directory_on_path()
     argv = sys.argv[1:] if args is None else list(args)
+    failed_plugins = load_plugins()  # once, before any command; a plugin's own imports are its own
     if len(argv) == 1 and argv[0] in HELP_FLAGS:
-        load_plugins()  # a plugin's own imports are its own
         print_overview()
         return
-    if len(argv) == 2 and argv[1] in HELP_FLAGS and _print_help(argv[0]):
+    if len(argv) == 2 and argv[1] in HELP_FLAGS and not _unknown_command(argv[0], failed_plugins):
+        _print_help(argv[0])
         return
+    try:
+        _check_before_lightning(argv, failed_plugins)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     _run(args, argv)
 
 
-def _print_help(command: str) -> bool:
+def _check_before_lightning(argv: list[str], failed_plugins: dict[str, str]) -> None:
+    """The mistakes found without Lightning, whose import takes seconds, in the words its parser would use: a name
+    that is no command, a ``--config`` file that is no YAML, and an option ``--trainer.NAME`` the Trainer does not
+    take (:func:`_unknown_trainer_option`)."""
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    if command is not None:
+        unknown = _unknown_command(command, failed_plugins)
+        if unknown is not None:
+            raise ConfigError(unknown)
+        if command not in config_commands():
+            return  # a standalone command (`flowkit plot RUN_DIR`) parses its own arguments
+    _check_config_files(argv)
+    if command is not None:
+        _unknown_trainer_option(command, argv)
+
+
+def _unknown_command(command: str, failed_plugins: dict[str, str]) -> str | None:
+    """The error for a name that is no command, listing every command (the parser, seconds later, would list only
+    those with a config); ``None`` for a command."""
+    standalone = [name for name, (kind, _) in builtin_commands().items() if kind == "standalone"]
+    commands = list(dict.fromkeys([*config_commands(), *standalone, *STANDALONE]))
+    if command in commands:
+        return None
+    if command in failed_plugins:
+        return f"command {command!r} is a plugin that failed to load (the warning above says why)"
+    return (f"unknown command {command!r}{did_you_mean(command, commands)} (the commands: {', '.join(commands)}; "
+            "`flowkit --help` describes them)")
+
+
+def _unknown_trainer_option(command: str, argv: list[str]) -> None:
+    """``--trainer.NAME`` that is no option of the Trainer, as the parser reports it (:meth:`~flowkit.lightning_cli.
+    FlowkitCLI._unknown_key_message`: the nearest of the command's options), from the options
+    :mod:`flowkit.command_help` reads from Lightning's sources (``tests/test_command_help.py`` keeps the two equal).
+    Not where the command line asks for help: the parser prints that first."""
+    if any(arg.partition("=")[0] in HELP_FLAGS or arg.partition("=")[0].endswith(".help") for arg in argv):
+        return
+    known: set[str] | None = None
+    for arg in argv[1:]:
+        key = arg.partition("=")[0].removeprefix("--")
+        if re.fullmatch(r"trainer\.\w+", key) and arg.startswith("--"):
+            known = known if known is not None else option_names(command)
+            if key not in known:
+                raise ConfigError(f"unknown option --{key}{did_you_mean(key, known)}")
+
+
+def _print_help(command: str) -> None:
     """``flowkit COMMAND --help`` without Lightning's parser, whose import alone takes seconds: a config command's
     options from their sources (:func:`~flowkit.command_help.print_command_help`), a standalone command's from its
-    own module alone. ``False`` for a name that is no command (the parser then says so)."""
-    load_plugins()
+    own module alone."""
     module = standalone_module(command)
-    if module is not None or command in STANDALONE:
-        if module is not None:
-            importlib.import_module(module)
+    if module is not None:
+        importlib.import_module(module)
+    if command in STANDALONE:
         STANDALONE[command](["--help"])
-        return True
-    if command in config_commands():
+    else:
         print_command_help(command)
-        return True
-    return False
 
 
 def _run(args: list[str] | None, argv: list[str]) -> None:
-    """Register every subcommand (flowkit's, then the plugins'), then run the command ``argv``."""
+    """Register flowkit's subcommands (the plugins' are already), then run the command ``argv``."""
     _load_builtin_subcommands()
-    load_plugins()
     if argv and argv[0] in STANDALONE:  # e.g. `flowkit plot RUN_DIR`: no config, model or trainer
         STANDALONE[argv[0]](argv[1:])
         return
     try:
-        _check_config_files(argv)
         from flowkit.lightning_cli import run
 
         run(args, _checkpoint_argument(argv))

@@ -40,6 +40,7 @@ LIGHTNING_SKIPPED = {"fit": {"model", "train_dataloaders", "val_dataloaders", "d
                      "test": {"model", "dataloaders", "datamodule"},
                      "predict": {"model", "dataloaders", "datamodule"}}
 SUBCOMMAND_SKIPPED = {"trainer", "model", "datamodule"}  # fn(trainer, model, datamodule, **options)
+LIST_TYPE = re.compile(r"\b(list|List|Iterable)\[")  # an option of such a type also takes `--NAME+`
 PACKAGE = Path(__file__).resolve().parent
 COMMANDS_DIR = PACKAGE / "commands"
 
@@ -141,6 +142,12 @@ def print_command_help(command: str) -> None:
     print(command_parser(command).format_help(), end="")
 
 
+def option_names(command: str) -> set[str]:
+    """The options the CLI's parser takes for ``command``, without ``--`` (``trainer.max_steps``)."""
+    return {name[2:] for action in command_parser(command)._actions for name in action.option_strings
+            if name.startswith("--")}
+
+
 def command_parser(command: str) -> argparse.ArgumentParser:
     """An argparse parser laid out as the CLI's ``command`` parser, only to print its help."""
     trainer_class, lightning_classes = _trainer_class()
@@ -206,6 +213,8 @@ def _add(group, prefix: str, options: list[Option]) -> None:
         facts = ["required", *facts] if option.default is None else [*facts, f"default: {option.default}"]
         doc = f"{option.doc} " if option.doc else ""
         group.add_argument(name, metavar=metavar, help=f"{doc}({', '.join(facts)})".replace("%", "%%"))
+        if LIST_TYPE.search(option.annotation):  # jsonargparse's `--NAME+ VALUE` appends to the list (not in help)
+            group.add_argument(f"{name}+", help=argparse.SUPPRESS)
 
 
 def _trainer_class() -> tuple[ast.ClassDef, set[str]]:

@@ -1,7 +1,7 @@
 """Errors the ``flowkit`` CLI prints as one line (exit code 2): the input is wrong, or the run cannot go on.
 
 Raise :class:`ConfigError` for a bad option value as early as possible (in ``__init__``), naming the option
-and the allowed range: ``ConfigError("PolicyModule.num_samples must be >= 1, got 0")``. Raise :class:`RunError`
+and the allowed range: ``ConfigError("PolicyModule.sampling.num_samples must be >= 1, got 0")``. Raise :class:`RunError`
 for what the user must fix outside the configuration (a full disk, a run directory in use), naming the file.
 """
 
@@ -27,7 +27,7 @@ def check_range(owner: str, name: str, value: float | None, low: float | None = 
 
     ``value is None`` passes: it is the "off" value of the options that accept it. NaN and ±inf never pass, also
     on an unbounded side (``lr: .inf`` would turn every weight non-finite at the first step; ``None`` is "off").
-    ``check_range("PolicyModule", "num_samples", 0, 1)`` → ``PolicyModule.num_samples must be >= 1, got 0``.
+    ``check_range("CompletionLogs", "rows", 0, 1)`` → ``CompletionLogs.rows must be >= 1, got 0``.
     """
     if value is None:
         return

@@ -17,6 +17,7 @@ from argparse import ArgumentError
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
@@ -176,7 +177,8 @@ class FlowkitCLI(LightningCLI):
     def _check_resume(self) -> None:
         """Before any work of a resume: ``last`` is the newest of ``last*.ckpt`` and ``hpc_ckpt_N.ckpt``; a file that
         is no Lightning checkpoint, or one the model's config does not fit (``check_resume``), is one line; a run
-        with nothing left to do (``max_steps`` reached, validated, exported) says so and ends, writing nothing."""
+        with nothing left to do (``max_steps`` reached, its validation and export done) says so, with what its fit
+        did at its end, and ends, writing nothing."""
         config = self.config_init[self.subcommand]
         path = config.get("ckpt_path")
         run_dir = Path(self.trainer.default_root_dir)
@@ -196,21 +198,27 @@ class FlowkitCLI(LightningCLI):
         if callable(check):
             check(checkpoint, str(path))
         if self._nothing_left(checkpoint, Path(path)):
-            step = checkpoint.get("global_step")
+            step = int(checkpoint.get("global_step", 0))
+            exports = any(isinstance(callback, ExportArtifacts) for callback in self.trainer.callbacks)
+            done = [*_validation_done(run_dir, step), *(["exported"] if exports else [])]
+            ended = f" ({'; '.join(done)})" if done else ""
             print(f"nothing left to do: {path} is at step {step} of --trainer.max_steps {self.trainer.max_steps}, "
-                  "and its fit ended (validated, exported); raise --trainer.max_steps to train further", flush=True)
+                  f"and its fit ended{ended}; raise --trainer.max_steps to train further", flush=True)
             sys.exit(0)
 
     def _nothing_left(self, checkpoint: dict, path: Path) -> bool:
-        """The checkpoint met ``max_steps``, no validation of it was interrupted, and the run (if it exports) wrote
-        its export: before the checkpoint was saved (recorded in it) or after."""
+        """The checkpoint met ``max_steps`` and the run (if it exports) wrote its export: before the checkpoint was
+        saved (recorded in it) or after. A checkpoint saved in a validation that SIGTERM stopped is done only once an
+        export followed it: the fit that resumed it ran that validation again first, then exported."""
         max_steps = self.trainer.max_steps
         if max_steps < 0 or int(checkpoint.get("global_step", -1)) < max_steps:
             return False
         states = checkpoint.get("callbacks") or {}
-        if any(isinstance(state, dict) and state.get(VALIDATION_INTERRUPTED_KEY) for state in states.values()):
-            return False
-        if checkpoint.get(EXPORTED_KEY) or not any(isinstance(c, ExportArtifacts) for c in self.trainer.callbacks):
+        interrupted = any(isinstance(state, dict) and state.get(VALIDATION_INTERRUPTED_KEY)
+                          for state in states.values())
+        if not any(isinstance(c, ExportArtifacts) for c in self.trainer.callbacks):
+            return not interrupted
+        if checkpoint.get(EXPORTED_KEY):
             return True
         # The final checkpoint is usually saved at the end of the last step, before the export: then an export
         # written after it is this checkpoint's.
@@ -306,6 +314,38 @@ def _note_unreached_validation(config) -> None:
         print(f"note: no validation in this fit: trainer.val_check_interval is {interval} steps and "
               f"trainer.max_steps {max_steps}; set --trainer.val_check_interval {max_steps} to validate at the end",
               file=sys.stderr, flush=True)
+
+
+def _validation_done(run_dir: Path, step: int) -> list[str]:
+    """What the fit that ended at ``step`` validated, by the config it saved (the newest ``version_N/config.yaml``
+    of ``run_dir``): Lightning validates flowkit's endless training stream every ``val_check_interval`` steps, and
+    not at all without validation data. ``[]`` where the config does not say (no saved config, an epoch schedule)."""
+    saved = sorted(run_dir.glob("version_*/config.yaml"), key=lambda path: _version_number(path.parent))
+    try:
+        config = yaml.safe_load(saved[-1].read_text(encoding="utf-8")) if saved else None
+    except (OSError, yaml.YAMLError):
+        config = None
+    if not isinstance(config, dict):
+        return []
+    trainer, data = config.get("trainer") or {}, config.get("data") or {}
+    init_args = (data.get("init_args") or {}) if isinstance(data, dict) else {}
+    if "val_path" in init_args and init_args["val_path"] is None:
+        return ["not validated: no validation data"]
+    if trainer.get("limit_val_batches") == 0:
+        return ["not validated: trainer.limit_val_batches 0"]
+    interval = trainer.get("val_check_interval")
+    if not isinstance(interval, int) or isinstance(interval, bool) or trainer.get("check_val_every_n_epoch"):
+        return []
+    last = step // interval * interval
+    if last == 0:
+        return [f"not validated: trainer.val_check_interval {interval} > {step} steps"]
+    return [f"validated at step {step}" if last == step else f"last validated at step {last}"]
+
+
+def _version_number(directory: Path) -> int:
+    """N of a logger's ``version_N`` directory (-1 for another name)."""
+    number = directory.name.removeprefix("version_")
+    return int(number) if number.isdigit() else -1
 
 
 def _add_callback_unless_present(trainer, present: type, added: type) -> None:

@@ -148,7 +148,44 @@ def test_help_imports_neither_torch_nor_lightning(command):
     assert "--help" in result.stdout and result.stdout.rstrip().splitlines()[-1] == "IMPORTED"
 
 
-def test_an_unknown_command_is_left_to_the_parser(capsys):
-    with pytest.raises(SystemExit) as done:
-        main(["fitt", "--help"])
-    assert done.value.code == 2 and "fitt" in capsys.readouterr().err
+def test_the_option_names_are_the_parsers_aliases_included(monkeypatch, launcher_subcommand):
+    """The names an unknown ``--trainer.NAME`` is checked against before Lightning loads (flowkit.cli) are the
+    parser's, ``--NAME+`` (append to a list) included, so the nearest name it suggests is the parser's."""
+    import flowkit.commands
+    from flowkit.lightning_cli import FlowkitCLI, run
+
+    flowkit.commands.load_all()
+    parsers = {}
+
+    def record(cli, parser, args):
+        parsers.update(cli._subcommand_parsers)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(FlowkitCLI, "parse_arguments", record)
+    with pytest.raises(SystemExit):
+        run(["fit"], "")
+    assert set(parsers) == set(command_help.config_commands())
+    for command, parser in parsers.items():
+        names = {name[2:] for action in parser._actions for name in action.option_strings if name.startswith("--")}
+        assert "trainer.callbacks+" in names and command_help.option_names(command) == names, command
+
+
+MISTAKES = {
+    ("fitt", "--help"): "error: unknown command 'fitt'; did you mean 'fit'? (the commands: fit, validate, test, "
+                        "predict, convert-flow, explain-rules, export, score, plot, rollout-server; `flowkit --help` "
+                        "describes them)",
+    ("fit", "--trainer.max_step", "3"): "error: unknown option --trainer.max_step; did you mean 'trainer.max_steps'?",
+    ("export", "--trainer.acelerator=cpu"):
+        "error: unknown option --trainer.acelerator; did you mean 'trainer.accelerator'?",
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_mistaken_command_or_trainer_option_is_one_line_before_torch_or_lightning_loads(mistake):
+    code = (f"import sys; from flowkit.cli import main\ntry:\n    main({list(mistake)!r})\nexcept SystemExit as e:\n"
+            "    print('EXIT', e.code)\nprint('IMPORTED', *sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'lightning', 'jsonargparse', 'transformers'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "COLUMNS": "100"})
+    assert result.stdout.splitlines() == ["EXIT 2", "IMPORTED"], result.stderr[-2000:]
+    assert result.stderr.splitlines() == [MISTAKES[mistake]]

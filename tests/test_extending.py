@@ -35,15 +35,25 @@ def flowkit(cwd: Path, *args: str, extra_path: Path | None = None, timeout: floa
                           text=True, timeout=timeout, check=False)
 
 
-def install_plugin(site: Path, entry_points: str, files: dict[str, str]) -> None:
-    """A package installed as pip would leave it for importlib.metadata: its modules and a ``.dist-info``."""
+def install_plugin(tmp_path: Path, entry_points: dict[str, str], files: dict[str, str]) -> Path:
+    """Build the project ``my-project`` (``files`` and its ``flowkit.subcommands`` entry points) from a
+    ``pyproject.toml`` and install it with pip, offline, into ``tmp_path/site``; return that site directory."""
+    project = tmp_path / "my-project"
     for name, text in files.items():
-        (site / name).parent.mkdir(parents=True, exist_ok=True)
-        (site / name).write_text(textwrap.dedent(text))
-    info = site / "my_project-0.1.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my_project\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(textwrap.dedent(text))
+    points = "".join(f"{name} = {json.dumps(value)}\n" for name, value in entry_points.items())
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "my-project"\nversion = "0.1"\n\n'
+        f'[project.entry-points."flowkit.subcommands"]\n{points}')
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                          "--no-compile", "--no-index", "--target", str(site), str(project)],
+                         env={**os.environ, "PIP_ROOT_USER_ACTION": "ignore", "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    return site
 
 
 COUNT_PARAMS = '''
@@ -58,8 +68,9 @@ def test_plugin_subcommand_is_listed_and_runs_with_the_config(tmp_path):
     site = tmp_path / "site"
     before = flowkit(tmp_path, "--help", extra_path=site)
     assert before.returncode == 0 and "count-params" not in before.stdout, before.stderr[-2000:]
-    install_plugin(site, "[flowkit.subcommands]\ncount-params = my_project.commands:count_params\n",
-                   {"my_project/__init__.py": "", "my_project/commands.py": COUNT_PARAMS})
+    assert install_plugin(tmp_path, {"count-params": "my_project.commands:count_params"},
+                          {"my_project/__init__.py": "", "my_project/commands.py": COUNT_PARAMS}) == site
+    assert (site / "my_project-0.1.dist-info" / "RECORD").is_file()  # installed by pip, not written by the test
     listed = flowkit(tmp_path, "--help", extra_path=site)
     assert listed.returncode == 0 and "count-params" in listed.stdout, listed.stderr[-2000:]
     own_help = flowkit(tmp_path, "count-params", "--help", extra_path=site)
@@ -73,11 +84,11 @@ def test_plugin_subcommand_is_listed_and_runs_with_the_config(tmp_path):
 
 
 def test_a_broken_plugin_is_one_warning_and_flowkit_still_runs(tmp_path):
-    site = tmp_path / "site"
-    install_plugin(site, "[flowkit.subcommands]\nbroken = my_project.broken\ncount-params = my_project.commands:count_params\n"
-                         "fit = my_project.commands:count_params\n",  # a name flowkit's own command has
-                   {"my_project/__init__.py": "", "my_project/commands.py": COUNT_PARAMS,
-                    "my_project/broken.py": "import a_module_nobody_installed\n"})
+    site = install_plugin(tmp_path, {"broken": "my_project.broken",
+                                     "count-params": "my_project.commands:count_params",
+                                     "fit": "my_project.commands:count_params"},  # a name flowkit's own command has
+                          {"my_project/__init__.py": "", "my_project/commands.py": COUNT_PARAMS,
+                           "my_project/broken.py": "import a_module_nobody_installed\n"})
     for command in ([], ["count-params"]):  # the overview and a command's help both warn
         result = flowkit(tmp_path, *command, "--help", extra_path=site)
         assert result.returncode == 0, result.stderr[-2000:]
@@ -89,6 +100,15 @@ def test_a_broken_plugin_is_one_warning_and_flowkit_still_runs(tmp_path):
         assert "count-params" in result.stdout and "Traceback" not in result.stderr
     fit_help = flowkit(tmp_path, "fit", "--help", extra_path=site)  # flowkit's fit, not the plugin's
     assert fit_help.returncode == 0 and "--trainer.max_steps" in fit_help.stdout, fit_help.stderr[-2000:]
+    for invoked in (["broken", "--help"], ["broken", "--config", str(CONFIG)]):  # each warning once, then the error
+        result = flowkit(tmp_path, *invoked, extra_path=site)
+        assert cli_errors.one_line_error(result) == ("error: command 'broken' is a plugin that failed to load (the "
+                                                     "warning above says why)")
+        assert sum("plugin 'broken'" in line for line in result.stderr.splitlines()) == 1, result.stderr
+    misspelt = cli_errors.one_line_error(flowkit(tmp_path, "count-parms", "--help", extra_path=site))
+    assert misspelt == ("error: unknown command 'count-parms'; did you mean 'count-params'? (the commands: fit, "
+                        "validate, test, predict, convert-flow, explain-rules, export, score, count-params, plot, "
+                        "rollout-server; `flowkit --help` describes them)")
 
 
 PROJECT_REWARDS = '''

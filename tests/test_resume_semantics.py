@@ -74,8 +74,8 @@ def test_a_resume_with_nothing_left_says_so_and_writes_nothing(finished_run, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert "note: no validation" not in result.stderr, result.stderr
     assert result.stdout.splitlines()[-1] == (
-        f"nothing left to do: {last} is at step 1 of --trainer.max_steps 1, and its fit ended (validated, exported); "
-        "raise --trainer.max_steps to train further")
+        f"nothing left to do: {last} is at step 1 of --trainer.max_steps 1, and its fit ended (not validated: no "
+        "validation data; exported); raise --trainer.max_steps to train further")  # the run had none, this config has
     assert [p.name for p in rlfr_run.version_dirs(root)] == ["version_0"]  # no new version, no second export
     assert exported.stat().st_mtime_ns == exported_at
     assert "flow pretraining" not in result.stdout
@@ -115,6 +115,25 @@ def test_a_finished_pretraining_is_kept_when_its_step_count_changes(finished_run
     assert load(checkpoints / "flow_pretrain.ckpt")["steps_done"] == 2
     assert load(checkpoints / "last.ckpt")["global_step"] == 1
 
+
+
+@pytest.mark.parametrize(("saved", "done"), [
+    ("data: {init_args: {val_path: null}}\ntrainer: {val_check_interval: 1}", ["not validated: no validation data"]),
+    ("trainer: {val_check_interval: 60, check_val_every_n_epoch: null}",
+     ["not validated: trainer.val_check_interval 60 > 30 steps"]),
+    ("trainer: {val_check_interval: 20, check_val_every_n_epoch: null}", ["last validated at step 20"]),
+    ("trainer: {val_check_interval: 10, check_val_every_n_epoch: null}", ["validated at step 30"]),
+    ("trainer: {val_check_interval: 0.5, check_val_every_n_epoch: 1}", []),  # an epoch schedule: nothing said
+])
+def test_the_nothing_left_line_says_what_the_newest_saved_config_validated(tmp_path, saved, done):
+    from flowkit.lightning_cli import _validation_done
+
+    for version, text in ((2, saved), (10, "trainer: {val_check_interval: 30}")):  # version_10 is the newest
+        (tmp_path / f"version_{version}").mkdir()
+        (tmp_path / f"version_{version}" / "config.yaml").write_text(text)
+    assert _validation_done(tmp_path, 30) == ["validated at step 30"]
+    (tmp_path / "version_10" / "config.yaml").unlink()
+    assert _validation_done(tmp_path, 30) == done
 
 REFUSED = {
     "percentiles": (["--model.init_args.reward_model.init_args.percentiles", "[0.5]"],
@@ -182,6 +201,12 @@ def test_sigterm_in_the_final_validation_leaves_a_run_whose_resume_validates(tmp
     assert "the checkpoint was saved in a validation that SIGTERM stopped: validating step 1 again" in resumed.stderr
     assert "  val/heldout: pass@1 " in resumed.stdout
     assert (run_dir(tmp_path) / "version_1" / "export" / "flow.safetensors").is_file()
+    finished = cli_errors.run_flowkit(tmp_path, rlfr_run.command(tmp_path, 1, *every_step(tmp_path), *VALIDATION,
+                                                                 "--ckpt_path", "last"))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout.splitlines()[-1] == (
+        f"nothing left to do: {last} is at step 1 of --trainer.max_steps 1, and its fit ended (validated at step 1; "
+        "exported); raise --trainer.max_steps to train further")
 
 
 def slurm_env(restarts: int) -> dict[str, str]:

@@ -267,9 +267,10 @@ class VllmRolloutEngine:
     ):
         require_vllm()
         if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"PolicyModule.vllm_gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+            raise ConfigError(f"PolicyModule.rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
+                              f"{gpu_memory_utilization}")
         if max_model_len is not None and max_model_len < 1:
-            raise ConfigError(f"PolicyModule.vllm_max_model_len must be >= 1 or null, got {max_model_len}")
+            raise ConfigError(f"PolicyModule.rollout.vllm_max_model_len must be >= 1 or null, got {max_model_len}")
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len

@@ -98,7 +98,7 @@ def test_the_policy_gets_a_value_head_when_its_estimator_declares_one(valued_est
 
 
 def test_rloo_fits_the_tiny_task_with_leave_one_out_advantages(tmp_path, monkeypatch):
-    """Two steps of the tiny job with ``advantage: rloo`` (no reward model): every row's advantage, on each of its
+    """Two steps of the tiny job with ``advantage.estimator: rloo`` (no reward model): every row's advantage, on each of its
     response tokens, is its outcome reward minus the mean of its group's other rows."""
     seen: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
     loss = Actor.loss
