@@ -17,8 +17,8 @@ push after a step runs in the module's ``on_train_batch_end``, after a callback'
 miss it), so ``--warmup`` must be at least 1. Mid-size steps follow their sampled lengths, so the mean step time is
 reported beside the median (ratios of both), with each variant's mean response length and the median and mean time a
 step waits for its rollouts (``time/generate_s``: the whole generation when it is in turn with training, the part
-not hidden behind the previous step when it overlaps). Each part prints and appends its rows to
-benchmarks/results/results.csv as it ends, with the machine's 1-minute load average at the start and then.
+not hidden behind the previous step when it overlaps). Each part prints its numbers as it ends, with the machine's
+1-minute load average at the start and then; the rows go to benchmarks/results/results.csv at the end.
 
 ``--reward-seeds`` then trains the tiny job's synchronous server run and its one-step-off run for ``--reward-steps``
 steps per seed. Paired by seed: the same seed gives both runs the same prompt order, the same initial flow and the
@@ -148,12 +148,12 @@ def load_span(start: float) -> str:
     return f"{start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
 
 
-def report_times(size: str, label: str, measured: dict, load: str, csv: str | None) -> None:
+def report_times(size: str, label: str, measured: dict, load: str) -> list[dict]:
+    """Prints the step times of one size and returns its CSV rows."""
     from bench_rl_step import quantiles
-    from common import append_csv, timestamp
 
     print(f"{size}: load average (1 min) {load}")
-    summary = {}
+    summary, rows = {}, []
     for name, values in measured.items():
         stats = {**quantiles(values["times"]), "mean_ms": 1e3 * statistics.mean(values["times"])}
         summary[name] = stats
@@ -162,10 +162,10 @@ def report_times(size: str, label: str, measured: dict, load: str, csv: str | No
         print(f"{size:4s} {name:16s} median {stats['median_ms']:8.1f} ms  mean {stats['mean_ms']:8.1f}  "
               f"p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}  waiting for rollouts: median "
               f"{wait_median:8.1f} mean {wait_mean:8.1f} ms  mean response {length:5.1f} tokens")
-        append_csv(csv, {"timestamp": timestamp(), "benchmark": "async", "implementation": name, "device": "cpu",
-                         "size": f"{label}, server core 0, trainer core 1", "threads": 1, **stats,
-                         "rollout_wait_median_ms": wait_median, "rollout_wait_mean_ms": wait_mean,
-                         "mean_response_tokens": length, "n": len(values["times"]), "load_avg_1min": load})
+        rows.append({"benchmark": "async", "implementation": name, "device": "cpu",
+                     "size": f"{label}, server core 0, trainer core 1", "threads": 1, **stats,
+                     "rollout_wait_median_ms": wait_median, "rollout_wait_mean_ms": wait_mean,
+                     "mean_response_tokens": length, "n": len(values["times"]), "load_avg_1min": load})
     for statistic in ("median_ms", "mean_ms"):
         async_ms = summary[ASYNC][statistic]
         print(f"{size:4s} step time ({statistic[:-3]}), async k=1 / server sync: "
@@ -175,33 +175,35 @@ def report_times(size: str, label: str, measured: dict, load: str, csv: str | No
     training = statistics.mean(measured[SYNC]["times"]) - generation
     print(f"{size:4s} sync server: generation {generation:.2f} s + the rest {training:.2f} s (means); "
           f"async can reach at best max(G, T) / (G + T) = {max(generation, training) / (generation + training):.2f}")
+    return rows
 
 
-def report_rewards(rewards: dict[int, dict[str, list[float]]], load: str, csv: str | None) -> None:
-    from common import append_csv, timestamp
-
+def report_rewards(rewards: dict[int, dict[str, list[float]]], load: str) -> list[dict]:
+    """Prints the outcome-reward comparison and returns its CSV rows."""
     print(f"reward comparison: load average (1 min) {load}")
     steps = len(next(iter(rewards.values()))[SYNC])
     windows = {f"mean outcome reward, steps 1-{steps}": slice(None),
                f"mean outcome reward, steps {steps - steps // 3 + 1}-{steps}": slice(steps - steps // 3, None)}
+    rows = []
     for metric, window in windows.items():
         means = {seed: {name: statistics.mean(values[window]) for name, values in by_name.items()}
                  for seed, by_name in rewards.items()}
         for seed, by_name in means.items():
             print(f"seed {seed}: {metric}: " + ", ".join(f"{name} {value:.4f}" for name, value in by_name.items()))
             for name, value in by_name.items():
-                append_csv(csv, {"timestamp": timestamp(), "benchmark": "async_reward", "implementation": name,
-                                 "device": "cpu", "size": "tiny_adder 16x8", "threads": 1, "seeds": seed,
-                                 "metric": metric, "value": value, "n": steps, "load_avg_1min": load})
+                rows.append({"benchmark": "async_reward", "implementation": name, "device": "cpu",
+                             "size": "tiny_adder 16x8x28", "threads": 1, "seeds": seed, "metric": metric,
+                             "value": value, "n": steps, "load_avg_1min": load})
         differences = [by_name[ASYNC] - by_name[SYNC] for by_name in means.values()]
         spread = statistics.stdev(m[SYNC] for m in means.values()) if len(means) > 1 else float("nan")
         error = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
         print(f"{metric}: async k=1 - server sync {statistics.mean(differences):+.4f} ± {error:.4f} (paired over "
               f"{len(differences)} seeds; the sync runs' standard deviation over seeds: {spread:.4f})")
-        append_csv(csv, {"timestamp": timestamp(), "benchmark": "async_reward", "implementation": "async - sync",
-                         "device": "cpu", "size": "tiny_adder 16x8", "threads": 1,
-                         "seeds": " ".join(map(str, rewards)), "metric": metric, "value": statistics.mean(differences),
-                         "stderr": error, "n": steps, "load_avg_1min": load})
+        rows.append({"benchmark": "async_reward", "implementation": "async - sync", "device": "cpu",
+                     "size": "tiny_adder 16x8x28", "threads": 1, "seeds": " ".join(map(str, rewards)),
+                     "metric": metric, "value": statistics.mean(differences), "stderr": error, "n": steps,
+                     "load_avg_1min": load})
+    return rows
 
 
 def main() -> None:
@@ -229,28 +231,35 @@ def main() -> None:
     torch.set_num_threads(1)
     labels = {"tiny": "tiny_adder 16x8x28",
               "mid": f"random Qwen2 19M {args.mid_prompts}x8x{args.mid_new_tokens}"}
+    rows = []
     try:
         for size in args.sizes:
             policy = None
-            if size == "mid":
-                from bench_trl_race import build_mid_policy
-
+            if size == "mid":  # in a process of its own: bench_trl_race's imports import common (see below)
                 policy = temporary / "mid_policy"
-                build_mid_policy(policy)
+                subprocess.run([sys.executable, "-c", "import sys, pathlib, bench_trl_race; "
+                                "bench_trl_race.build_mid_policy(pathlib.Path(sys.argv[1]))", policy],
+                               cwd=BENCHMARKS, check=True)
             settings = job(size, policy, args.mid_prompts, args.mid_new_tokens)
             process, url = start_server(temporary / f"server_{size}.log", cores[0], str(policy or "bundled:tiny_adder"))
             try:
                 steps = args.steps if size == "tiny" else args.mid_steps
-                report_times(size, labels[size], time_size(url, settings, steps, args.warmup, args.rounds),
-                             load_span(load_start), args.csv)
+                rows += report_times(size, labels[size], time_size(url, settings, steps, args.warmup, args.rounds),
+                                     load_span(load_start))
                 if size == "tiny" and args.reward_seeds:
-                    report_rewards(compare_rewards(url, settings, args.reward_seeds, args.reward_steps),
-                                   load_span(load_start), args.csv)
+                    rows += report_rewards(compare_rewards(url, settings, args.reward_seeds, args.reward_steps),
+                                           load_span(load_start))
             finally:
                 process.kill()
                 process.wait(timeout=30)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
+    # Imported only now: importing common fixes glibc's mmap threshold (see bench_rl_step.py), which would slow the
+    # trainer's steps measured after it.
+    from common import append_csv, timestamp
+
+    for row in rows:
+        append_csv(args.csv, {"timestamp": timestamp(), **row})
 
 if __name__ == "__main__":
     main()
