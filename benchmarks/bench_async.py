@@ -1,15 +1,32 @@
-"""Step time of generation apart from training on the tiny task: a ``flowkit rollout-server`` on one core, the
-trainer on the other, synchronous (``rollout.max_staleness: 0``) against one step off (``rollout.max_staleness: 1``), and today's
-colocated HF engine (generation and training in turn on the trainer's core), measured in one run.
+"""Step time of generation apart from training, the tiny task and a mid-size one side by side in one run: a
+``flowkit rollout-server`` on one core, the trainer on the other, synchronous (``rollout.max_staleness: 0``) against
+one step off (``rollout.max_staleness: 1``), and today's colocated HF engine (generation and training in turn on the
+trainer's core); then the outcome reward of the synchronous and the one-step-off run, paired by seed.
 
-    python benchmarks/bench_async.py [--steps 10] [--warmup 2] [--rounds 2]
+    python benchmarks/bench_async.py [--sizes tiny mid] [--steps 10] [--mid-steps 3] [--warmup 1] [--rounds 2]
+                                     [--reward-seeds 0 1 2] [--reward-steps 60]
 
-The job is configs/rlfr_tiny.yaml's RL step (bundled tiny_adder, 16 prompts × 8 samples, 28 new tokens, the flow
-reward with its online update), no offline pretraining. The server is pinned to core 0 (``taskset``), this process
-to core 1, one intra-op thread each. The variants alternate ``--rounds`` times so that a busy machine slows all
-alike. Prints median / p20 / p80 step time per variant, the median time a step waits for its rollouts
-(``time/generate_s``: the whole generation when it is in turn with training, the part not hidden behind the previous
-step when it overlaps) and the ratios of medians, and appends rows to benchmarks/results/results.csv.
+``tiny`` is configs/rlfr_tiny.yaml's RL step (bundled tiny_adder, 16 prompts × 8 samples, 28 new tokens, the binary
+outcome reward, lr 5e-5), ``mid`` the TRL race's mid-size job (benchmarks/bench_trl_race.py: a random Qwen2 of 19 M
+parameters, 4 prompts × 8 samples, 256 new tokens, long-tailed response lengths, the ``scrambled`` reward, lr 1e-7;
+``--mid-prompts`` / ``--mid-new-tokens`` shrink it); both with the flow reward of rlfr_tiny.yaml and its online
+update, no offline pretraining. Each size gets its own server, pinned to the first core (``taskset``), this process
+to the second, one intra-op thread each. Per size the three variants alternate ``--rounds`` times so that a busy
+machine slows all alike. A step's time is the wall time from the end of one step to the end of the next (the weight
+push after a step runs in the module's ``on_train_batch_end``, after a callback's, so a callback's own window would
+miss it), so ``--warmup`` must be at least 1. Mid-size steps follow their sampled lengths, so the mean step time is
+reported beside the median (ratios of both), with each variant's mean response length and the median and mean time a
+step waits for its rollouts (``time/generate_s``: the whole generation when it is in turn with training, the part
+not hidden behind the previous step when it overlaps). Each part prints its numbers as it ends, with the machine's
+1-minute load average at the start and then; the rows go to benchmarks/results/results.csv at the end.
+
+``--reward-seeds`` then trains the tiny job's synchronous server run and its one-step-off run for ``--reward-steps``
+steps per seed. Paired by seed: the same seed gives both runs the same prompt order, the same initial flow and the
+same trainer RNG, but not the same samples (the server seeds each request from the trainer's RNG, which the
+prefetching run draws at other points). It reports each run's mean outcome reward over all steps and over the last
+third, and the paired difference (async − sync, mean ± standard error over the seeds) beside the spread of the
+synchronous runs over seeds. The mid job has nothing to learn (a random policy, a hash as reward, lr 1e-7), so the
+comparison runs on the tiny job only.
 """
 
 from __future__ import annotations
@@ -21,6 +38,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,19 +47,49 @@ import lightning as L
 import torch
 
 from flowkit.modules import PolicyModule, RolloutDataModule
-from flowkit.modules.policy_options import OptimOptions, RolloutOptions, SamplingOptions
+from flowkit.modules.policy_options import OptimOptions, RolloutOptions, SamplingOptions, UpdateOptions
 from flowkit.rewards import FlowReward
 
 BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
 STARTUP_S = 180
+SYNC, ASYNC, COLOCATED = "server sync", "server async k=1", "colocated hf"
 
 
-def start_server(log: Path, core: int) -> tuple[subprocess.Popen, str]:
+class StepClock(L.Callback):
+    """Wall time between consecutive step ends, and each step's rollout wait, response length and outcome reward."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+        self.waits: list[float] = []
+        self.lengths: list[float] = []
+        self.rewards: list[float] = []
+
+    def on_train_batch_end(self, trainer, *args):
+        self.ends.append(time.perf_counter())
+        metrics = trainer.callback_metrics
+        self.waits.append(float(metrics["time/generate_s"]))
+        self.lengths.append(float(metrics.get("train/response_length", float("nan"))))
+        self.rewards.append(float(metrics.get("train/outcome_reward", float("nan"))))
+
+
+def job(size: str, policy: Path | None, prompts: int, new_tokens: int) -> dict:
+    """PolicyModule's settings of the ``size`` job (``policy``: the mid-size policy's directory) and its prompts."""
+    if size == "tiny":
+        return {"outcome_reward": "binary", "sampling": SamplingOptions(num_samples=8, max_new_tokens=28),
+                "optim": OptimOptions(lr=5e-5, flow_lr=1e-3), "prompts": 16}
+    return {"backbone": str(policy), "outcome_reward": "none",
+            "reward_functions": [{"function": "bench_trl_race.scrambled"}],
+            "sampling": SamplingOptions(num_samples=8, max_new_tokens=new_tokens),
+            "optim": OptimOptions(lr=1e-7, flow_lr=1e-3), "update": UpdateOptions(micro_batch_tokens=2048),
+            "prompts": prompts}
+
+
+def start_server(log: Path, core: int, backbone: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [shutil.which("flowkit") or "flowkit", "rollout-server", "--backbone", "bundled:tiny_adder", "--port",
-               str(port)]
+    command = [shutil.which("flowkit") or "flowkit", "rollout-server", "--backbone", backbone, "--port", str(port)]
     if shutil.which("taskset"):
         command = ["taskset", "-c", str(core), *command]
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log.open("w"),
@@ -55,75 +103,163 @@ def start_server(log: Path, core: int) -> tuple[subprocess.Popen, str]:
     return process, f"http://127.0.0.1:{port}"
 
 
-def time_steps(steps: int, warmup: int, **options) -> tuple[list[float], list[float]]:
-    """Seconds of each step after ``warmup``, and of each step's wait for its rollouts (``time/generate_s``)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from bench_rl_step import StepTimer
-
-    class Timer(StepTimer):
-        waits: list[float] = []
-
-        def on_train_batch_end(self, trainer, *args):
-            super().on_train_batch_end(trainer, *args)
-            self.waits.append(float(trainer.callback_metrics["time/generate_s"]))
-
-    L.seed_everything(0)
+def run_steps(steps: int, settings: dict, seed: int = 0, **options) -> StepClock:
+    """A fresh run of ``steps`` RL steps of the job ``settings`` (``options``: the rollout variant)."""
+    L.seed_everything(seed)
     flow = FlowReward(percentiles=[0.25], depth=2, timesteps=[0.9], eta=0.6, beta=0.01, normalization="minmax",
                       condition="previous", rejection_metric="correct", kappa=32)
-    module = PolicyModule(reward_model=flow, outcome_reward="binary", **options,
-                          sampling=SamplingOptions(num_samples=8, max_new_tokens=28),
-                          optim=OptimOptions(lr=5e-5, flow_lr=1e-3))
-    timer = Timer()
-    timer.waits = []
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+    settings = dict(settings)
+    prompts = settings.pop("prompts")
+    module = PolicyModule(reward_model=flow, **settings, **options)
+    clock = StepClock()
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
                         limit_val_batches=0)
-    trainer.fit(module, datamodule=RolloutDataModule(val_path=None, batch_size=16))
-    return timer.times[warmup:], timer.waits[warmup:]
+    trainer.fit(module, datamodule=RolloutDataModule(val_path=None, batch_size=prompts))
+    return clock
+
+
+def variants(url: str) -> dict[str, dict]:
+    server = RolloutOptions(engine="server", server_url=url, server_timeout=600.0)
+    return {COLOCATED: {}, SYNC: {"rollout": server}, ASYNC: {"rollout": replace(server, max_staleness=1)}}
+
+
+def time_size(url: str, settings: dict, steps: int, warmup: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per variant, over all rounds: step times, rollout waits and response lengths of the steps after ``warmup``."""
+    measured = {name: {"times": [], "waits": [], "lengths": []} for name in variants(url)}
+    for _ in range(rounds):
+        for name, options in variants(url).items():
+            clock = run_steps(warmup + steps, settings, **options)
+            measured[name]["times"] += [b - a for a, b in zip(clock.ends[warmup - 1:], clock.ends[warmup:])]
+            measured[name]["waits"] += clock.waits[warmup:]
+            measured[name]["lengths"] += clock.lengths[warmup:]
+    return measured
+
+
+def compare_rewards(url: str, settings: dict, seeds: list[int], steps: int) -> dict[int, dict[str, list[float]]]:
+    """Per seed, the synchronous and the one-step-off run's outcome reward at every step."""
+    options = variants(url)
+    return {seed: {name: run_steps(steps, settings, seed, **options[name]).rewards for name in (SYNC, ASYNC)}
+            for seed in seeds}
+
+
+def load_span(start: float) -> str:
+    """The machine's 1-minute load average at the start of the run and now."""
+    return f"{start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+
+
+def report_times(size: str, label: str, measured: dict, load: str) -> list[dict]:
+    """Prints the step times of one size and returns its CSV rows."""
+    from bench_rl_step import quantiles
+
+    print(f"{size}: load average (1 min) {load}")
+    summary, rows = {}, []
+    for name, values in measured.items():
+        stats = {**quantiles(values["times"]), "mean_ms": 1e3 * statistics.mean(values["times"])}
+        summary[name] = stats
+        wait_median, wait_mean = (1e3 * f(values["waits"]) for f in (statistics.median, statistics.mean))
+        length = statistics.mean(values["lengths"])
+        print(f"{size:4s} {name:16s} median {stats['median_ms']:8.1f} ms  mean {stats['mean_ms']:8.1f}  "
+              f"p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}  waiting for rollouts: median "
+              f"{wait_median:8.1f} mean {wait_mean:8.1f} ms  mean response {length:5.1f} tokens")
+        rows.append({"benchmark": "async", "implementation": name, "device": "cpu",
+                     "size": f"{label}, server core 0, trainer core 1", "threads": 1, **stats,
+                     "rollout_wait_median_ms": wait_median, "rollout_wait_mean_ms": wait_mean,
+                     "mean_response_tokens": length, "n": len(values["times"]), "load_avg_1min": load})
+    for statistic in ("median_ms", "mean_ms"):
+        async_ms = summary[ASYNC][statistic]
+        print(f"{size:4s} step time ({statistic[:-3]}), async k=1 / server sync: "
+              f"{async_ms / summary[SYNC][statistic]:.2f}, async k=1 / colocated hf: "
+              f"{async_ms / summary[COLOCATED][statistic]:.2f}")
+    generation = statistics.mean(measured[SYNC]["waits"])
+    training = statistics.mean(measured[SYNC]["times"]) - generation
+    print(f"{size:4s} sync server: generation {generation:.2f} s + the rest {training:.2f} s (means); "
+          f"async can reach at best max(G, T) / (G + T) = {max(generation, training) / (generation + training):.2f}")
+    return rows
+
+
+def report_rewards(rewards: dict[int, dict[str, list[float]]], load: str) -> list[dict]:
+    """Prints the outcome-reward comparison and returns its CSV rows."""
+    print(f"reward comparison: load average (1 min) {load}")
+    steps = len(next(iter(rewards.values()))[SYNC])
+    windows = {f"mean outcome reward, steps 1-{steps}": slice(None),
+               f"mean outcome reward, steps {steps - steps // 3 + 1}-{steps}": slice(steps - steps // 3, None)}
+    rows = []
+    for metric, window in windows.items():
+        means = {seed: {name: statistics.mean(values[window]) for name, values in by_name.items()}
+                 for seed, by_name in rewards.items()}
+        for seed, by_name in means.items():
+            print(f"seed {seed}: {metric}: " + ", ".join(f"{name} {value:.4f}" for name, value in by_name.items()))
+            for name, value in by_name.items():
+                rows.append({"benchmark": "async_reward", "implementation": name, "device": "cpu",
+                             "size": "tiny_adder 16x8x28", "threads": 1, "seeds": seed, "metric": metric,
+                             "value": value, "n": steps, "load_avg_1min": load})
+        differences = [by_name[ASYNC] - by_name[SYNC] for by_name in means.values()]
+        spread = statistics.stdev(m[SYNC] for m in means.values()) if len(means) > 1 else float("nan")
+        error = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
+        print(f"{metric}: async k=1 - server sync {statistics.mean(differences):+.4f} ± {error:.4f} (paired over "
+              f"{len(differences)} seeds; the sync runs' standard deviation over seeds: {spread:.4f})")
+        rows.append({"benchmark": "async_reward", "implementation": "async - sync", "device": "cpu",
+                     "size": "tiny_adder 16x8x28", "threads": 1, "seeds": " ".join(map(str, rewards)),
+                     "metric": metric, "value": statistics.mean(differences), "stderr": error, "n": steps,
+                     "load_avg_1min": load})
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sizes", nargs="+", choices=("tiny", "mid"), default=["tiny", "mid"])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round, tiny")
+    parser.add_argument("--mid-steps", type=int, default=3, help="timed steps per variant and round, mid")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (at least 1)")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the three variants")
+    parser.add_argument("--mid-prompts", type=int, default=4)
+    parser.add_argument("--mid-new-tokens", type=int, default=256)
+    parser.add_argument("--reward-seeds", type=int, nargs="*", default=[],
+                        help="seeds of the outcome-reward comparison on tiny, sync server vs async k=1 (none: skipped)")
+    parser.add_argument("--reward-steps", type=int, default=60)
     parser.add_argument("--csv", default=None, help="CSV to append to (default benchmarks/results/results.csv)")
     args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1: a step's time is measured from the previous step's end")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs two cores: one for the server, one for the trainer")
-    process, url = start_server(Path(os.environ.get("TMPDIR", "/tmp")) / "bench_async_server.log", cores[0])
+    load_start = os.getloadavg()[0]
+    temporary = Path(tempfile.mkdtemp(prefix="bench_async_"))
     os.sched_setaffinity(0, {cores[1]})
     torch.set_num_threads(1)
-    server = RolloutOptions(engine="server", server_url=url, server_timeout=120.0)
-    variants = {"colocated hf": {}, "server sync": {"rollout": server},
-                "server async k=1": {"rollout": replace(server, max_staleness=1)}}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    waits: dict[str, list[float]] = {name: [] for name in variants}
+    labels = {"tiny": "tiny_adder 16x8x28",
+              "mid": f"random Qwen2 19M {args.mid_prompts}x8x{args.mid_new_tokens}"}
+    rows = []
     try:
-        for _ in range(args.rounds):
-            for name, options in variants.items():
-                step_times, wait_times = time_steps(args.steps, args.warmup, **options)
-                times[name] += step_times
-                waits[name] += wait_times
+        for size in args.sizes:
+            policy = None
+            if size == "mid":  # in a process of its own: bench_trl_race's imports import common (see below)
+                policy = temporary / "mid_policy"
+                subprocess.run([sys.executable, "-c", "import sys, pathlib, bench_trl_race; "
+                                "bench_trl_race.build_mid_policy(pathlib.Path(sys.argv[1]))", policy],
+                               cwd=BENCHMARKS, check=True)
+            settings = job(size, policy, args.mid_prompts, args.mid_new_tokens)
+            process, url = start_server(temporary / f"server_{size}.log", cores[0], str(policy or "bundled:tiny_adder"))
+            try:
+                steps = args.steps if size == "tiny" else args.mid_steps
+                rows += report_times(size, labels[size], time_size(url, settings, steps, args.warmup, args.rounds),
+                                     load_span(load_start))
+                if size == "tiny" and args.reward_seeds:
+                    rows += report_rewards(compare_rewards(url, settings, args.reward_seeds, args.reward_steps),
+                                           load_span(load_start))
+            finally:
+                process.kill()
+                process.wait(timeout=30)
     finally:
-        process.kill()
-        process.wait(timeout=30)
-    sys.path.insert(0, str(BENCHMARKS))
-    from bench_rl_step import quantiles
+        shutil.rmtree(temporary, ignore_errors=True)
+    # Imported only now: importing common fixes glibc's mmap threshold (see bench_rl_step.py), which would slow the
+    # trainer's steps measured after it.
     from common import append_csv, timestamp
 
-    results = {name: quantiles(t) for name, t in times.items()}
-    for name, stats in results.items():
-        wait = 1e3 * statistics.median(waits[name])
-        print(f"{name:18s} median {stats['median_ms']:8.1f} ms  p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}"
-              f"  (waiting for rollouts: median {wait:7.1f} ms)")
-        append_csv(args.csv, {"timestamp": timestamp(), "benchmark": "async", "implementation": name, "device": "cpu",
-                              "size": "tiny_adder 16x8, server core 0, trainer core 1", "threads": 1, **stats})
-    async_ms = results["server async k=1"]["median_ms"]
-    print(f"step time, async k=1 / server sync: {async_ms / results['server sync']['median_ms']:.2f}")
-    print(f"step time, async k=1 / colocated hf: {async_ms / results['colocated hf']['median_ms']:.2f}")
-
+    for row in rows:
+        append_csv(args.csv, {"timestamp": timestamp(), **row})
 
 if __name__ == "__main__":
     main()
