@@ -137,13 +137,19 @@ def test_google_args_sections_are_read_entry_by_entry():
     assert command_help.argument_docs("No sections.") == {}
 
 
+def run_main(args: list[str]) -> subprocess.CompletedProcess:
+    """``flowkit ARGS`` in a fresh interpreter, which then prints ``EXIT <code>`` (if main exited) and ``IMPORTED``
+    followed by whichever of torch, Lightning, jsonargparse and transformers got imported."""
+    code = (f"import sys; from flowkit.cli import main\ntry:\n    main({args!r})\nexcept SystemExit as e:\n"
+            "    print('EXIT', e.code)\nprint('IMPORTED', *sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'lightning', 'jsonargparse', 'transformers'}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "100"})
+
+
 @pytest.mark.parametrize("command", ["fit", "export", "plot"])
 def test_help_imports_neither_torch_nor_lightning(command):
-    code = (f"import sys; from flowkit.cli import main\ntry:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n"
-            "    pass\nprint('IMPORTED', *sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'torch', 'lightning', 'jsonargparse', 'transformers'}))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "COLUMNS": "100"})
+    result = run_main([command, "--help"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--help" in result.stdout and result.stdout.rstrip().splitlines()[-1] == "IMPORTED"
 
@@ -182,10 +188,6 @@ MISTAKES = {
 
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_mistaken_command_or_trainer_option_is_one_line_before_torch_or_lightning_loads(mistake):
-    code = (f"import sys; from flowkit.cli import main\ntry:\n    main({list(mistake)!r})\nexcept SystemExit as e:\n"
-            "    print('EXIT', e.code)\nprint('IMPORTED', *sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'torch', 'lightning', 'jsonargparse', 'transformers'}))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "COLUMNS": "100"})
+    result = run_main(list(mistake))
     assert result.stdout.splitlines() == ["EXIT 2", "IMPORTED"], result.stderr[-2000:]
     assert result.stderr.splitlines() == [MISTAKES[mistake]]
