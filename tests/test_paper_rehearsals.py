@@ -10,6 +10,7 @@ every rank had the same counts would prove nothing.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,50 @@ def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_pa
         assert 2 <= drawn <= 6 and kept <= 2  # 2 prompts per rank and draw, at most 3 draws
         assert 0 <= float(step["train/truncated_frac"]) <= 1
 
+
+
+def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(tmp_path):
+    """rlfr_qwen_official.yaml on 2 ZeRO-3 ranks with every option of the official online protocol on at once —
+    ``soft_weight`` 0.3, ``correct+token_entropy`` at ``entropy_quantile`` 0.5, ``score_power`` 2,
+    ``flow_warmup_steps`` 1 — and DAPO's controls (dynamic sampling, ``mask_truncated``, the overlong buffer), under
+    tests/uneven_groups.py's reward: rank 0 keeps 2 groups (16 rows), rank 1 one group (8 rows) per step, so their
+    flow losses weigh different rows (the grader's verdicts, the correct rows, differ too) in different numbers of
+    pieces. RL step 0 is the flow's warm-up (1 optimizer step: the policy must not move, the flow must), step 1
+    trains both (8 minibatches): max_steps 9. The ranks end equal, and the options' metrics are logged and finite."""
+    online = {"soft_weight": "0.3", "rejection_metric": "correct+token_entropy", "entropy_quantile": "0.5",
+              "score_power": "2", "flow_warmup_steps": "1"}
+    options = [arg for name, value in online.items()
+               for arg in (f"--model.init_args.reward_model.init_args.{name}", value)]
+    paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 9, "--model.init_args.rollout.engine", "hf", *options,
+                        "--model.init_args.controls.dynamic_sampling_max_draws", "3",
+                        "--model.init_args.controls.mask_truncated", "true",
+                        "--model.init_args.controls.overlong_buffer_length", "8",
+                        "--model.init_args.controls.overlong_penalty", "0.5",
+                        "--model.init_args.outcome_reward", "none",
+                        "--model.init_args.reward_functions", "[{function: uneven_groups.rank_dependent_reward}]",
+                        *probed(tmp_path), "--trainer.callbacks.every_step", "true")
+    weights = assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
+    records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
+    assert [records[rank]["kept"] for rank in range(2)] == [[[2, 16], [2, 16]], [[1, 8], [1, 8]]]
+    assert padded(tmp_path, "flow_pieces"), "the ranks' flow losses never had different numbers of pieces"
+
+    def changed(prefix: str, before: str, after: str) -> bool:
+        names = [k.removeprefix(f"{before}/") for k in weights if k.startswith(f"{before}/{prefix}")]
+        assert names, prefix
+        return any(not torch.equal(weights[f"{before}/{n}"], weights[f"{after}/{n}"]) for n in names)
+    assert not changed("policy.", "start", "step0"), "the policy moved in its warm-up step"
+    assert changed("reward_model.", "start", "step0"), "the flow did not train in the warm-up step"
+    assert changed("policy.", "step0", "step1") and changed("reward_model.", "step0", "step1")
+
+    steps = metrics(next((tmp_path / "run").glob("version_*")))
+    assert len(steps) == 2, sorted(steps)
+    for step in steps.values():
+        for name in ("flow/loss", "flow/accepted_frac", "flow/token_weight_frac", "flow/reward_mean",
+                     "train/truncated_frac", "train/zero_advantage_group_frac", "train/groups_kept"):
+            assert name in step and math.isfinite(float(step[name])), (name, step.get(name))
+        assert float(step["flow/loss"]) > 0
+        assert 0 < float(step["flow/token_weight_frac"]) < 1  # the entropy quantile weighed some tokens soft_weight
+    assert "train/policy_loss" in steps[max(steps)]
 
 def test_rlfr_qwen_switches_users_flip(tmp_path):
     """The same rehearsal with LoRA, PPO epochs × minibatches, a KL to the initial policy and a κ no step reaches:
