@@ -244,6 +244,8 @@ def main() -> None:
         parser.error("--warmup must be at least 1: a step's time is measured from the previous step's end")
     if args.reward_only and not args.reward_seeds:
         parser.error("--reward-only needs --reward-seeds")
+    if args.reward_correction_cap is not None and args.reward_correction is None:
+        parser.error("--reward-correction-cap needs --reward-correction")
     correction = RolloutCorrection(mode=args.reward_correction, cap=args.reward_correction_cap)
     try:
         correction.check("loss.rollout_correction")
