@@ -4,7 +4,8 @@ one step off (``rollout.max_staleness: 1``), and today's colocated HF engine (ge
 trainer's core); then the outcome reward of the synchronous and the one-step-off run, paired by seed.
 
     python benchmarks/bench_async.py [--sizes tiny mid] [--steps 10] [--mid-steps 3] [--warmup 1] [--rounds 2]
-                                     [--reward-seeds 0 1 2] [--reward-steps 60]
+                                     [--reward-seeds 0 1 2] [--reward-steps 60] [--reward-only]
+                                     [--reward-correction token_tis] [--reward-correction-cap 2]
 
 ``tiny`` is configs/rlfr_tiny.yaml's RL step (bundled tiny_adder, 16 prompts × 8 samples, 28 new tokens, the binary
 outcome reward, lr 5e-5), ``mid`` the TRL race's mid-size job (benchmarks/bench_trl_race.py: a random Qwen2 of 19 M
@@ -26,7 +27,9 @@ same trainer RNG, but not the same samples (the server seeds each request from t
 prefetching run draws at other points). It reports each run's mean outcome reward over all steps and over the last
 third, and the paired difference (async − sync, mean ± standard error over the seeds) beside the spread of the
 synchronous runs over seeds. The mid job has nothing to learn (a random policy, a hash as reward, lr 1e-7), so the
-comparison runs on the tiny job only.
+comparison runs on the tiny job only. ``--reward-correction`` trains both runs of the comparison with that
+``loss.rollout_correction`` mode (``--reward-correction-cap``: its cap; default the group's), the timed runs keep
+none; ``--reward-only`` skips the step times and runs the comparison alone.
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ import lightning as L
 import torch
 
 from flowkit.modules import PolicyModule, RolloutDataModule
-from flowkit.modules.policy_options import OptimOptions, RolloutOptions, SamplingOptions, UpdateOptions
+from flowkit.errors import ConfigError
+from flowkit.modules.policy_options import LossOptions, OptimOptions, RolloutOptions, SamplingOptions, UpdateOptions
+from flowkit.options import literal_values
 from flowkit.rewards import FlowReward
+from flowkit.rl.rollout_correction import CorrectionMode, RolloutCorrection
 
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
@@ -136,11 +142,18 @@ def time_size(url: str, settings: dict, steps: int, warmup: int, rounds: int) ->
     return measured
 
 
-def compare_rewards(url: str, settings: dict, seeds: list[int], steps: int) -> dict[int, dict[str, list[float]]]:
-    """Per seed, the synchronous and the one-step-off run's outcome reward at every step."""
+def compare_rewards(url: str, settings: dict, seeds: list[int], steps: int,
+                    correction: RolloutCorrection) -> dict[int, dict[str, list[float]]]:
+    """Per seed, the synchronous and the one-step-off run's outcome reward at every step, both trained with
+    ``correction`` as ``loss.rollout_correction`` (the same for both, so that the pairing stays fair)."""
     options = variants(url)
-    return {seed: {name: run_steps(steps, settings, seed, **options[name]).rewards for name in (SYNC, ASYNC)}
+    loss = LossOptions(rollout_correction=correction)
+    return {seed: {name: run_steps(steps, settings, seed, **options[name], loss=loss).rewards for name in (SYNC, ASYNC)}
             for seed in seeds}
+
+
+def correction_label(correction: RolloutCorrection) -> str:
+    return "none" if correction.mode is None else f"{correction.mode}, cap {correction.upper:g}"
 
 
 def load_span(start: float) -> str:
@@ -178,9 +191,9 @@ def report_times(size: str, label: str, measured: dict, load: str) -> list[dict]
     return rows
 
 
-def report_rewards(rewards: dict[int, dict[str, list[float]]], load: str) -> list[dict]:
-    """Prints the outcome-reward comparison and returns its CSV rows."""
-    print(f"reward comparison: load average (1 min) {load}")
+def report_rewards(rewards: dict[int, dict[str, list[float]]], correction: str, load: str) -> list[dict]:
+    """Prints the outcome-reward comparison (``correction``: the runs' rollout correction) and returns its CSV rows."""
+    print(f"reward comparison, rollout correction {correction}: load average (1 min) {load}")
     steps = len(next(iter(rewards.values()))[SYNC])
     windows = {f"mean outcome reward, steps 1-{steps}": slice(None),
                f"mean outcome reward, steps {steps - steps // 3 + 1}-{steps}": slice(steps - steps // 3, None)}
@@ -193,7 +206,8 @@ def report_rewards(rewards: dict[int, dict[str, list[float]]], load: str) -> lis
             for name, value in by_name.items():
                 rows.append({"benchmark": "async_reward", "implementation": name, "device": "cpu",
                              "size": "tiny_adder 16x8x28", "threads": 1, "seeds": seed, "metric": metric,
-                             "value": value, "n": steps, "load_avg_1min": load})
+                             "value": value, "n": steps, "rollout_correction": correction,
+                             "load_avg_1min": load})
         differences = [by_name[ASYNC] - by_name[SYNC] for by_name in means.values()]
         spread = statistics.stdev(m[SYNC] for m in means.values()) if len(means) > 1 else float("nan")
         error = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
@@ -202,7 +216,7 @@ def report_rewards(rewards: dict[int, dict[str, list[float]]], load: str) -> lis
         rows.append({"benchmark": "async_reward", "implementation": "async - sync", "device": "cpu",
                      "size": "tiny_adder 16x8x28", "threads": 1, "seeds": " ".join(map(str, rewards)),
                      "metric": metric, "value": statistics.mean(differences), "stderr": error, "n": steps,
-                     "load_avg_1min": load})
+                     "rollout_correction": correction, "load_avg_1min": load})
     return rows
 
 
@@ -218,10 +232,25 @@ def main() -> None:
     parser.add_argument("--reward-seeds", type=int, nargs="*", default=[],
                         help="seeds of the outcome-reward comparison on tiny, sync server vs async k=1 (none: skipped)")
     parser.add_argument("--reward-steps", type=int, default=60)
+    parser.add_argument("--reward-only", action="store_true",
+                        help="skip the step times: only the outcome-reward comparison (needs --reward-seeds)")
+    parser.add_argument("--reward-correction", choices=literal_values(CorrectionMode), default=None,
+                        help="loss.rollout_correction.mode of both runs of the reward comparison (default: none)")
+    parser.add_argument("--reward-correction-cap", type=float, default=None,
+                        help="loss.rollout_correction.cap of --reward-correction (default the group's: 2, icepop 5)")
     parser.add_argument("--csv", default=None, help="CSV to append to (default benchmarks/results/results.csv)")
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: a step's time is measured from the previous step's end")
+    if args.reward_only and not args.reward_seeds:
+        parser.error("--reward-only needs --reward-seeds")
+    if args.reward_correction_cap is not None and args.reward_correction is None:
+        parser.error("--reward-correction-cap needs --reward-correction")
+    correction = RolloutCorrection(mode=args.reward_correction, cap=args.reward_correction_cap)
+    try:
+        correction.check("loss.rollout_correction")
+    except ConfigError as err:
+        parser.error(str(err))
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs two cores: one for the server, one for the trainer")
@@ -233,7 +262,7 @@ def main() -> None:
               "mid": f"random Qwen2 19M {args.mid_prompts}x8x{args.mid_new_tokens}"}
     rows = []
     try:
-        for size in args.sizes:
+        for size in ["tiny"] if args.reward_only else args.sizes:
             policy = None
             if size == "mid":  # in a process of its own: bench_trl_race's imports import common (see below)
                 policy = temporary / "mid_policy"
@@ -244,11 +273,12 @@ def main() -> None:
             process, url = start_server(temporary / f"server_{size}.log", cores[0], str(policy or "bundled:tiny_adder"))
             try:
                 steps = args.steps if size == "tiny" else args.mid_steps
-                rows += report_times(size, labels[size], time_size(url, settings, steps, args.warmup, args.rounds),
-                                     load_span(load_start))
+                if not args.reward_only:
+                    rows += report_times(size, labels[size], time_size(url, settings, steps, args.warmup,
+                                                                       args.rounds), load_span(load_start))
                 if size == "tiny" and args.reward_seeds:
-                    rows += report_rewards(compare_rewards(url, settings, args.reward_seeds, args.reward_steps),
-                                           load_span(load_start))
+                    rewards = compare_rewards(url, settings, args.reward_seeds, args.reward_steps, correction)
+                    rows += report_rewards(rewards, correction_label(correction), load_span(load_start))
             finally:
                 process.kill()
                 process.wait(timeout=30)
