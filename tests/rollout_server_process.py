@@ -35,7 +35,7 @@ class RolloutServer:
     interpreter's ``flowkit``: the vLLM venv's under its tests)."""
 
     def __init__(self, log: Path, timeout_s: float, backend: str = "hf"):
-        self.port = free_port()
+        self.backend, self.port = backend, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
                "OMP_NUM_THREADS": "1"}

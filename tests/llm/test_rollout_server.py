@@ -154,9 +154,12 @@ def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, t
 
 
 def test_max_staleness_2_keeps_two_steps_of_rollouts_in_flight(server, tmp_path, monkeypatch, single_thread):
-    """k = 2: at the start of step t the engine has asked for the rollouts of t+1 and t+2, so the server generates
-    step t+2's before step t+1 starts; rows are at most 2 versions behind (some exactly 2), and nothing is asked for
-    past the last step."""
+    """k = 2: at the start of step t the engine has asked for the rollouts of t+1 and t+2; rows are at most 2
+    versions behind, and nothing is asked for past the last step. With the HF backend, whose generation on the tiny
+    model is quicker than a training step, the server generates step t+2's before step t+1 starts, from the weights
+    2 versions back. The in-process vLLM CPU backend generates a batch more slowly than the trainer trains one here,
+    so step t+2's request waits behind t+1's and the next push and its rows come out 1 behind: at most k is the
+    guarantee, exactly k a matter of timing."""
     monkeypatch.chdir(tmp_path)
     times = StepTimes()
     cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--trainer.max_steps", "5",
@@ -166,17 +169,19 @@ def test_max_staleness_2_keeps_two_steps_of_rollouts_in_flight(server, tmp_path,
     steps = metrics(cli)
     assert sorted(steps) == [1, 2, 3, 4, 5]
     staleness = [steps[step]["rollout/staleness_max"] for step in sorted(steps)]
-    assert staleness[0] == 0.0 and max(staleness) == 2.0 and all(0 <= s <= 2 for s in staleness), staleness
+    assert staleness[0] == 0.0 and all(0 <= s <= 2 for s in staleness), staleness
     for step, values in steps.items():  # one prompt batch per step, all its rows from one reply: one bucket is all
         assert values[f"rollout/staleness_{int(values['rollout/staleness_max'])}"] == 1.0
         assert {key for key in values if key.startswith("rollout/staleness_")} >= {
             "rollout/staleness_0", "rollout/staleness_1", "rollout/staleness_2"}
     assert steps[5]["rollout/regenerated_rows"] == 0.0
-    for step in (0, 1, 2):  # batch indices (0-based) of the trainer's hooks
-        two_ahead = times.start[step + 2][1]
-        started = next(s for prompts, s, _ in times.generations if prompts == two_ahead)
-        assert started < times.start[step + 1][0], (step, started, times.start[step + 1][0])
     assert len(times.generations) == 5  # every step's prompts generated once, none past the last step
+    if server.backend == "hf":
+        assert max(staleness) == 2.0, staleness
+        for step in (0, 1, 2):  # batch indices (0-based) of the trainer's hooks
+            two_ahead = times.start[step + 2][1]
+            started = next(s for prompts, s, _ in times.generations if prompts == two_ahead)
+            assert started < times.start[step + 1][0], (step, started, times.start[step + 1][0])
 
 
 @HF_ONLY
