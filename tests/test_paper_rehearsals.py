@@ -108,6 +108,16 @@ def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_
     assert served == [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
 
 
+# DAPO's controls on (3 draws, truncated rows masked, an overlong buffer of 8 at penalty 0.5) under
+# tests/uneven_groups.py's reward, by which rank 0 keeps 2 groups and rank 1, out of draws, 1 group per step
+UNEVEN_DAPO = ("--model.init_args.controls.dynamic_sampling_max_draws", "3",
+               "--model.init_args.controls.mask_truncated", "true",
+               "--model.init_args.controls.overlong_buffer_length", "8",
+               "--model.init_args.controls.overlong_penalty", "0.5",
+               "--model.init_args.outcome_reward", "none",
+               "--model.init_args.reward_functions", "[{function: uneven_groups.rank_dependent_reward}]")
+
+
 @pytest.mark.parametrize("budget", [[], ["--model.init_args.update.micro_batch_tokens", "64"]],
                          ids=["micro_batch_size_1", "token_budget"])
 def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_path, budget):
@@ -118,12 +128,7 @@ def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_pa
     minibatches and micro-batches (padding ones: the scoring pass's under a token budget too). 2 RL steps of 8
     optimizer steps."""
     paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 16, "--model.init_args.rollout.engine", "hf",
-                        "--model.init_args.controls.dynamic_sampling_max_draws", "3",
-                        "--model.init_args.controls.mask_truncated", "true",
-                        "--model.init_args.controls.overlong_buffer_length", "8",
-                        "--model.init_args.controls.overlong_penalty", "0.5",
-                        "--model.init_args.outcome_reward", "none",
-                        "--model.init_args.reward_functions", "[{function: uneven_groups.rank_dependent_reward}]",
+                        *UNEVEN_DAPO,
                         *budget, *probed(tmp_path))
     assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
@@ -139,7 +144,6 @@ def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_pa
         assert 0 <= float(step["train/truncated_frac"]) <= 1
 
 
-
 def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(tmp_path):
     """rlfr_qwen_official.yaml on 2 ZeRO-3 ranks with every option of the official online protocol on at once —
     ``soft_weight`` 0.3, ``correct+token_entropy`` at ``entropy_quantile`` 0.5, ``score_power`` 2,
@@ -153,12 +157,7 @@ def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(
     options = [arg for name, value in online.items()
                for arg in (f"--model.init_args.reward_model.init_args.{name}", value)]
     paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 9, "--model.init_args.rollout.engine", "hf", *options,
-                        "--model.init_args.controls.dynamic_sampling_max_draws", "3",
-                        "--model.init_args.controls.mask_truncated", "true",
-                        "--model.init_args.controls.overlong_buffer_length", "8",
-                        "--model.init_args.controls.overlong_penalty", "0.5",
-                        "--model.init_args.outcome_reward", "none",
-                        "--model.init_args.reward_functions", "[{function: uneven_groups.rank_dependent_reward}]",
+                        *UNEVEN_DAPO,
                         *probed(tmp_path), "--trainer.callbacks.every_step", "true")
     weights = assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
@@ -182,6 +181,7 @@ def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(
         assert float(step["flow/loss"]) > 0
         assert 0 < float(step["flow/token_weight_frac"]) < 1  # the entropy quantile weighed some tokens soft_weight
     assert "train/policy_loss" in steps[max(steps)]
+
 
 def test_rlfr_qwen_switches_users_flip(tmp_path):
     """The same rehearsal with LoRA, PPO epochs × minibatches, a KL to the initial policy and a κ no step reaches:
