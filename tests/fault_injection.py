@@ -69,11 +69,11 @@ class SignalMidPush(L.Callback):
     def on_fit_start(self, trainer, pl_module):
         from flowkit.llm.server_engine import WeightChannel
 
-        send_bucket = WeightChannel._send_bucket
+        send_bucket = WeightChannel.send_bucket
 
         def killing(channel, bucket, version, last):
             send_bucket(channel, bucket, version, last)
             if version == self.version:  # the server is now inside the push, waiting for the next bucket
                 os.kill(os.getpid(), getattr(signal, self.signal))
 
-        WeightChannel._send_bucket = killing
+        WeightChannel.send_bucket = killing

@@ -17,9 +17,13 @@ flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``
 engine builds it; the pushed weights go through vLLM's loader). A push waits for the generation in flight and
 generations wait for a push in progress (one lock), so every reply comes from one policy version; after a push that
 failed part way none is served until the next whole one. Every answer carries the server's ``instance`` id: a
-trainer notices a restart. Start it before the trainer::
+trainer notices a restart; every generation is a line of the log (rows, policy version, seconds). Start it before the
+trainer::
 
     flowkit rollout-server --backbone Qwen/Qwen2.5-Math-7B --dtype bfloat16 --host 0.0.0.0 --port 8000 --backend vllm
+
+Several servers (one per GPU, or per node) generate data parallel for one trainer, which lists their addresses in
+``rollout.server_url``; each is a process of its own, started alike on its own device and port.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class RolloutService:
             rows, nonfinite = self.backend.generate(prompts, request["n"], request["temperature"], request["top_p"],
                                                     request["max_new_tokens"], request.get("rollout_batch_size"))
             encoded = self.tokenizer(prompts)
+            log.info("generated %d rows (%d prompts × %d) from policy version %d in %.2f s", len(rows), len(prompts),
+                     request["n"], self.version, time.time() - started)
             return {"prompt_ids": encoded["input_ids"], "tokens": [tokens for tokens, _ in rows],
                     "logprobs": [logprobs for _, logprobs in rows], "nonfinite": nonfinite, "version": self.version,
                     "started": started, "finished": time.time()}

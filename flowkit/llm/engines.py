@@ -25,7 +25,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import resolve_backbone_path
 from flowkit.llm.hf_engine import HFRolloutEngine
-from flowkit.llm.server_engine import build_server_engine
+from flowkit.llm.server_engine import build_server_engine, server_urls
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
 from flowkit.options import OptionGroup, bounded, registered
 
@@ -167,9 +167,12 @@ class RolloutOptions(OptionGroup):
     vllm_enable_sleep_mode: bool = True
     """on GPU, vLLM releases its memory while the trainer trains (weights offloaded to CPU, KV cache freed) and takes
     it back to generate; vLLM's CPU backend has no sleep mode"""
-    server_url: str | None = None
-    """the ``server`` engine's address, where ``flowkit rollout-server`` listens (e.g. ``http://10.0.0.5:8000``;
-    :mod:`flowkit.llm.server_engine`); the weights are pushed to it over torch.distributed (gloo on CPU, NCCL on
+    server_url: str | list[str] | None = None
+    """the ``server`` engine's address, where ``flowkit rollout-server`` listens (e.g. ``http://10.0.0.5:8000``), or
+    a list of servers' addresses, over which generation is data parallel: with W trainer ranks and S servers, rank r
+    generates on the servers s with s mod W = r if S > W (its prompts split into contiguous slices of whole prompts,
+    one request per server at once), else on server r mod S; every server gets every push, server s from rank
+    s mod W (:mod:`flowkit.llm.server_engine`). The weights are pushed over torch.distributed (gloo on CPU, NCCL on
     GPU)"""
     server_timeout: float = bounded(300.0, 0, open_low=True)
     """seconds any wait on the server may take (a request, a weight push, prefetched rollouts); past it, or when the
@@ -187,6 +190,11 @@ class RolloutOptions(OptionGroup):
     and the fraction of rows s behind, ``rollout/staleness_<s>``). The flow reward reads the latents of the
     trainer's own forward, so only the sampling distribution goes stale (``loss.rollout_correction`` weighs it).
     0: each step generates its own rollouts when it starts"""
+
+    def check_rules(self, owner: str) -> None:
+        """The ``server`` engine's addresses (:func:`~flowkit.llm.server_engine.server_urls`)."""
+        if self.engine == "server":
+            server_urls(self.server_url, owner)
 
     def check_group_size(self, owner: str, num_samples: int) -> None:
         """:meth:`check`, and a decoding batch holds whole groups of ``num_samples``."""

@@ -1,27 +1,37 @@
-"""Rollouts from a ``flowkit rollout-server`` process (the ``server`` engine): generation on its own devices.
+"""Rollouts from ``flowkit rollout-server`` processes (the ``server`` engine): generation on their own devices.
 
-The trainer reaches the server over HTTP at ``rollout.server_url`` (JSON: ``GET /info``, ``POST /generate``,
-``POST /weights``) and pushes its weights over torch.distributed after each optimizer step (or every
-``rollout.server_sync_every`` steps): a two-member group of its own — the trainer's rank 0 and the server —
-met at a ``TCPStore`` the trainer hosts, built directly as a gloo (CPU) or NCCL (GPU) process group, so neither
-side's default group is touched and the server may serve trainer jobs one after another. Weights go in buckets of
-``rollout.server_bucket_mb`` (whole tensors, LoRA merged, ZeRO-3 shards gathered one weight at a time by
-:func:`flowkit.llm.vllm_engine.policy_weights`), so the push holds at most a bucket plus one weight.
+The trainer reaches each server over HTTP at an address of ``rollout.server_url`` (one, or a list: JSON over
+``GET /info``, ``POST /generate``, ``POST /weights``) and pushes its weights over torch.distributed after each
+optimizer step (or every ``rollout.server_sync_every`` steps): per server a two-member group of its own — one trainer
+rank and the server — met at a ``TCPStore`` that rank hosts, built directly as a gloo (CPU) or NCCL (GPU) process
+group, so neither side's default group is touched and a server may serve trainer jobs one after another. Weights go
+in buckets of ``rollout.server_bucket_mb`` (whole tensors, LoRA merged, ZeRO-3 shards gathered one weight at a time
+by :func:`flowkit.llm.vllm_engine.policy_weights`), so the push holds at most a bucket plus one weight.
+
+**Several servers: data parallel.** With W trainer ranks and S servers (indices into the list), rank r generates on
+the servers s with s mod W = r when S > W — its prompt batch split into contiguous slices of whole prompts, one
+request per server sent concurrently, the rows put back in prompt order — else on server r mod S
+(:func:`generation_servers`). Every server gets every push, server s from rank s mod W (:func:`pushed_servers`), so
+the pushes run in parallel over ranks; a rank that pushes several servers sends each bucket to each of them, and
+every rank makes one pass over the weights per push whether it pushes any server or not (under ZeRO-3 each weight's
+gather is a collective). The servers must serve the trainer's model (each one's identity is checked at build).
 
 Every wait has a bound (``rollout.server_timeout``): a server that is down, does not answer, restarted (its
 instance id changed, so its weights are no longer the trainer's) or serves another model (compared at connect:
-architecture, hidden size, layers, vocabulary) is one line naming the address, a :class:`ConfigError` at build
-time and a :class:`RuntimeError` later.
+architecture, hidden size, layers, vocabulary) is one line naming its address, a :class:`ConfigError` at build
+time and a :class:`RuntimeError` later — on every rank, the others learning of it through the agreed failure.
 
 With ``rollout.max_staleness`` k ≥ 1 the module keeps the next k batches' prompts prefetched
-(:meth:`ServerRolloutEngine.prefetch`, :func:`flowkit.llm.engines.prefetch_ahead`) before the current step trains, and
-the server generates them meanwhile, in order, from the weights it holds (up to k versions behind);
-:meth:`ServerRolloutEngine.generate` takes those rollouts when asked for the same prompts, and regenerates a batch
+(:meth:`ServerRolloutEngine.prefetch`, :func:`flowkit.llm.engines.prefetch_ahead`, split over the rank's servers as
+a generation is) before the current step trains, and each server generates them meanwhile, in order, from the
+weights it holds (up to k versions behind); :meth:`ServerRolloutEngine.generate` takes those rollouts when asked for
+the same prompts, each row carrying the version of the server that generated it, and regenerates a server's share
 more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -137,26 +147,8 @@ class WeightChannel:
         self._broadcast(data, 0)
         return json.loads(data.cpu().numpy().tobytes().decode())
 
-    def send(self, weights: Iterable[tuple[str, Tensor]], version: int, bucket_bytes: int) -> tuple[int, int]:
-        """Push ``weights`` (member 0) in buckets of about ``bucket_bytes``; returns how many tensors were sent and
-        how many the server loaded, after its acknowledgement."""
-        bucket: list[tuple[str, Tensor]] = []
-        size = sent = 0
-        for name, tensor in weights:
-            bucket.append((name, tensor))
-            sent += 1
-            size += _padded(tensor.numel() * tensor.element_size())
-            if size >= bucket_bytes:
-                self._send_bucket(bucket, version, last=False)
-                bucket, size = [], 0
-        self._send_bucket(bucket, version, last=True)
-        ack = torch.zeros(2, dtype=torch.long, device=self.device)
-        self._broadcast(ack, 1)
-        if int(ack[0]) != version:
-            raise RuntimeError(f"the server acknowledged version {int(ack[0])}, not {version}")
-        return sent, int(ack[1])
-
-    def _send_bucket(self, bucket: list[tuple[str, Tensor]], version: int, last: bool) -> None:
+    def send_bucket(self, bucket: list[tuple[str, Tensor]], version: int, last: bool) -> None:
+        """Send one bucket of a push (member 0): :func:`weight_buckets` cuts the weights into them."""
         entries, offset = [], 0
         for name, tensor in bucket:
             nbytes = tensor.numel() * tensor.element_size()
@@ -167,6 +159,14 @@ class WeightChannel:
             payload[start:start + nbytes] = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
         self._send_json({"version": version, "entries": entries, "bytes": offset, "last": last})
         self._broadcast(payload, 0)
+
+    def acknowledgement(self, version: int) -> int:
+        """After a push's last bucket (member 0): how many tensors the server loaded."""
+        ack = torch.zeros(2, dtype=torch.long, device=self.device)
+        self._broadcast(ack, 1)
+        if int(ack[0]) != version:
+            raise RuntimeError(f"the server acknowledged version {int(ack[0])}, not {version}")
+        return int(ack[1])
 
     def receive(self, load: Callable[[Iterator[tuple[str, Tensor]]], int]) -> tuple[int, int]:
         """Receive one push (the server): ``load`` consumes its ``(name, tensor)`` stream as the buckets arrive and
@@ -189,69 +189,113 @@ class WeightChannel:
         return header["version"], loaded
 
 
+def weight_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int
+                   ) -> Iterator[tuple[list[tuple[str, Tensor]], bool]]:
+    """``weights`` in buckets of about ``bucket_bytes`` (whole tensors; a bucket ends past the size), each with
+    whether it is the push's last (the last may be empty)."""
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        bucket.append((name, tensor))
+        size += _padded(tensor.numel() * tensor.element_size())
+        if size >= bucket_bytes:
+            yield bucket, False
+            bucket, size = [], 0
+    yield bucket, True
+
+
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-@dataclass
-class _Pending:
-    """Rollouts the server generates in the background (:meth:`ServerRolloutEngine.prefetch`) for these prompts."""
+def generation_servers(rank: int, world: int, count: int) -> list[int]:
+    """The servers (indices into ``rollout.server_url``'s ``count``) that rank ``rank`` of ``world`` generates on:
+    those s with s mod ``world`` = ``rank`` when there are more servers than ranks, else server ``rank`` mod
+    ``count``."""
+    return list(range(rank, count, world)) if count > world else [rank % count]
 
-    key: tuple
-    reply: Future
+
+def pushed_servers(rank: int, world: int, count: int) -> list[int]:
+    """The servers that rank ``rank`` of ``world`` pushes the weights to: those s with s mod ``world`` = ``rank``
+    (none for a rank ≥ ``count``)."""
+    return list(range(rank, count, world))
 
 
-class ServerRolloutEngine:
-    """Samples ``n`` responses per prompt on a rollout server (``flowkit rollout-server``), in the HF engine's layout.
+def server_urls(value: Any, owner: str) -> list[str]:
+    """``rollout.server_url`` (one address or a list of them) as the list of addresses, without a trailing slash; a
+    one-line :class:`ConfigError` naming the option's entry that is missing, not an address or listed twice."""
+    listen = "the address `flowkit rollout-server` listens on (e.g. http://127.0.0.1:8000)"
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(f"{owner}.server_url is an empty list: give {listen}, or a list of such addresses")
+        entries = [(f"{owner}.server_url[{index}]", entry) for index, entry in enumerate(value)]
+    elif value is None or not _is_address(value):
+        raise ConfigError(f"{owner}.engine 'server' needs {owner}.server_url, {listen} or a list of such addresses; "
+                          f"got {value!r}")
+    else:
+        entries = [(f"{owner}.server_url", value)]
+    urls: list[str] = []
+    for key, entry in entries:
+        if not _is_address(entry):
+            raise ConfigError(f"{key} must be {listen}, got {entry!r}")
+        url = entry.rstrip("/")
+        if url in urls:
+            raise ConfigError(f"{key} {url} is listed twice in {owner}.server_url: list each server once")
+        urls.append(url)
+    return urls
 
-    Prompts are tokenized by the trainer's tokenizer; the server checks that it tokenizes them alike and returns
-    each row's response token ids, its sampler's log-probs (as the HF engine's: after temperature and top-p) and the
-    policy version it sampled from. Sampled requests carry a seed drawn from the trainer's torch RNG, so a seeded
-    run is reproducible.
 
-    Args:
-        model, tokenizer: the policy and its tokenizer; the server's model must match (checked at connect).
-        url: the server's address, e.g. ``http://10.0.0.5:8000``.
-        timeout_s: bound of every wait (a request, a weight push, rollouts generated in the background).
-        max_new_tokens, temperature, top_p: sampling, as the HF engine's.
-        sync_every: push the weights every this many policy versions (1: after each optimizer step).
-        bucket_mb: size of a weight-push bucket.
-        max_staleness: accept rollouts up to this many policy versions old (0: the weights last pushed).
-        rollout_batch_size: sequences per decoding batch on the server (bounds its KV cache); None: all at once.
-    """
+def _is_address(entry: Any) -> bool:
+    """``http(s)://host[:port]``: the server answers at its root, so no path, query or fragment."""
+    if not isinstance(entry, str):
+        return False
+    parsed = urllib.parse.urlsplit(entry)
+    try:
+        parsed.port  # noqa: B018 (a port that is not a number in range raises)
+    except ValueError:
+        return False
+    return (parsed.scheme in ("http", "https") and bool(parsed.hostname) and not parsed.path.strip("/")
+            and not parsed.query and not parsed.fragment)
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, url: str, timeout_s: float = 300.0,
-                 max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0, sync_every: int = 1,
-                 bucket_mb: int = 256, max_staleness: int = 0, rollout_batch_size: int | None = None):
-        self.model, self.tokenizer = model, tokenizer
-        self.rollout_batch_size = rollout_batch_size
-        self.url, self.timeout_s = url.rstrip("/"), timeout_s
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.sync_every, self.bucket_bytes, self.max_staleness = sync_every, bucket_mb << 20, max_staleness
-        self.saw_nonfinite_logits = False
-        self.policy_version = 0
-        self.regenerated_rows = 0  # prefetched rows dropped as more than max_staleness versions old, then regenerated
-        self.pushed_version: int | None = None  # the version the server holds (None: the backbone's, never pushed)
-        self.instance: str | None = None  # the server process's id, so that a restart is noticed
-        self._channel: WeightChannel | None = None
-        self._pending: list[_Pending] = []
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch") if max_staleness else None
+
+class ServerError(RuntimeError):
+    """A failure concerning one server (its message names the address); ``index`` into ``rollout.server_url``, so
+    that the other ranks name it too."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+class ServerLink:
+    """The engine's view of one server: its address, the id of the process it first answered from (a restart
+    changes it), the weight channel this rank pushes it through (None: not formed yet, or pushed by another rank),
+    and a worker that sends this rank's prefetch requests to it one at a time, in order."""
+
+    def __init__(self, index: int, url: str, timeout_s: float, prefetching: bool):
+        self.index, self.url, self.timeout_s = index, url, timeout_s
+        self.instance: str | None = None
+        self.channel: WeightChannel | None = None
+        self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch") if prefetching else None
+
+    def error(self, message: str) -> ServerError:
+        """One line naming the address: ``rollout server at URL`` and ``message`` (starting ``:`` or a space)."""
+        return ServerError(f"rollout server at {self.url}{message}", self.index)
+
+    @contextlib.contextmanager
+    def concerned(self, what: str) -> Iterator[None]:
+        """A RuntimeError inside (gloo / NCCL: the peer gone or past the timeout) or an OSError (the route to the
+        server) as one line naming the address."""
         try:
-            info = self._request("GET", "/info")
-        except RuntimeError as err:
-            raise ConfigError(str(err)) from None
-        self.instance = info["instance"]
-        differing = [f"{key} {info['identity'].get(key)} (trainer: {value})"
-                     for key, value in model_identity(model.config, tokenizer).items() if info["identity"].get(key) != value]
-        if differing:
-            raise ConfigError(f"rollout server at {self.url} serves another model ({info['model']}: "
-                              f"{', '.join(differing)})")
+            yield
+        except ServerError:
+            raise
+        except (RuntimeError, OSError) as err:
+            raise self.error(f": {what} failed ({_first_line(err)})") from None
 
-    # ------------------------------------------------------------------------------------------ HTTP
-    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict | None = None) -> dict:
         """One JSON request, each socket operation bounded by the timeout; any failure is one line naming the
         address."""
-        where = f"rollout server at {self.url}"
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method,
                                          headers={"Content-Type": "application/json"})
@@ -264,24 +308,111 @@ class ServerRolloutEngine:
                 detail = json.loads(detail)["error"]
             except (ValueError, KeyError, TypeError):
                 pass
-            raise RuntimeError(f"{where}: {path} failed ({err.code}: {detail})") from None
+            raise self.error(f": {path} failed ({err.code}: {detail})") from None
         except (TimeoutError, socket.timeout):
-            raise RuntimeError(f"{where}: no answer to {path} within {self.timeout_s:g} s") from None
+            raise self.error(f": no answer to {path} within {self.timeout_s:g} s") from None
         except urllib.error.URLError as err:
             if isinstance(err.reason, (TimeoutError, socket.timeout)):
-                raise RuntimeError(f"{where}: no answer to {path} within {self.timeout_s:g} s") from None
-            raise RuntimeError(f"{where}: unreachable ({err.reason})") from None
+                raise self.error(f": no answer to {path} within {self.timeout_s:g} s") from None
+            raise self.error(f": unreachable ({err.reason})") from None
         except (OSError, ValueError) as err:  # reset mid-answer, or an answer that is not JSON
-            raise RuntimeError(f"{where}: {path} failed ({type(err).__name__}: {err})") from None
+            raise self.error(f": {path} failed ({type(err).__name__}: {err})") from None
         if self.instance is not None and reply.get("instance") != self.instance:
-            raise RuntimeError(f"{where} restarted (instance {reply.get('instance')}, was {self.instance}): it no "
-                               "longer holds the trainer's weights; resume the run from its last checkpoint")
+            raise self.error(f" restarted (instance {reply.get('instance')}, was {self.instance}): it no longer "
+                             "holds the trainer's weights; resume the run from its last checkpoint")
         return reply
+
+    def connect(self, device: torch.device) -> None:
+        """Form the weight channel: this rank hosts the store on the interface it reaches the server through; the
+        server joins it and says which device the group moves tensors on (NCCL when both sides hold the weights on
+        GPUs, else gloo: a GPU side then copies each bucket through host memory)."""
+        host = _local_address_towards(self.url)
+        store = WeightChannel.host_store(host, self.timeout_s)
+        reply = self.request("POST", "/weights/connect", {"host": host, "port": store.port, "device": device.type})
+        self.channel = WeightChannel(store, 0, self.timeout_s, torch.device(reply["device"]))
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.shutdown(wait=False, cancel_futures=True)
+        self.channel = None
+
+
+@dataclass
+class _Share:
+    """One server's share of a batch, ``prompts[start:stop]``, and its reply (to come)."""
+
+    server: ServerLink
+    start: int
+    stop: int
+    reply: Future
+
+
+@dataclass
+class _Pending:
+    """Rollouts the servers generate in the background (:meth:`ServerRolloutEngine.prefetch`) for these prompts."""
+
+    key: tuple
+    shares: list[_Share]
+
+
+class ServerRolloutEngine:
+    """Samples ``n`` responses per prompt on rollout servers (``flowkit rollout-server``), in the HF engine's layout.
+
+    Prompts are tokenized by the trainer's tokenizer; each server checks that it tokenizes them alike and returns
+    each row's response token ids, its sampler's log-probs (as the HF engine's: after temperature and top-p) and the
+    policy version it sampled from. Sampled requests carry a seed drawn from the trainer's torch RNG (one per
+    server's share, in server order), so a seeded run is reproducible.
+
+    Args:
+        model, tokenizer: the policy and its tokenizer; every server's model must match (checked at connect).
+        urls: the servers' addresses, e.g. ``http://10.0.0.5:8000`` (one, or a list: data parallel, the module's
+            docstring gives the rule).
+        timeout_s: bound of every wait (a request, a weight push, rollouts generated in the background).
+        max_new_tokens, temperature, top_p: sampling, as the HF engine's.
+        sync_every: push the weights every this many policy versions (1: after each optimizer step).
+        bucket_mb: size of a weight-push bucket.
+        max_staleness: accept rollouts up to this many policy versions old (0: the weights last pushed).
+        rollout_batch_size: sequences per decoding batch on a server (bounds its KV cache); None: all at once.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, urls: str | list[str],
+                 timeout_s: float = 300.0, max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0,
+                 sync_every: int = 1, bucket_mb: int = 256, max_staleness: int = 0,
+                 rollout_batch_size: int | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.rollout_batch_size, self.timeout_s = rollout_batch_size, timeout_s
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.sync_every, self.bucket_bytes, self.max_staleness = sync_every, bucket_mb << 20, max_staleness
+        self.saw_nonfinite_logits = False
+        self.policy_version = 0
+        self.regenerated_rows = 0  # prefetched rows dropped as more than max_staleness versions old, then regenerated
+        self.pushed_version: int | None = None  # the version the servers hold (None: the backbone's, never pushed)
+        self.servers = [ServerLink(index, url.rstrip("/"), timeout_s, prefetching=max_staleness > 0)
+                        for index, url in enumerate([urls] if isinstance(urls, str) else urls)]
+        self._requests = ThreadPoolExecutor(len(self.servers), thread_name_prefix="rollout-generate")
+        self._pending: list[_Pending] = []
+        identity = model_identity(model.config, tokenizer)
+        first_at: dict[str, str] = {}  # instance → the address it first answered at
+        for server in self.servers:
+            try:
+                info = server.request("GET", "/info")
+            except RuntimeError as err:
+                raise ConfigError(str(err)) from None
+            server.instance = info["instance"]
+            differing = [f"{key} {info['identity'].get(key)} (trainer: {value})"
+                         for key, value in identity.items() if info["identity"].get(key) != value]
+            if differing:
+                raise ConfigError(f"rollout server at {server.url} serves another model ({info['model']}: "
+                                  f"{', '.join(differing)})")
+            if server.instance in first_at:
+                raise ConfigError(f"rollout server at {server.url} is the one at {first_at[server.instance]} (the "
+                                  "same process): list each server once in rollout.server_url")
+            first_at[server.instance] = server.url
 
     # ------------------------------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         """Every ``sync_every`` versions, push ``model``'s weights (every rank calls it at the same point: under
-        ZeRO-3 gathering a weight is a collective; rank 0 sends)."""
+        ZeRO-3 gathering a weight is a collective; each server is pushed by one rank, :func:`pushed_servers`)."""
         self.model, self.policy_version = model, version
         if self.pushed_version is None or version - self.pushed_version >= self.sync_every:
             self._agreed(self._push, f"weight push of version {version}")
@@ -294,64 +425,74 @@ class ServerRolloutEngine:
     def _agreed(self, work: Callable[[], Any], what: str) -> Any:
         """``work()``, its failure agreed over the trainer's ranks: a rank that raised alone would leave the others
         waiting in the step's next collective (until the process group's timeout), so every rank raises, with its
-        own line or one saying another rank failed."""
+        own line or one naming the server another rank failed on."""
         error, result = None, None
         try:
             result = work()
         except RuntimeError as err:
             error = err
-        if all_reduce_int(int(error is not None), ReduceOp.MAX):
-            raise error or RuntimeError(f"rollout server at {self.url}: {what} failed on another rank") from None
+        concerned = 0 if error is None else getattr(error, "index", len(self.servers)) + 1  # past the list: none
+        failed = all_reduce_int(concerned, ReduceOp.MAX)
+        if error is not None:
+            raise error from None
+        if failed:
+            urls = [server.url for server in self.servers]
+            where = f"rollout server at {urls[failed - 1]}" if failed <= len(urls) else \
+                f"rollout servers at {', '.join(urls)}"
+            raise RuntimeError(f"{where}: {what} failed on another rank")
         return result
 
     def _push(self) -> None:
+        """Push the weights to this rank's servers in one pass over them; a rank that pushes none still makes the
+        pass under ZeRO-3, whose gathers need every rank's shard."""
         version = self.policy_version
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed and torch.distributed.get_rank() != 0:
-            if zero3_sharded(self.model.parameters()):
-                for _ in policy_weights(self.model):  # rank 0's gathers need every rank's shard
-                    pass
-            self.pushed_version = version
-            return
+        rank, world = _rank_and_world()
+        mine = [self.servers[index] for index in pushed_servers(rank, world, len(self.servers))]
         weights = policy_weights(self.model)
         try:
-            if self._channel is None:
-                self._channel = self._connect_channel()
-            self._request("POST", "/weights", {"version": version})
-            sent, loaded = self._channel.send(weights, version, self.bucket_bytes)
-        except RuntimeError as err:  # the HTTP side's one line, or gloo / NCCL: the peer gone or past the timeout
+            if mine:
+                self._send(mine, weights, version)
+        finally:
             if zero3_sharded(self.model.parameters()):
-                for _ in weights:  # the other ranks' gathers of the weights not sent yet
+                for _ in weights:  # the gathers of the weights not sent (all of them on a rank that pushes none)
                     pass
-            self._channel = None
-            message = _first_line(err)
-            if not message.startswith("rollout server at"):
-                message = f"rollout server at {self.url}: weight push of version {version} failed ({message})"
-            raise RuntimeError(message) from None
-        if loaded != sent:
-            raise RuntimeError(f"rollout server at {self.url}: loaded {loaded} of the {sent} weights of version "
-                               f"{version} (see its log for the names it does not have)")
         self.pushed_version = version
 
-    def _connect_channel(self) -> WeightChannel:
-        """The trainer hosts the store on the interface it reaches the server through; the server joins it and
-        says which device the group moves tensors on."""
-        host = _local_address_towards(self.url)
-        store = WeightChannel.host_store(host, self.timeout_s)
-        device = next(self.model.parameters()).device
-        reply = self._request("POST", "/weights/connect", {"host": host, "port": store.port, "device": device.type})
-        # NCCL when both sides hold the weights on GPUs, else gloo (a GPU side then copies each bucket through host)
-        return WeightChannel(store, 0, self.timeout_s, torch.device(reply["device"]))
+    def _send(self, servers: list[ServerLink], weights: Iterator[tuple[str, Tensor]], version: int) -> None:
+        """Each bucket to each of ``servers`` in turn, then their acknowledgements; a failure drops the channels
+        (a push that broke off leaves them mid-stream)."""
+        what = f"weight push of version {version}"
+        try:
+            for server in servers:
+                with server.concerned(what):
+                    if server.channel is None:
+                        server.connect(next(self.model.parameters()).device)
+                    server.request("POST", "/weights", {"version": version})
+            sent = 0
+            for bucket, last in weight_buckets(weights, self.bucket_bytes):
+                sent += len(bucket)
+                for server in servers:
+                    with server.concerned(what):
+                        server.channel.send_bucket(bucket, version, last)
+            for server in servers:
+                with server.concerned(what):
+                    loaded = server.channel.acknowledgement(version)
+                if loaded != sent:
+                    raise server.error(f": loaded {loaded} of the {sent} weights of version {version} (see its log "
+                                       "for the names it does not have)")
+        except ServerError:
+            for server in servers:
+                server.channel = None
+            raise
 
     # ------------------------------------------------------------------------------------------ generation
     def prefetch(self, prompts: list[str], n: int, temperature: float | None = None) -> None:
-        """Have the server start generating these prompts' rollouts now, from the weights it holds; a later
-        :meth:`generate` of the same prompts takes them. Prefetches run one at a time, in order."""
+        """Have this rank's servers start generating these prompts' rollouts now (each its share), from the weights
+        they hold; a later :meth:`generate` of the same prompts takes them. A server runs prefetches in order."""
         self._ensure_pushed()
         temperature = self.temperature if temperature is None else temperature
-        request = self._generation_request(prompts, n, temperature)
-        self._pending.append(_Pending((tuple(prompts), n, temperature),
-                                      self._pool.submit(self._request, "POST", "/generate", request)))
+        shares = self._ask(prompts, n, temperature, lambda server: server.prefetcher)
+        self._pending.append(_Pending((tuple(prompts), n, temperature), shares))
 
     def prefetched(self, prompts: list[str], n: int, temperature: float | None = None) -> bool:
         """Whether these prompts' rollouts were prefetched (and not taken yet)."""
@@ -365,67 +506,107 @@ class ServerRolloutEngine:
         for these prompts are used when at most ``max_staleness`` versions old, else regenerated."""
         self._ensure_pushed()
         temperature = self.temperature if temperature is None else temperature
-        reply = self._agreed(lambda: self._reply(prompts, n, temperature), "generation")
-        return self._batch(reply, prompts, n, answers)
+        return self._agreed(lambda: self._batch(self._replies(prompts, n, temperature), prompts, n, answers),
+                            "generation")
 
-    def _reply(self, prompts: list[str], n: int, temperature: float) -> dict:
-        """The server's answer for these prompts: the prefetched one if not too stale, else a new request."""
+    def _ask(self, prompts: list[str], n: int, temperature: float, worker: Callable[[ServerLink], ThreadPoolExecutor],
+             slices: list[tuple[ServerLink, int, int]] | None = None) -> list[_Share]:
+        """Send each server its slice of the prompts (``slices``, by default :meth:`_split`'s) through
+        ``worker(server)``."""
+        return [_Share(server, start, stop, worker(server).submit(
+                    server.request, "POST", "/generate", self._generation_request(prompts[start:stop], n, temperature)))
+                for server, start, stop in (self._split(len(prompts)) if slices is None else slices)]
+
+    def _split(self, count: int) -> list[tuple[ServerLink, int, int]]:
+        """This rank's servers (:func:`generation_servers`), each with its contiguous slice of ``count`` prompts:
+        sizes differing by at most one, the larger first, none for a server left without a prompt."""
+        rank, world = _rank_and_world()
+        servers = [self.servers[index] for index in generation_servers(rank, world, len(self.servers))]
+        size, larger = divmod(count, len(servers))
+        shares, start = [], 0
+        for position, server in enumerate(servers):
+            stop = start + size + (position < larger)
+            if stop > start:
+                shares.append((server, start, stop))
+            start = stop
+        return shares
+
+    def _replies(self, prompts: list[str], n: int, temperature: float) -> list[tuple[_Share, dict]]:
+        """Each share's answer: the prefetched one if not too stale, else a new request (all of them at once)."""
         key = (tuple(prompts), n, temperature)
         pending = next((p for p in self._pending if p.key == key), None)
-        reply = None
-        if pending is not None:
-            self._pending.remove(pending)
+        if pending is None:
+            return self._collect(self._ask(prompts, n, temperature, lambda server: self._requests))
+        self._pending.remove(pending)
+        replies = self._collect(pending.shares, within=self.timeout_s)
+        stale = [index for index, (_, reply) in enumerate(replies)
+                 if self.policy_version - reply["version"] > self.max_staleness]
+        again = self._ask(prompts, n, temperature, lambda server: self._requests,
+                          [(replies[index][0].server, replies[index][0].start, replies[index][0].stop)
+                           for index in stale])
+        for index, replaced in zip(stale, self._collect(again)):
+            replies[index] = replaced
+        self.regenerated_rows += sum(share.stop - share.start for share in again) * n
+        return replies
+
+    def _collect(self, shares: list[_Share], within: float | None = None) -> list[tuple[_Share, dict]]:
+        """The shares' replies; prefetched ones ``within`` seconds (a request sent now is bounded by its own
+        timeout)."""
+        deadline = None if within is None else time.monotonic() + within
+        replies = []
+        for share in shares:
             try:
-                reply = pending.reply.result(timeout=self.timeout_s)
+                replies.append((share, share.reply.result(
+                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))))
             except FutureTimeout:
-                raise RuntimeError(f"rollout server at {self.url}: prefetched rollouts not back within "
-                                   f"{self.timeout_s:g} s") from None
-            if self.policy_version - reply["version"] > self.max_staleness:
-                self.regenerated_rows += len(prompts) * n
-                reply = None
-        if reply is None:
-            reply = self._request("POST", "/generate", self._generation_request(prompts, n, temperature))
-        return reply
+                raise share.server.error(f": prefetched rollouts not back within {within:g} s") from None
+        return replies
 
     def _generation_request(self, prompts: list[str], n: int, temperature: float) -> dict:
         """The request; the server waits (bounded) until it holds at least the weights last pushed (``min_version``:
-        on a rank other than 0 the push may still be on its way)."""
+        a server pushed by another rank may still be receiving them)."""
         seed = int(torch.randint(0, 2**32, ())) if temperature > 0 else 0  # NumPy's seed range (vLLM draws from it)
         return {"prompts": prompts, "n": n, "temperature": temperature, "top_p": self.top_p,
                 "max_new_tokens": self.max_new_tokens, "rollout_batch_size": self.rollout_batch_size, "seed": seed,
                 "min_version": self.pushed_version or 0, "wait_s": self.timeout_s / 2}  # the server's error first
 
-    def _batch(self, reply: dict, prompts: list[str], n: int, answers: list[str] | None) -> RolloutBatch:
+    def _batch(self, replies: list[tuple[_Share, dict]], prompts: list[str], n: int,
+               answers: list[str] | None) -> RolloutBatch:
+        """The shares' rows in prompt order, each with the version of the server that generated it."""
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
         ours = [row[mask.bool()].tolist() for row, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
-        if ours != reply["prompt_ids"]:
-            raise RuntimeError(f"rollout server at {self.url} tokenizes the prompts differently from the trainer")
-        batch = pack_response_rows(self.tokenizer, encoded, zip(reply["tokens"], reply["logprobs"]), prompts, n,
-                                   answers)
-        self.saw_nonfinite_logits = bool(reply["nonfinite"])
-        batch.policy_versions = torch.full((batch.batch_size,), reply["version"])
+        rows, versions = [], []
+        for share, reply in replies:
+            if ours[share.start:share.stop] != reply["prompt_ids"]:
+                raise share.server.error(" tokenizes the prompts differently from the trainer")
+            rows += zip(reply["tokens"], reply["logprobs"])
+            versions += [reply["version"]] * len(reply["tokens"])
+        batch = pack_response_rows(self.tokenizer, encoded, rows, prompts, n, answers)
+        self.saw_nonfinite_logits = any(reply["nonfinite"] for _, reply in replies)
+        batch.policy_versions = torch.tensor(versions, dtype=torch.long)
         return batch.to(next(self.model.parameters()).device)
 
     def close(self) -> None:
-        """Drop the prefetched rollouts and the weight channel (the server keeps running)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drop the prefetched rollouts and the weight channels (the servers keep running)."""
+        self._requests.shutdown(wait=False, cancel_futures=True)
+        for server in self.servers:
+            server.close()
         self._pending.clear()
-        self._channel = None
 
 
 def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
     """The ``server`` engine from the rollout options' ``server_*`` and ``max_staleness``."""
     options = setup.options
-    url = options.server_url
-    parsed = urllib.parse.urlsplit(url or "")
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ConfigError(f"PolicyModule.rollout.engine 'server' needs rollout.server_url, the address `flowkit "
-                          f"rollout-server` listens on (e.g. http://127.0.0.1:8000); got {url!r}")
-    return ServerRolloutEngine(setup.policy, setup.tokenizer, url, options.server_timeout,
-                               setup.max_new_tokens, setup.temperature, setup.top_p,
-                               options.server_sync_every, options.server_bucket_mb,
-                               options.max_staleness, options.batch_size)
+    return ServerRolloutEngine(setup.policy, setup.tokenizer, server_urls(options.server_url, "PolicyModule.rollout"),
+                               options.server_timeout, setup.max_new_tokens, setup.temperature, setup.top_p,
+                               options.server_sync_every, options.server_bucket_mb, options.max_staleness,
+                               options.batch_size)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def _local_address_towards(url: str) -> str:
