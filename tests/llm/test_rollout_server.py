@@ -579,8 +579,9 @@ def test_killing_one_of_two_servers_mid_run_is_one_line_naming_it(two_servers, t
 
 @pytest.mark.slow
 def test_two_zero3_ranks_generate_each_on_its_own_server_and_push_both(two_servers, tmp_path):
-    """2 gloo ranks under CPU ZeRO-3 and two servers: rank r generates on server r (one request of its 4 prompts
-    per step on each server) and pushes it, and both servers' greedy decodes are then the trained weights'."""
+    """2 gloo ranks under CPU ZeRO-3 and two servers: rank r generates on server r (each server one request per
+    step, of its rank's 2 prompts × 2 samples) and pushes it, and both servers' greedy decodes are then the trained
+    weights'."""
     import rlfr_run
     from safetensors.torch import load_file
     from test_strategies import deepspeed_args
@@ -593,7 +594,7 @@ def test_two_zero3_ranks_generate_each_on_its_own_server_and_push_both(two_serve
                  "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"),
                  timeout=600)
     for server, earlier in zip(two_servers, before):
-        assert generations(server)[earlier:] == [(4, 2), (4, 2)], server.url
+        assert generations(server)[earlier:] == [(2, 2), (2, 2)], server.url
     snapshot = load_file(str(tmp_path / "weights" / "rank0.safetensors"))
     trained, tokenizer = load_backbone("bundled:tiny_adder")
     initial = {name: p.clone() for name, p in trained.named_parameters()}
