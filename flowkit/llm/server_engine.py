@@ -12,9 +12,9 @@ by :func:`flowkit.llm.vllm_engine.policy_weights`), so the push holds at most a 
 the servers s with s mod W = r when S > W — its prompt batch split into contiguous slices of whole prompts, one
 request per server sent concurrently, the rows put back in prompt order — else on server r mod S
 (:func:`generation_servers`). Every server gets every push, server s from rank s mod W (:func:`pushed_servers`), so
-the pushes run in parallel over ranks; a rank that pushes several servers sends each bucket to each of them, and
-every rank makes one pass over the weights per push whether it pushes any server or not (under ZeRO-3 each weight's
-gather is a collective). The servers must serve the trainer's model (each one's identity is checked at build).
+the pushes run in parallel over ranks; a rank that pushes several servers sends each bucket to each of them in one
+pass over the weights, and under ZeRO-3 every rank makes that one pass per push, pushing a server or not (each
+weight's gather is a collective). The servers must serve the trainer's model (each one's identity is checked at build).
 
 Every wait has a bound (``rollout.server_timeout``): a server that is down, does not answer, restarted (its
 instance id changed, so its weights are no longer the trainer's) or serves another model (compared at connect:
@@ -251,7 +251,7 @@ def _is_address(entry: Any) -> bool:
         return False
     parsed = urllib.parse.urlsplit(entry)
     try:
-        parsed.port  # noqa: B018 (a port that is not a number in range raises)
+        parsed.port  # raises for a port that is not a number in range
     except ValueError:
         return False
     return (parsed.scheme in ("http", "https") and bool(parsed.hostname) and not parsed.path.strip("/")
