@@ -8,6 +8,13 @@ side's default group is touched and the server may serve trainer jobs one after 
 ``rollout.server_bucket_mb`` (whole tensors, LoRA merged, ZeRO-3 shards gathered one weight at a time by
 :func:`flowkit.llm.vllm_engine.policy_weights`), so the push holds at most a bucket plus one weight.
 
+With ``rollout.server_lora_push: adapter`` a LoRA policy's adapters travel alone: the first push over a channel
+carries the base weights (the trainer's, unmerged: they may differ from the server's checkpoint) and the LoRA layout
+(:func:`~flowkit.llm.vllm_engine.lora_layout`: per layer its adapters' rank and scaling), every later one only the
+adapters' A and B and the weights that train outside them (:func:`~flowkit.llm.vllm_engine.adapter_weights`); the
+server merges them into its copy of the base (:class:`flowkit.llm.server_backends.ServedAdapter`). A new channel
+(after a failed push) starts over with the base.
+
 Every wait has a bound (``rollout.server_timeout``): a server that is down, does not answer, restarted (its
 instance id changed, so its weights are no longer the trainer's) or serves another model (compared at connect:
 architecture, hidden size, layers, vocabulary) is one line naming the address, a :class:`ConfigError` at build
@@ -35,7 +42,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from torch.distributed import ReduceOp
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,7 +52,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.errors import ConfigError
 from flowkit.llm.packing import pack_response_rows
-from flowkit.llm.vllm_engine import policy_weights
+from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
 
 if TYPE_CHECKING:
     from flowkit.llm.engines import EngineSetup
@@ -55,6 +62,18 @@ IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size
 
 _ALIGN = 64  # byte offset of every tensor in a bucket, so each is viewed in place as its own dtype
 _CANCEL_POLL_S = 0.005  # how often a cancellable channel's wait looks for a cancellation
+
+LoraPush = Literal["merged", "adapter"]
+"""How a LoRA policy's weights reach the server (``rollout.server_lora_push``)."""
+
+
+class PushReceipt(NamedTuple):
+    """One push as the trainer sent it: tensors sent, tensors the server loaded, payload bytes (the buckets', each
+    tensor's start aligned to 64 bytes; their small JSON headers not counted)."""
+
+    sent: int
+    loaded: int
+    payload_bytes: int
 
 
 def model_identity(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
@@ -137,26 +156,27 @@ class WeightChannel:
         self._broadcast(data, 0)
         return json.loads(data.cpu().numpy().tobytes().decode())
 
-    def send(self, weights: Iterable[tuple[str, Tensor]], version: int, bucket_bytes: int) -> tuple[int, int]:
-        """Push ``weights`` (member 0) in buckets of about ``bucket_bytes``; returns how many tensors were sent and
-        how many the server loaded, after its acknowledgement."""
+    def send(self, weights: Iterable[tuple[str, Tensor]], version: int, bucket_bytes: int) -> PushReceipt:
+        """Push ``weights`` (member 0) in buckets of about ``bucket_bytes``; returns what was sent and how many
+        tensors the server loaded, after its acknowledgement."""
         bucket: list[tuple[str, Tensor]] = []
-        size = sent = 0
+        size = sent = payload_bytes = 0
         for name, tensor in weights:
             bucket.append((name, tensor))
             sent += 1
             size += _padded(tensor.numel() * tensor.element_size())
             if size >= bucket_bytes:
-                self._send_bucket(bucket, version, last=False)
+                payload_bytes += self._send_bucket(bucket, version, last=False)
                 bucket, size = [], 0
-        self._send_bucket(bucket, version, last=True)
+        payload_bytes += self._send_bucket(bucket, version, last=True)
         ack = torch.zeros(2, dtype=torch.long, device=self.device)
         self._broadcast(ack, 1)
         if int(ack[0]) != version:
             raise RuntimeError(f"the server acknowledged version {int(ack[0])}, not {version}")
-        return sent, int(ack[1])
+        return PushReceipt(sent, int(ack[1]), payload_bytes)
 
-    def _send_bucket(self, bucket: list[tuple[str, Tensor]], version: int, last: bool) -> None:
+    def _send_bucket(self, bucket: list[tuple[str, Tensor]], version: int, last: bool) -> int:
+        """One bucket; returns its payload's bytes."""
         entries, offset = [], 0
         for name, tensor in bucket:
             nbytes = tensor.numel() * tensor.element_size()
@@ -167,6 +187,7 @@ class WeightChannel:
             payload[start:start + nbytes] = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
         self._send_json({"version": version, "entries": entries, "bytes": offset, "last": last})
         self._broadcast(payload, 0)
+        return offset
 
     def receive(self, load: Callable[[Iterator[tuple[str, Tensor]]], int]) -> tuple[int, int]:
         """Receive one push (the server): ``load`` consumes its ``(name, tensor)`` stream as the buckets arrive and
@@ -218,12 +239,17 @@ class ServerRolloutEngine:
         bucket_mb: size of a weight-push bucket.
         max_staleness: accept rollouts up to this many policy versions old (0: the weights last pushed).
         rollout_batch_size: sequences per decoding batch on the server (bounds its KV cache); None: all at once.
+        lora_push: a LoRA (peft) policy's weights go ``merged`` (every weight, each push) or as the ``adapter``
+            (the base weights once per channel, then A and B alone; the server merges).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, url: str, timeout_s: float = 300.0,
                  max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0, sync_every: int = 1,
-                 bucket_mb: int = 256, max_staleness: int = 0, rollout_batch_size: int | None = None):
-        self.model, self.tokenizer = model, tokenizer
+                 bucket_mb: int = 256, max_staleness: int = 0, rollout_batch_size: int | None = None,
+                 lora_push: LoraPush = "merged"):
+        if lora_push == "adapter" and not hasattr(model, "peft_config"):
+            raise ValueError("lora_push 'adapter' needs a LoRA (peft) model")
+        self.model, self.tokenizer, self.lora_push = model, tokenizer, lora_push
         self.rollout_batch_size = rollout_batch_size
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -233,6 +259,8 @@ class ServerRolloutEngine:
         self.regenerated_rows = 0  # prefetched rows dropped as more than max_staleness versions old, then regenerated
         self.pushed_version: int | None = None  # the version the server holds (None: the backbone's, never pushed)
         self.instance: str | None = None  # the server process's id, so that a restart is noticed
+        self.served_layout: dict | None = None  # adapter pushes: the LoRA layout the server holds our base weights for
+        self.last_push: PushReceipt | None = None  # rank 0's latest push, as sent
         self._channel: WeightChannel | None = None
         self._pending: list[_Pending] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch") if max_staleness else None
@@ -284,12 +312,19 @@ class ServerRolloutEngine:
         ZeRO-3 gathering a weight is a collective; rank 0 sends)."""
         self.model, self.policy_version = model, version
         if self.pushed_version is None or version - self.pushed_version >= self.sync_every:
-            self._agreed(self._push, f"weight push of version {version}")
+            self._push_agreed()
 
     def _ensure_pushed(self) -> None:
         """Before the first generation: the trainer's weights (a resumed or SFT'd policy), not the backbone's."""
         if self.pushed_version is None:
+            self._push_agreed()
+
+    def _push_agreed(self) -> None:
+        try:
             self._agreed(self._push, f"weight push of version {self.policy_version}")
+        except RuntimeError:
+            self.served_layout = None  # on every rank: the next push, on a new channel, starts over with the base
+            raise
 
     def _agreed(self, work: Callable[[], Any], what: str) -> Any:
         """``work()``, its failure agreed over the trainer's ranks: a rank that raised alone would leave the others
@@ -305,20 +340,31 @@ class ServerRolloutEngine:
         return result
 
     def _push(self) -> None:
+        """One push: rank 0 sends, every rank walks the same weights (ZeRO-3: the gathers are collectives). As an
+        adapter, the base weights go with the first push and whenever the LoRA layout changed (decided alike on
+        every rank, from module attributes)."""
         version = self.policy_version
+        body: dict[str, Any] = {"version": version}
+        if self.lora_push == "adapter":
+            layout = lora_layout(self.model)
+            with_base = layout != self.served_layout
+            body["lora"] = {"layout": layout if with_base else None}
+            weights = adapter_weights(self.model, layout, with_base)
+        else:
+            layout, weights = None, policy_weights(self.model)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed and torch.distributed.get_rank() != 0:
             if zero3_sharded(self.model.parameters()):
-                for _ in policy_weights(self.model):  # rank 0's gathers need every rank's shard
+                for _ in weights:  # rank 0's gathers need every rank's shard
                     pass
-            self.pushed_version = version
+            self.pushed_version, self.served_layout = version, layout
             return
-        weights = policy_weights(self.model)
         try:
             if self._channel is None:
                 self._channel = self._connect_channel()
-            self._request("POST", "/weights", {"version": version})
-            sent, loaded = self._channel.send(weights, version, self.bucket_bytes)
+            self._request("POST", "/weights", body)
+            self.last_push = self._channel.send(weights, version, self.bucket_bytes)
+            sent, loaded = self.last_push.sent, self.last_push.loaded
         except RuntimeError as err:  # the HTTP side's one line, or gloo / NCCL: the peer gone or past the timeout
             if zero3_sharded(self.model.parameters()):
                 for _ in weights:  # the other ranks' gathers of the weights not sent yet
@@ -331,7 +377,7 @@ class ServerRolloutEngine:
         if loaded != sent:
             raise RuntimeError(f"rollout server at {self.url}: loaded {loaded} of the {sent} weights of version "
                                f"{version} (see its log for the names it does not have)")
-        self.pushed_version = version
+        self.pushed_version, self.served_layout = version, layout
 
     def _connect_channel(self) -> WeightChannel:
         """The trainer hosts the store on the interface it reaches the server through; the server joins it and
@@ -411,7 +457,7 @@ class ServerRolloutEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._pending.clear()
-        self._channel = None
+        self._channel, self.served_layout = None, None
 
 
 def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
@@ -425,7 +471,7 @@ def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
     return ServerRolloutEngine(setup.policy, setup.tokenizer, url, options.server_timeout,
                                setup.max_new_tokens, setup.temperature, setup.top_p,
                                options.server_sync_every, options.server_bucket_mb,
-                               options.max_staleness, options.batch_size)
+                               options.max_staleness, options.batch_size, options.server_lora_push)
 
 
 def _local_address_towards(url: str) -> str:
