@@ -106,7 +106,7 @@ def main() -> None:
         finally:
             server.kill()
             server.wait(timeout=30)
-    parameters = sum(p.numel() for p in model.get_base_model().parameters())
+    parameters = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
     summary = {}
     for mode, rounds in runs.items():
         later = [payload for run in rounds for payload in run["payloads"][1:]]
