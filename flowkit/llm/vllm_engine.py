@@ -158,8 +158,8 @@ def lora_layout(model: torch.nn.Module) -> dict[str, dict]:
 def adapter_weights(model: torch.nn.Module, layout: dict[str, dict], with_base: bool) -> Iterator[tuple[str, Tensor]]:
     """A peft ``model``'s weights for a server that merges the adapters itself (``rollout.server_lora_push:
     adapter``), each a new tensor (:func:`_whole`): with ``with_base`` every weight of the base model under its HF
-    name, LoRA layers' unmerged; without, only those that train (``requires_grad``: e.g. peft's ``bias`` or
-    ``modules_to_save`` ones). Then, per LoRA layer of ``layout`` (:func:`lora_layout`), each adapter's A and B as
+    name, LoRA layers' unmerged; without, only those that train (``requires_grad``: e.g. the biases of peft's
+    ``bias="all"``). Then, per LoRA layer of ``layout`` (:func:`lora_layout`), each adapter's A and B as
     ``<layer>.lora_A.<adapter>.weight`` and ``<layer>.lora_B.<adapter>.weight``. The same walk with the same gathers
     on every rank for the same ``layout`` and ``with_base`` (ZeRO-3: each :func:`_whole` is a collective)."""
     from peft.tuners.lora import LoraLayer

@@ -308,12 +308,14 @@ def test_sync_sends_lora_merged_into_the_base_weights_out_of_place():
 
 def test_a_server_merging_pushed_adapters_into_its_base_gets_the_merged_weights_bit_for_bit():
     """``rollout.server_lora_push: adapter`` without the channel: the first stream (base weights and adapters) and,
-    after the adapters moved as in a training step, a stream of the adapters' A and B alone, each fed to a
-    :class:`ServedAdapter`, whose merge is then :func:`policy_weights`' merged push exactly."""
+    after the adapters moved as in a training step, a stream of the adapters' A and B alone (and of a base weight
+    that trains too, a bias as under peft's ``bias="all"``), each fed to a :class:`ServedAdapter`, whose merge is
+    then :func:`policy_weights`' merged push exactly."""
     from flowkit.llm.server_backends import ServedAdapter
     from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
 
     policy = lora_policy()
+    policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer.bias.requires_grad_(True)
     layout = lora_layout(policy)
     assert len(layout) == 4 * 7 and layout["model.layers.0.self_attn.q_proj"] == {
         "fan_in_fan_out": False, "adapters": {"default": {"r": 4, "scaling": 2.0}}}  # alpha / r
@@ -328,12 +330,12 @@ def test_a_server_merging_pushed_adapters_into_its_base_gets_the_merged_weights_
         assert merged.keys() == expected.keys()
         assert all(torch.equal(merged[name], weight) for name, weight in expected.items())
         with torch.no_grad():
-            for name, param in policy.named_parameters():
-                if ".lora_" in name:
+            for param in policy.parameters():
+                if param.requires_grad:
                     param.add_(torch.randn_like(param), alpha=0.01)
         stream = list(adapter_weights(policy, layout, with_base=False))
-        assert {name for name, _ in stream} == {f"{layer}.lora_{matrix}.default.weight" for layer in layout
-                                                for matrix in "AB"}
+        assert {name for name, _ in stream} == {"model.layers.0.self_attn.q_proj.bias"} | {
+            f"{layer}.lora_{matrix}.default.weight" for layer in layout for matrix in "AB"}
 
 
 ZERO3_JOB = """
