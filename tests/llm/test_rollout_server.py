@@ -649,3 +649,25 @@ def test_a_server_restarted_between_adapter_pushes_is_one_line(tmp_path):
         second.kill()
     assert "\n" not in str(err.value) and engine.served_layout is None
     assert "policy version 1 loaded" not in second.log.read_text()
+
+
+def test_adapters_alone_on_a_channel_whose_base_the_server_lacks_load_nothing(caplog):
+    """An adapter-only push on a channel that brought the server no base weights (another channel's base, or none)
+    loads nothing: the trainer, told 0 were loaded, stops with its one line instead of a merge into the wrong base."""
+    from types import SimpleNamespace
+
+    from flowkit.commands.rollout_server import RolloutService
+
+    loads = []
+    backend = SimpleNamespace(tokenizer=None, shapes={"w.weight": torch.Size([2, 2])}, device=torch.device("cpu"),
+                              load=lambda weights: loads.append(list(weights)) or 0)
+    service = RolloutService(backend, "bundled:tiny_adder", TIMEOUT_S)
+    layout = {"w": {"fan_in_fan_out": False, "adapters": {"default": {"r": 1, "scaling": 2.0}}}}
+    pushed = [("w.weight", torch.eye(2)), ("w.lora_A.default.weight", torch.ones(1, 2)),
+              ("w.lora_B.default.weight", torch.ones(2, 1))]
+    first, second = object(), object()  # two channels
+    assert service._loader(first, 0, {"layout": layout})(iter(pushed)) == 3
+    assert torch.equal(dict(loads.pop())["w.weight"], torch.eye(2) + 2)  # W₀ + scaling·B·A
+    assert service._loader(second, 1, {"layout": None})(iter(pushed[1:])) == 0
+    assert not loads and "adapters without base weights on this channel" in caplog.text
+    assert service._loader(first, 2, {"layout": None})(iter(pushed[1:])) == 2 and len(loads) == 1
