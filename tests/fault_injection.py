@@ -72,8 +72,9 @@ class SignalMidPush(L.Callback):
         send_bucket = WeightChannel.send_bucket
 
         def killing(channel, bucket, version, last):
-            send_bucket(channel, bucket, version, last)
+            payload_bytes = send_bucket(channel, bucket, version, last)
             if version == self.version:  # the server is now inside the push, waiting for the next bucket
                 os.kill(os.getpid(), getattr(signal, self.signal))
+            return payload_bytes
 
         WeightChannel.send_bucket = killing

@@ -31,11 +31,11 @@ def free_port() -> int:
 
 
 class RolloutServer:
-    """A ``flowkit rollout-server --backend BACKEND`` subprocess serving bundled:tiny_adder on a free port (this
-    interpreter's ``flowkit``: the vLLM venv's under its tests)."""
+    """A ``flowkit rollout-server --backend BACKEND`` subprocess serving bundled:tiny_adder on ``port`` (default: a
+    free one; this interpreter's ``flowkit``: the vLLM venv's under its tests)."""
 
-    def __init__(self, log: Path, timeout_s: float, backend: str = "hf"):
-        self.backend, self.port = backend, free_port()
+    def __init__(self, log: Path, timeout_s: float, backend: str = "hf", port: int | None = None):
+        self.backend, self.port = backend, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
                "OMP_NUM_THREADS": "1"}

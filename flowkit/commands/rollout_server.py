@@ -10,7 +10,10 @@ It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib on
     POST /weights/connect   {host, port, device}: join the trainer's weight channel (a TCPStore + gloo / NCCL group),
                             abandoning a push still arriving on the earlier one (a trainer killed or hung mid-push)
                             → the device it moves tensors on (cuda: NCCL, both sides on GPUs; cpu: gloo)
-    POST /weights           {version}: receive one push on that channel (buckets), then load it
+    POST /weights           {version, lora}: receive one push on that channel (buckets), then load it; ``lora``
+                            (``rollout.server_lora_push: adapter``): ``{layout}`` with the base weights and the
+                            adapters, ``{layout: null}`` with the adapters alone, merged into the base kept from
+                            the channel's first push (:class:`~flowkit.llm.server_backends.ServedAdapter`)
 
 Generation runs on the server's own copy of the model (``--backend``, :mod:`flowkit.llm.server_backends`):
 flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``vllm``, built as the colocated
@@ -34,11 +37,12 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from flowkit.llm.server_backends import HFServerBackend, VllmServerBackend
+from flowkit.llm.server_backends import HFServerBackend, ServedAdapter, VllmServerBackend
 from flowkit.llm.server_engine import WeightChannel, model_identity
 from flowkit.llm.vllm_engine import seed_sampling
 from flowkit.registry import standalone
@@ -60,6 +64,7 @@ class RolloutService:
         self.instance = uuid.uuid4().hex
         self.version = 0
         self.channel: WeightChannel | None = None
+        self.adapter: ServedAdapter | None = None  # the base weights and adapters of a LoRA pushed as an adapter
         self.joined = threading.Event()  # set once a trainer's channel is formed (or failed to form)
         self.ready = threading.Condition()  # guards the model and the version; notified when a push lands
 
@@ -94,7 +99,7 @@ class RolloutService:
             else torch.device("cpu")
         if self.channel is not None:
             self.channel.cancel()
-        self.channel = None
+        self.channel, self.adapter = None, None
         self.joined = joined = threading.Event()
 
         def join() -> None:
@@ -109,7 +114,7 @@ class RolloutService:
         threading.Thread(target=join, daemon=True).start()
         return {"device": device.type}
 
-    def receive_weights(self, version: int) -> None:
+    def receive_weights(self, version: int, lora: dict | None = None) -> None:
         """Receive a push in the background (the trainer sends after this answer), holding the model meanwhile. A
         push that fails part way leaves the model part old, part new: no version is served until a whole push."""
         def receive() -> None:
@@ -119,10 +124,10 @@ class RolloutService:
             channel, failed = self.channel, False
             with self.ready:
                 try:
-                    received, loaded = channel.receive(self.backend.load)
+                    received, loaded = channel.receive(self._loader(channel, version, lora))
                 except RuntimeError as err:  # the trainer gone, past the timeout, or superseded by another one
                     log.error("push of version %d failed: %s", version, err)
-                    self.version, failed = TORN, True
+                    self.version, self.adapter, failed = TORN, None, True
                     if self.channel is channel:
                         self.channel = None
                 else:
@@ -135,12 +140,39 @@ class RolloutService:
 
         threading.Thread(target=receive, daemon=True).start()
 
+    def _loader(self, channel: WeightChannel, version: int, lora: dict | None) -> Callable[[Iterable], int]:
+        """What loads the push: the backend directly, or (an adapter push) the channel's :class:`ServedAdapter` — a
+        new one with the base weights, the one of this channel's first push with adapters alone — then the
+        backend from its merged weights. An adapter alone with no base of its channel loads nothing (the trainer,
+        told 0 were loaded, stops with one line)."""
+        if lora is None:
+            self.adapter = None
+            return self.backend.load
+        if lora["layout"] is not None:
+            self.adapter = ServedAdapter(lora["layout"], self.backend.shapes, channel, self.backbone)
+        adapter = self.adapter
+
+        def load(weights: Iterable) -> int:
+            if adapter is None or adapter.channel is not channel:
+                log.error("push of version %d: adapters without base weights on this channel", version)
+                return 0
+            received = adapter.receive(weights)
+            missing = adapter.missing()
+            if missing:
+                log.error("push of version %d: no %s (nor %d more adapter tensors); nothing merged", version,
+                          missing[0], len(missing) - 1)
+                return 0
+            self.backend.load(adapter.merged(self.backend.device))
+            return received
+
+        return load
+
 
 def make_server(service: RolloutService, host: str, port: int) -> ThreadingHTTPServer:
     routes = {("GET", "/info"): lambda body: service.info(),
               ("POST", "/generate"): service.generate,
               ("POST", "/weights/connect"): service.connect,
-              ("POST", "/weights"): lambda body: service.receive_weights(body["version"]) or {}}
+              ("POST", "/weights"): lambda body: service.receive_weights(body["version"], body.get("lora")) or {}}
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, method: str) -> None:

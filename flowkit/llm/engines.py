@@ -25,7 +25,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import resolve_backbone_path
 from flowkit.llm.hf_engine import HFRolloutEngine
-from flowkit.llm.server_engine import build_server_engine, server_urls
+from flowkit.llm.server_engine import LoraPush, build_server_engine, server_urls
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
 from flowkit.options import OptionGroup, bounded, registered
 
@@ -183,6 +183,12 @@ class RolloutOptions(OptionGroup):
     server_bucket_mb: int = bounded(256, 1)
     """a weight push moves the weights in buckets of this size (ZeRO-3: gathered one weight at a time), which bounds
     its memory"""
+    server_lora_push: LoraPush = "merged"
+    """how a LoRA policy's weights reach the server: ``merged`` (every weight, adapters merged, at each push) or
+    ``adapter`` (needs ``lora``): the first push over a channel sends the base weights and the LoRA layout (per layer
+    the rank and scaling), every later one only the adapters' A and B (and any weight that trains outside them), and
+    the server merges W₀ + scaling·B·A into its own weights and generates from them as with ``merged``; its host
+    keeps a copy of the base weights in the trainer's dtype"""
     max_staleness: int = bounded(0, 0)
     """k ≥ 1 overlaps generation with training (an engine that generates elsewhere: ``server``): while step t trains,
     the server generates the rollouts of steps t+1 … t+k from the weights it holds; rollouts more than k versions

@@ -2,11 +2,15 @@
 interface, flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``vllm``).
 
 A backend has the model's ``config`` and ``tokenizer`` (the trainer compares them with its own at connect), the
-``device`` its weights live on (NCCL pushes when both sides are on GPUs), and two methods: :meth:`generate` (each
-row's response token ids and sampler log-probs, prompt-major) and :meth:`load` (a pushed weight stream into the
-model). Both check every pushed weight against the HF model's parameter names and shapes; one that is not there
-is logged and not loaded, and the trainer, told how many were, reports it. Sampling draws from the process's
-global generators, which the server seeds per request.
+``device`` its weights live on (NCCL pushes when both sides are on GPUs), the HF model's parameter ``shapes`` by name,
+and two methods: :meth:`generate` (each row's response token ids and sampler log-probs, prompt-major) and
+:meth:`load` (a pushed weight stream into the model). Both check every pushed weight against those names and shapes;
+one that is not there is logged and not loaded, and the trainer, told how many were, reports it. Sampling draws from
+the process's global generators, which the server seeds per request.
+
+A LoRA policy pushed as an adapter (``rollout.server_lora_push: adapter``) goes through :class:`ServedAdapter`, the
+same for both backends: it keeps the base weights of the channel's first push and merges each push's adapters into
+them, then hands the backend the merged weights as one ordinary push.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from flowkit.llm.backbone import load_backbone, load_tokenizer, resolve_backbone_path, torch_dtype
 from flowkit.llm.hf_engine import HFRolloutEngine
-from flowkit.llm.vllm_engine import build_llm, load_weights, require_vllm, sample, sampling_params
+from flowkit.llm.vllm_engine import build_llm, load_weights, merge_lora, require_vllm, sample, sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ class HFServerBackend:
         self.config = self.model.config
         self.engine = HFRolloutEngine(self.model, self.tokenizer)
         self.parameters = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names are pushed
+        self.shapes = {name: p.shape for name, p in self.parameters.items()}
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  rollout_batch_size: int | None) -> tuple[Rows, bool]:
@@ -64,7 +69,7 @@ class HFServerBackend:
         return rows, engine.saw_nonfinite_logits
 
     def load(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        known = _Known(weights, {name: p.shape for name, p in self.parameters.items()}, self.backbone)
+        known = _Known(weights, self.shapes, self.backbone)
         with torch.no_grad():
             for name, tensor in known:
                 self.parameters[name].copy_(tensor)
@@ -107,3 +112,60 @@ class VllmServerBackend:
         known = _Known(weights, self.shapes, self.backbone)
         load_weights(self.llm, known)
         return known.count
+
+
+class ServedAdapter:
+    """A LoRA policy pushed as an adapter: the base weights of the channel's first push, kept on the host in the
+    trainer's dtype, and the latest A and B of every adapter of the pushed ``layout``
+    (:func:`~flowkit.llm.vllm_engine.lora_layout`).
+
+    Each push's tensors update what it keeps (:meth:`receive`: an adapter tensor by its layout's name and shape, any
+    other by the model's); then :meth:`merged` yields every base weight with its layer's adapters merged,
+    ``W = W₀ + scaling·B·A`` (:func:`~flowkit.llm.vllm_engine.merge_lora`, the trainer's own arithmetic, so the
+    served weights are those of a merged push bit for bit), which the backend loads as an ordinary push. Merging on
+    the server, rather than serving the adapter unmerged (peft, or vLLM's LoRA support), keeps generation as fast as
+    with merged pushes and the same for both backends; the price is the host copy of the base weights.
+    """
+
+    def __init__(self, layout: dict[str, dict], shapes: dict[str, torch.Size], channel: object, backbone: str):
+        self.layout, self.shapes, self.channel, self.backbone = layout, shapes, channel, backbone
+        self.base: dict[str, Tensor] = {}
+        self.adapters: dict[str, Tensor] = {}
+        self.adapter_shapes: dict[str, torch.Size] = {}  # name of an adapter's A or B → its shape
+        for layer, entry in layout.items():
+            weight_shape = shapes.get(f"{layer}.weight")
+            if weight_shape is None or len(weight_shape) != 2:
+                continue  # its tensors are then unknown names, logged as they arrive
+            out_features, in_features = reversed(weight_shape) if entry["fan_in_fan_out"] else weight_shape
+            for adapter, spec in entry["adapters"].items():
+                self.adapter_shapes[f"{layer}.lora_A.{adapter}.weight"] = torch.Size([spec["r"], in_features])
+                self.adapter_shapes[f"{layer}.lora_B.{adapter}.weight"] = torch.Size([out_features, spec["r"]])
+
+    def receive(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        """Keep a push's tensors (copied to the host); returns how many were known by name and shape."""
+        count = 0
+        for name, tensor in weights:
+            adapter = name in self.adapter_shapes
+            if (self.adapter_shapes if adapter else self.shapes).get(name) != tensor.shape:
+                log.error("pushed tensor %s %s is neither one of %s's weights nor an adapter of its layout", name,
+                          tuple(tensor.shape), self.backbone)
+                continue
+            (self.adapters if adapter else self.base)[name] = tensor.to("cpu", copy=True)
+            count += 1
+        return count
+
+    def missing(self) -> list[str]:
+        """The adapter tensors of the layout not received yet (nothing is merged while there are any)."""
+        return [name for name in self.adapter_shapes if name not in self.adapters]
+
+    def merged(self, device: torch.device) -> Iterator[tuple[str, Tensor]]:
+        """Every base weight, those of the layout's layers with their adapters merged (computed on ``device``)."""
+        for name, weight in self.base.items():
+            entry = self.layout.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+            if entry:
+                layer, weight = name.removesuffix(".weight"), weight.to(device)
+                for adapter, spec in entry["adapters"].items():
+                    weight = merge_lora(weight, self.adapters[f"{layer}.lora_A.{adapter}.weight"].to(device),
+                                        self.adapters[f"{layer}.lora_B.{adapter}.weight"].to(device),
+                                        spec["scaling"], entry["fan_in_fan_out"])
+            yield name, weight

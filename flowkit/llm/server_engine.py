@@ -27,6 +27,13 @@ a generation is) before the current step trains, and each server generates them 
 weights it holds (up to k versions behind); :meth:`ServerRolloutEngine.generate` takes those rollouts when asked for
 the same prompts, each row carrying the version of the server that generated it, and regenerates a server's share
 more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
+
+With ``rollout.server_lora_push: adapter`` a LoRA policy's adapters travel alone: the first push over a channel
+carries the base weights (the trainer's, unmerged: they may differ from the server's checkpoint) and the LoRA layout
+(:func:`~flowkit.llm.vllm_engine.lora_layout`: per layer its adapters' rank and scaling), every later one only the
+adapters' A and B and the weights that train outside them (:func:`~flowkit.llm.vllm_engine.adapter_weights`); each
+server merges them into its copy of the base (:class:`flowkit.llm.server_backends.ServedAdapter`). A new channel
+(after a failed push) starts over with the base.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from torch.distributed import ReduceOp
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,7 +62,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.errors import ConfigError
 from flowkit.llm.packing import pack_response_rows
-from flowkit.llm.vllm_engine import policy_weights
+from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
 
 if TYPE_CHECKING:
     from flowkit.llm.engines import EngineSetup
@@ -65,6 +72,18 @@ IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size
 
 _ALIGN = 64  # byte offset of every tensor in a bucket, so each is viewed in place as its own dtype
 _CANCEL_POLL_S = 0.005  # how often a cancellable channel's wait looks for a cancellation
+
+LoraPush = Literal["merged", "adapter"]
+"""How a LoRA policy's weights reach the servers (``rollout.server_lora_push``)."""
+
+
+class PushReceipt(NamedTuple):
+    """One push as the trainer sent it: tensors sent, tensors each server loaded, payload bytes per server (the
+    buckets', each tensor's start aligned to 64 bytes; their small JSON headers not counted)."""
+
+    sent: int
+    loaded: int
+    payload_bytes: int
 
 
 def model_identity(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
@@ -147,8 +166,9 @@ class WeightChannel:
         self._broadcast(data, 0)
         return json.loads(data.cpu().numpy().tobytes().decode())
 
-    def send_bucket(self, bucket: list[tuple[str, Tensor]], version: int, last: bool) -> None:
-        """Send one bucket of a push (member 0): :func:`weight_buckets` cuts the weights into them."""
+    def send_bucket(self, bucket: list[tuple[str, Tensor]], version: int, last: bool) -> int:
+        """Send one bucket of a push (member 0): :func:`weight_buckets` cuts the weights into them; returns its
+        payload's bytes."""
         entries, offset = [], 0
         for name, tensor in bucket:
             nbytes = tensor.numel() * tensor.element_size()
@@ -159,6 +179,7 @@ class WeightChannel:
             payload[start:start + nbytes] = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
         self._send_json({"version": version, "entries": entries, "bytes": offset, "last": last})
         self._broadcast(payload, 0)
+        return offset
 
     def acknowledgement(self, version: int) -> int:
         """After a push's last bucket (member 0): how many tensors the server loaded."""
@@ -373,13 +394,17 @@ class ServerRolloutEngine:
         bucket_mb: size of a weight-push bucket.
         max_staleness: accept rollouts up to this many policy versions old (0: the weights last pushed).
         rollout_batch_size: sequences per decoding batch on a server (bounds its KV cache); None: all at once.
+        lora_push: a LoRA (peft) policy's weights go ``merged`` (every weight, each push) or as the ``adapter``
+            (the base weights once per channel, then A and B alone; the server merges).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, urls: str | list[str],
                  timeout_s: float = 300.0, max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0,
                  sync_every: int = 1, bucket_mb: int = 256, max_staleness: int = 0,
-                 rollout_batch_size: int | None = None):
-        self.model, self.tokenizer = model, tokenizer
+                 rollout_batch_size: int | None = None, lora_push: LoraPush = "merged"):
+        if lora_push == "adapter" and not hasattr(model, "peft_config"):
+            raise ValueError("lora_push 'adapter' needs a LoRA (peft) model")
+        self.model, self.tokenizer, self.lora_push = model, tokenizer, lora_push
         self.rollout_batch_size, self.timeout_s = rollout_batch_size, timeout_s
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.sync_every, self.bucket_bytes, self.max_staleness = sync_every, bucket_mb << 20, max_staleness
@@ -387,6 +412,8 @@ class ServerRolloutEngine:
         self.policy_version = 0
         self.regenerated_rows = 0  # prefetched rows dropped as more than max_staleness versions old, then regenerated
         self.pushed_version: int | None = None  # the version the servers hold (None: the backbone's, never pushed)
+        self.served_layout: dict | None = None  # adapter pushes: the LoRA layout the servers hold our base weights for
+        self.last_push: PushReceipt | None = None  # this rank's latest push, as sent (None: it pushes no server)
         self.servers = [ServerLink(index, url.rstrip("/"), timeout_s, prefetching=max_staleness > 0)
                         for index, url in enumerate([urls] if isinstance(urls, str) else urls)]
         self._requests = ThreadPoolExecutor(len(self.servers), thread_name_prefix="rollout-generate")
@@ -415,12 +442,19 @@ class ServerRolloutEngine:
         ZeRO-3 gathering a weight is a collective; each server is pushed by one rank, :func:`pushed_servers`)."""
         self.model, self.policy_version = model, version
         if self.pushed_version is None or version - self.pushed_version >= self.sync_every:
-            self._agreed(self._push, f"weight push of version {version}")
+            self._push_agreed()
 
     def _ensure_pushed(self) -> None:
         """Before the first generation: the trainer's weights (a resumed or SFT'd policy), not the backbone's."""
         if self.pushed_version is None:
+            self._push_agreed()
+
+    def _push_agreed(self) -> None:
+        try:
             self._agreed(self._push, f"weight push of version {self.policy_version}")
+        except RuntimeError:
+            self.served_layout = None  # on every rank: the next push, on new channels, starts over with the base
+            raise
 
     def _agreed(self, work: Callable[[], Any], what: str) -> Any:
         """``work()``, its failure agreed over the trainer's ranks: a rank that raised alone would leave the others
@@ -444,36 +478,47 @@ class ServerRolloutEngine:
 
     def _push(self) -> None:
         """Push the weights to this rank's servers in one pass over them; a rank that pushes none still makes the
-        pass under ZeRO-3, whose gathers need every rank's shard."""
+        pass under ZeRO-3, whose gathers need every rank's shard. As an adapter, the base weights go with the first
+        push and whenever the LoRA layout changed (decided alike on every rank, from module attributes)."""
         version = self.policy_version
         rank, world = _rank_and_world()
         mine = [self.servers[index] for index in pushed_servers(rank, world, len(self.servers))]
-        weights = policy_weights(self.model)
+        body: dict[str, Any] = {"version": version}
+        if self.lora_push == "adapter":
+            layout = lora_layout(self.model)
+            with_base = layout != self.served_layout
+            body["lora"] = {"layout": layout if with_base else None}
+            weights = adapter_weights(self.model, layout, with_base)
+        else:
+            layout, weights = None, policy_weights(self.model)
         try:
             if mine:
-                self._send(mine, weights, version)
+                self.last_push = self._send(mine, weights, body)
         finally:
             if zero3_sharded(self.model.parameters()):
                 for _ in weights:  # the gathers of the weights not sent (all of them on a rank that pushes none)
                     pass
-        self.pushed_version = version
+        self.pushed_version, self.served_layout = version, layout
 
-    def _send(self, servers: list[ServerLink], weights: Iterator[tuple[str, Tensor]], version: int) -> None:
-        """Each bucket to each of ``servers`` in turn, then their acknowledgements; a failure drops the channels
-        (a push that broke off leaves them mid-stream)."""
+    def _send(self, servers: list[ServerLink], weights: Iterator[tuple[str, Tensor]], body: dict) -> PushReceipt:
+        """Announce the push (``body``: its version, and the LoRA layout of an adapter push) to each of ``servers``,
+        send each bucket to each of them in turn, then take their acknowledgements; a failure drops the channels (a
+        push that broke off leaves them mid-stream)."""
+        version = body["version"]
         what = f"weight push of version {version}"
         try:
             for server in servers:
                 with server.concerned(what):
                     if server.channel is None:
                         server.connect(next(self.model.parameters()).device)
-                    server.request("POST", "/weights", {"version": version})
-            sent = 0
+                    server.request("POST", "/weights", body)
+            sent = payload_bytes = 0
             for bucket, last in weight_buckets(weights, self.bucket_bytes):
                 sent += len(bucket)
                 for server in servers:
                     with server.concerned(what):
-                        server.channel.send_bucket(bucket, version, last)
+                        nbytes = server.channel.send_bucket(bucket, version, last)
+                payload_bytes += nbytes
             for server in servers:
                 with server.concerned(what):
                     loaded = server.channel.acknowledgement(version)
@@ -484,6 +529,7 @@ class ServerRolloutEngine:
             for server in servers:
                 server.channel = None
             raise
+        return PushReceipt(sent, loaded, payload_bytes)
 
     # ------------------------------------------------------------------------------------------ generation
     def prefetch(self, prompts: list[str], n: int, temperature: float | None = None) -> None:
@@ -592,6 +638,7 @@ class ServerRolloutEngine:
         for server in self.servers:
             server.close()
         self._pending.clear()
+        self.served_layout = None
 
 
 def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
@@ -600,7 +647,7 @@ def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
     return ServerRolloutEngine(setup.policy, setup.tokenizer, server_urls(options.server_url, "PolicyModule.rollout"),
                                options.server_timeout, setup.max_new_tokens, setup.temperature, setup.top_p,
                                options.server_sync_every, options.server_bucket_mb, options.max_staleness,
-                               options.batch_size)
+                               options.batch_size, options.server_lora_push)
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -86,38 +86,92 @@ def _whole(param: torch.nn.Parameter) -> Tensor:
     return torch.cat(shards)[: param.ds_numel].view(param.ds_shape)
 
 
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """``(HF parameter name, full tensor)`` for every weight of ``model``, each a new tensor (:func:`_whole`).
-
-    A peft LoRA model yields the merged weight ``W + ΔW`` of each adapted layer (``ΔW = B·A·scaling``, transposed
-    for ``fan_in_fan_out``, as peft's ``get_delta_weight`` for the plain LoRA ``flowkit.llm.lora`` builds; computed
-    in fp32) under the base model's names, out of place: merging into the trainer's weights and unmerging again
-    would round a bf16 base weight twice per step and let it drift.
-    """
+def _policy_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``(HF name, module)`` of the HF model inside ``model`` (a peft model's base model); a LoRA layer comes whole,
+    its sub-modules (``base_layer``, ``lora_A``, ``lora_B``, ...) not on their own."""
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
-    from peft.utils.other import transpose
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    adapted: list[str] = []  # LoRA layers, whose sub-modules (base_layer, lora_A, lora_B, ...) are handled whole
+    adapted: list[str] = []
     for name, module in base.named_modules():
         if any(name.startswith(prefix + ".") for prefix in adapted):
             continue
         if isinstance(module, LoraLayer):
             adapted.append(name)
+        yield name, module
+
+
+def _active_adapters(module: torch.nn.Module) -> list[str]:
+    """The adapters a LoRA layer's forward adds to its base layer's (none once merged into its weight, or disabled)."""
+    if module.merged or module.disable_adapters:
+        return []
+    return [adapter for adapter in module.active_adapters if adapter in module.lora_A]
+
+
+def merge_lora(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float, fan_in_fan_out: bool) -> Tensor:
+    """``W + ΔW`` out of place, ``ΔW = B·A·scaling`` (transposed for ``fan_in_fan_out``) as peft's
+    ``get_delta_weight`` for a plain LoRA layer (peft/tuners/lora/layer.py, ``Linear.get_delta_weight``), computed in
+    fp32 and added in ``W``'s dtype. The trainer's merged push and a rollout server merging pushed adapters into its
+    own base copy both call it, so the two give the same weights bit for bit."""
+    delta = lora_b.float() @ lora_a.float()
+    return weight + ((delta.T if fan_in_fan_out else delta) * scaling).to(weight.dtype)
+
+
+def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(HF parameter name, full tensor)`` for every weight of ``model``, each a new tensor (:func:`_whole`).
+
+    A peft LoRA model yields the merged weight ``W + ΔW`` of each adapted layer (:func:`merge_lora`) under the base
+    model's names, out of place: merging into the trainer's weights and unmerging again would round a bf16 base
+    weight twice per step and let it drift.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in _policy_modules(model):
+        if isinstance(module, LoraLayer):
             layer = module.get_base_layer()
             weight = _whole(layer.weight)
-            if not module.merged and not module.disable_adapters:
-                for adapter in module.active_adapters:
-                    if adapter in module.lora_A:
-                        delta = _whole(module.lora_B[adapter].weight).float() @ _whole(module.lora_A[adapter].weight).float()
-                        weight = weight + (transpose(delta, module.fan_in_fan_out) * module.scaling[adapter]).to(weight.dtype)
+            for adapter in _active_adapters(module):
+                weight = merge_lora(weight, _whole(module.lora_A[adapter].weight),
+                                    _whole(module.lora_B[adapter].weight), module.scaling[adapter],
+                                    module.fan_in_fan_out)
             yield f"{name}.weight", weight
             if getattr(layer, "bias", None) is not None:
                 yield f"{name}.bias", _whole(layer.bias)
             continue
         for param_name, param in module.named_parameters(recurse=False):
             yield f"{name}.{param_name}" if name else param_name, _whole(param)
+
+
+def lora_layout(model: torch.nn.Module) -> dict[str, dict]:
+    """The LoRA configuration of a peft ``model`` as a server needs it to merge pushed adapters itself (plain JSON):
+    per LoRA layer (its HF name) ``fan_in_fan_out`` and, per adapter its forward adds, the rank ``r`` and peft's
+    ``scaling`` (alpha / r; alpha / √r under rsLoRA; per-layer patterns applied). Dropout does not act at inference."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: {"fan_in_fan_out": bool(module.fan_in_fan_out),
+                   "adapters": {adapter: {"r": int(module.r[adapter]), "scaling": float(module.scaling[adapter])}
+                                for adapter in _active_adapters(module)}}
+            for name, module in _policy_modules(model) if isinstance(module, LoraLayer)}
+
+
+def adapter_weights(model: torch.nn.Module, layout: dict[str, dict], with_base: bool) -> Iterator[tuple[str, Tensor]]:
+    """A peft ``model``'s weights for a server that merges the adapters itself (``rollout.server_lora_push:
+    adapter``), each a new tensor (:func:`_whole`): with ``with_base`` every weight of the base model under its HF
+    name, LoRA layers' unmerged; without, only those that train (``requires_grad``: e.g. the biases of peft's
+    ``bias="all"``). Then, per LoRA layer of ``layout`` (:func:`lora_layout`), each adapter's A and B as
+    ``<layer>.lora_A.<adapter>.weight`` and ``<layer>.lora_B.<adapter>.weight``. The same walk with the same gathers
+    on every rank for the same ``layout`` and ``with_base`` (ZeRO-3: each :func:`_whole` is a collective)."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in _policy_modules(model):
+        owner = module.get_base_layer() if isinstance(module, LoraLayer) else module
+        for param_name, param in owner.named_parameters(recurse=False):
+            if with_base or param.requires_grad:
+                yield f"{name}.{param_name}" if name else param_name, _whole(param)
+        for adapter in layout.get(name, {}).get("adapters", {}):
+            yield f"{name}.lora_A.{adapter}.weight", _whole(module.lora_A[adapter].weight)
+            yield f"{name}.lora_B.{adapter}.weight", _whole(module.lora_B[adapter].weight)
 
 
 @contextlib.contextmanager

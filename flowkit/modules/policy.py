@@ -120,7 +120,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         peak_flops: float | None = None,
     ):
         super().__init__()
-        check_options(OWNER, reward_model, outcome_reward, grader_timeout, peak_flops, dict(
+        check_options(OWNER, reward_model, outcome_reward, grader_timeout, peak_flops, lora, dict(
             sampling=sampling, advantage=advantage, loss=loss, update=update, optim=optim, controls=controls,
             rollout=rollout, flow_pretrain=flow_pretrain, validation=validation, sft=sft))
         self.sampling, self.advantage, self.optim, self.controls = sampling, advantage, optim, controls

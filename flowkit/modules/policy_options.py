@@ -13,6 +13,7 @@ import torch
 from flowkit.engine.options import AdvantageOptions, LossOptions, SamplingControls, SamplingOptions, UpdateOptions
 from flowkit.errors import ConfigError, check_range
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
+from flowkit.llm.lora import LoraSettings
 from flowkit.modules.optim import LrDecay
 from flowkit.options import OptionGroup, bounded, literal_values, markdown, options_table, registry_entry
 from flowkit.rewards.base import PretrainsOnLatents, TokenRewardModel
@@ -95,7 +96,7 @@ GROUPS: dict[str, type] = {
 }
 
 def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_reward: str, grader_timeout: float,
-                  peak_flops: float | None, groups: dict[str, OptionGroup]) -> None:
+                  peak_flops: float | None, lora: LoraSettings | None, groups: dict[str, OptionGroup]) -> None:
     """A one-line ConfigError for any of PolicyModule's options out of its range, before the backbone loads;
     ``groups`` holds every group by its key in :data:`GROUPS`."""
     check_range(owner, "grader_timeout", grader_timeout, 0, open_low=True)
@@ -110,6 +111,9 @@ def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_rew
     groups["controls"].check_within(f"{owner}.controls", sampling.max_new_tokens)
     rollout.check_group_size(f"{owner}.rollout", sampling.num_samples)
     registry_entry(ROLLOUT_ENGINES, rollout.engine).check()
+    if rollout.server_lora_push == "adapter" and lora is None:
+        raise ConfigError(f"{owner}.rollout.server_lora_push 'adapter' pushes a LoRA policy's adapters alone and needs "
+                          f"{owner}.lora; without LoRA use rollout.server_lora_push: merged")
     if flow_pretrain.steps > 0 and not (isinstance(reward_model, PretrainsOnLatents) and reward_model.percentiles):
         missing = "percentiles" if isinstance(reward_model, PretrainsOnLatents) else "pretrain_losses"
         raise ConfigError(f"{owner}.flow_pretrain.steps {flow_pretrain.steps} needs a reward_model with latents to "

@@ -36,6 +36,7 @@ from rollout_server_process import BACKENDS, HAS_VLLM, RolloutServer, free_port,
 PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
 TIMEOUT_S = 20.0  # the engine's bound on every wait, in these tests
 HF_ONLY = pytest.mark.parametrize("server", ["hf"], indirect=True)
+LORA = ["--model.init_args.lora", "{r: 4, alpha: 8}"]  # a LoRA policy, 4 layers × 7 projections adapted
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -293,21 +294,29 @@ def test_killing_the_server_mid_run_is_one_line_within_the_timeout(backend, tmp_
 
 
 @pytest.mark.slow
-def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, tmp_path):
+@pytest.mark.parametrize("lora_push", [None, "adapter"])
+def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, lora_push, tmp_path):
     """2 gloo ranks under CPU ZeRO-3 (every weight sharded), each rank its own prompts: rank 0 pushes the weights
-    gathered a weight at a time, and the server's greedy decode is then that of the trained weights."""
+    gathered a weight at a time, and the server's greedy decode is then that of the trained weights. With a LoRA
+    policy pushed as an adapter, every rank walks the same gathers (the base weights and adapters, then the adapters
+    alone) and the server's merge is the trained policy."""
     import rlfr_run
     from test_strategies import deepspeed_args
     from safetensors.torch import load_file
 
+    from flowkit.llm.lora import LoraSettings, apply_lora
+
+    lora = [*LORA, "--model.init_args.rollout.server_lora_push", lora_push] if lora_push else []
     rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, 3, devices=2), "--model.init_args.sampling.num_samples", "2",
                  "--model.init_args.sampling.max_new_tokens", "24", "--model.init_args.optim.lr", "1e-3",
                  "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
-                 "--model.init_args.rollout.server_timeout", str(TIMEOUT_S),
+                 "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), *lora,
                  "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"),
                  timeout=600)
     snapshot = load_file(str(tmp_path / "weights" / "rank0.safetensors"))
     trained, tokenizer = load_backbone("bundled:tiny_adder")
+    if lora_push:
+        trained = apply_lora(trained, LoraSettings(r=4, alpha=8))
     initial = {name: p.clone() for name, p in trained.named_parameters()}
     trained.load_state_dict({k.removeprefix("end/policy."): v for k, v in snapshot.items()
                              if k.startswith("end/policy.")}, strict=False)
@@ -620,6 +629,10 @@ def test_two_addresses_of_one_server_are_a_config_error(server):
     (RolloutOptions(max_staleness=1),
      r"^PolicyModule.rollout.max_staleness 1 needs a rollout engine that generates apart from training"),
     (RolloutOptions(max_staleness=-1), r"^PolicyModule.rollout.max_staleness must be >= 0"),
+    (RolloutOptions(engine="server", server_url="http://127.0.0.1:8000", server_lora_push="adapter"),
+     r"^PolicyModule.rollout.server_lora_push 'adapter' pushes a LoRA policy's adapters alone and needs "
+     r"PolicyModule.lora; without LoRA use rollout.server_lora_push: merged$"),
+    (RolloutOptions(server_lora_push="lora"), r"^PolicyModule.rollout.server_lora_push must be one of"),
 ])
 def test_server_and_staleness_options_are_one_line_config_errors(rollout, message):
     from flowkit.modules import PolicyModule
@@ -690,14 +703,14 @@ def test_the_weight_channel_moves_every_dtype_exactly_in_bounded_buckets():
     bucket_bytes = 100
     payloads = []  # bytes of each bucket sent
     for bucket, last in weight_buckets(iter(weights), bucket_bytes):
-        payloads.append(sum(t.numel() * t.element_size() for _, t in bucket))
-        trainer_end.send_bucket(bucket, 5, last)
+        payloads.append(trainer_end.send_bucket(bucket, 5, last))
     loaded = trainer_end.acknowledgement(5)
     thread.join(timeout=TIMEOUT_S)
     assert loaded == 6 and result["version"] == (5, 6)
+    assert sum(payloads) == sum(-(-t.numel() * t.element_size() // 64) * 64 for _, t in weights)  # 64-byte aligned
     for name, tensor in weights:
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
-    largest = max(t.numel() * t.element_size() for _, t in weights)
+    largest = max(-(-t.numel() * t.element_size() // 64) * 64 for _, t in weights)  # as a bucket holds it
     assert len(payloads) >= 3 and max(payloads) <= bucket_bytes + largest
 
 
@@ -735,3 +748,123 @@ def test_a_cancelled_receive_ends_at_once_while_its_trainer_stays_silent():
     assert ended["at"] - cancelled < 1.0
     ended["channel"].close()
     assert time.monotonic() - cancelled < timeout_s + 5
+
+
+def recorded_pushes(monkeypatch) -> list[tuple[list[str], object]]:
+    """Every push the trainer sends from now on: the names it sent and its :class:`PushReceipt`, in order."""
+    pushes, send = [], ServerRolloutEngine._send
+
+    def recorded(self, servers, weights, body):
+        names = []
+
+        def named():
+            for name, tensor in weights:
+                names.append(name)
+                yield name, tensor
+
+        receipt = send(self, servers, named(), body)
+        pushes.append((names, receipt))
+        return receipt
+
+    monkeypatch.setattr(ServerRolloutEngine, "_send", recorded)
+    return pushes
+
+
+def padded_bytes(tensors) -> int:
+    return sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
+
+
+def test_a_lora_policy_pushed_as_an_adapter_is_served_as_the_merged_one(server, tmp_path, monkeypatch, single_thread):
+    """A LoRA policy trained 3 greedy steps, pushed ``merged`` and then, in a second run of the same seed against
+    the same server, as an ``adapter``: the adapter run's first push carries the base weights and the adapters, the
+    next three only the adapters' A and B; both runs train the same weights, the server's greedy decode after each
+    is the trained policy's token for token, and the server merging the adapters itself serves the merged push's
+    log-probs bit for bit (both backends load the same merged weights). The HF backend's log-probs are also the
+    trainer's unmerged LoRA forward's, within rounding."""
+    from flowkit.llm.vllm_engine import lora_layout, policy_weights
+
+    monkeypatch.chdir(tmp_path)
+    pushes = recorded_pushes(monkeypatch)
+    options = ["--model.init_args.sampling.temperature", "0", "--model.init_args.sampling.num_samples", "1", *LORA,
+               "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
+               "--model.init_args.rollout.server_timeout", str(TIMEOUT_S)]
+    torch.manual_seed(0)
+    merged = fit(tmp_path / "merged", *options)
+    served_merged = greedy(merged.model.engine)
+    merged_pushes = pushes[:]
+    pushes.clear()
+    torch.manual_seed(0)
+    adapter = fit(tmp_path / "adapter", *options, "--model.init_args.rollout.server_lora_push", "adapter")
+    served = greedy(adapter.model.engine)
+
+    policy = adapter.model.policy
+    for mine, theirs in zip(merged.model.policy.parameters(), policy.parameters(), strict=True):
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
+    adapters = {f"{layer}.lora_{matrix}.default.weight" for layer in lora_layout(policy) for matrix in "AB"}
+    assert len(adapters) == 4 * 7 * 2  # 4 layers × 7 projections × (A, B)
+    lora_tensors = [p for name, p in policy.named_parameters() if ".lora_" in name and ".default." in name]
+    assert [len(names) for names, _ in merged_pushes] == [len(merged_pushes[0][0])] * 4  # versions 0-3, all weights
+    assert len(pushes) == 4
+    (base_names, base_push), *later = pushes
+    assert adapters < set(base_names) and "model.embed_tokens.weight" in base_names
+    for names, receipt in later:
+        assert set(names) == adapters and receipt.sent == receipt.loaded == len(adapters)
+        assert receipt.payload_bytes == padded_bytes(lora_tensors) < merged_pushes[1][1].payload_bytes / 4
+    assert base_push.payload_bytes == merged_pushes[0][1].payload_bytes + padded_bytes(lora_tensors)
+
+    initial, tokenizer = load_backbone("bundled:tiny_adder")
+    trained = dict(policy_weights(policy))
+    assert max((trained[name] - p).abs().max() for name, p in initial.named_parameters()) > 1e-4  # it moved
+    mine = greedy(HFRolloutEngine(policy, tokenizer, max_new_tokens=24))
+    assert served.responses == mine.responses == served_merged.responses
+    assert torch.equal(served.input_ids, mine.input_ids)
+    assert torch.equal(served.rollout_logprobs, served_merged.rollout_logprobs)
+    if server.backend == "hf":
+        torch.testing.assert_close(served.rollout_logprobs, mine.rollout_logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_server_restarted_between_adapter_pushes_is_one_line(tmp_path):
+    """The base weights went to one server process; another one on the same address since (its instance id
+    changed) gets no adapters alone merged into its own backbone: the next push is the usual one line."""
+    from flowkit.llm.lora import LoraSettings, apply_lora
+
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    model = apply_lora(model, LoraSettings(r=4, alpha=8))
+    first = RolloutServer(tmp_path / "first.log", TIMEOUT_S)
+    try:
+        engine = ServerRolloutEngine(model, tokenizer, first.url, timeout_s=TIMEOUT_S, lora_push="adapter")
+        engine.sync_weights(model, 0)
+        assert engine.pushed_version == 0 and engine.served_layout is not None
+        assert engine.last_push.loaded == engine.last_push.sent > 4 * 7 * 2  # the base weights and the adapters
+    finally:
+        first.kill()
+    second = RolloutServer(tmp_path / "second.log", TIMEOUT_S, port=first.port)
+    try:
+        with pytest.raises(RuntimeError, match=rf"^rollout server at {first.url} restarted") as err:
+            engine.sync_weights(model, 1)
+    finally:
+        second.kill()
+    assert "\n" not in str(err.value) and engine.served_layout is None
+    assert "policy version 1 loaded" not in second.log.read_text()
+
+
+def test_adapters_alone_on_a_channel_whose_base_the_server_lacks_load_nothing(caplog):
+    """An adapter-only push on a channel that brought the server no base weights (another channel's base, or none)
+    loads nothing: the trainer, told 0 were loaded, stops with its one line instead of a merge into the wrong base."""
+    from types import SimpleNamespace
+
+    from flowkit.commands.rollout_server import RolloutService
+
+    loads = []
+    backend = SimpleNamespace(tokenizer=None, shapes={"w.weight": torch.Size([2, 2])}, device=torch.device("cpu"),
+                              load=lambda weights: loads.append(list(weights)) or 0)
+    service = RolloutService(backend, "bundled:tiny_adder", TIMEOUT_S)
+    layout = {"w": {"fan_in_fan_out": False, "adapters": {"default": {"r": 1, "scaling": 2.0}}}}
+    pushed = [("w.weight", torch.eye(2)), ("w.lora_A.default.weight", torch.ones(1, 2)),
+              ("w.lora_B.default.weight", torch.ones(2, 1))]
+    first, second = object(), object()  # two channels
+    assert service._loader(first, 0, {"layout": layout})(iter(pushed)) == 3
+    assert torch.equal(dict(loads.pop())["w.weight"], torch.eye(2) + 2)  # W₀ + scaling·B·A
+    assert service._loader(second, 1, {"layout": None})(iter(pushed[1:])) == 0
+    assert not loads and "adapters without base weights on this channel" in caplog.text
+    assert service._loader(first, 2, {"layout": None})(iter(pushed[1:])) == 2 and len(loads) == 1

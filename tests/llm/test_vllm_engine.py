@@ -306,6 +306,38 @@ def test_sync_sends_lora_merged_into_the_base_weights_out_of_place():
     assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())  # the trainer's weights untouched
 
 
+def test_a_server_merging_pushed_adapters_into_its_base_gets_the_merged_weights_bit_for_bit():
+    """``rollout.server_lora_push: adapter`` without the channel: the first stream (base weights and adapters) and,
+    after the adapters moved as in a training step, a stream of the adapters' A and B alone (and of a base weight
+    that trains too, a bias as under peft's ``bias="all"``), each fed to a :class:`ServedAdapter`, whose merge is
+    then :func:`policy_weights`' merged push exactly."""
+    from flowkit.llm.server_backends import ServedAdapter
+    from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
+
+    policy = lora_policy()
+    policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer.bias.requires_grad_(True)
+    layout = lora_layout(policy)
+    assert len(layout) == 4 * 7 and layout["model.layers.0.self_attn.q_proj"] == {
+        "fan_in_fan_out": False, "adapters": {"default": {"r": 4, "scaling": 2.0}}}  # alpha / r
+    shapes = {name: p.shape for name, p in load_backbone("bundled:tiny_adder")[0].named_parameters(
+        remove_duplicate=False)}
+    served = ServedAdapter(layout, shapes, channel=None, backbone="bundled:tiny_adder")
+    stream = list(adapter_weights(policy, layout, with_base=True))
+    assert {name for name, _ in stream} > set(shapes)
+    for step in range(2):
+        assert served.receive(stream) == len(stream) and not served.missing()
+        merged, expected = dict(served.merged(torch.device("cpu"))), dict(policy_weights(policy))
+        assert merged.keys() == expected.keys()
+        assert all(torch.equal(merged[name], weight) for name, weight in expected.items())
+        with torch.no_grad():
+            for param in policy.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn_like(param), alpha=0.01)
+        stream = list(adapter_weights(policy, layout, with_base=False))
+        assert {name for name, _ in stream} == {"model.layers.0.self_attn.q_proj.bias"} | {
+            f"{layer}.lora_{matrix}.default.weight" for layer in layout for matrix in "AB"}
+
+
 ZERO3_JOB = """
 import os, socket, sys
 import torch
