@@ -203,7 +203,7 @@ def load_weights_one_by_one(llm, weights: Iterable[tuple[str, Tensor]]) -> None:
     do: each call is a session of its own, and its end finishes a partly loaded layer with the missing parts
     uninitialized (``finalize_layerwise_processing`` in model_loader/reload/layerwise.py). The session is closed
     even when the stream fails (the model is then torn, its server serves nothing until a whole push), so the next
-    push starts a clean one instead of completing layers with the failed push's leftovers."""
+    push starts a clean one: after a ``reload_weights`` whose iterator raised, vLLM 0.32's next load fails."""
     llm.collective_rpc(_start_layerwise_reload)
     try:
         for name, tensor in weights:
