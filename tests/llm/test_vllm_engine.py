@@ -276,7 +276,8 @@ def test_a_push_that_breaks_off_inside_a_layer_does_not_spoil_the_next_whole_one
     gc.collect()
     greedy = {name: HFRolloutEngine(model, tokenizer, max_new_tokens=28).generate(prompts, 1, temperature=0)
               for name, model in (("other", other), ("backbone", backbone))}
-    expected = [ids[mask.bool()].tolist() for ids, mask in zip(greedy["other"].input_ids, greedy["other"].response_mask)]
+    decoded = greedy["other"]
+    expected = [ids[mask.bool()].tolist() for ids, mask in zip(decoded.input_ids, decoded.response_mask)]
     assert served == expected
     assert greedy["other"].responses != greedy["backbone"].responses  # the whole push's weights decode otherwise
 
