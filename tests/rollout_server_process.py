@@ -31,10 +31,11 @@ def free_port() -> int:
 
 
 class RolloutServer:
-    """A ``flowkit rollout-server --backend BACKEND`` subprocess serving bundled:tiny_adder on ``port`` (default: a
-    free one; this interpreter's ``flowkit``: the vLLM venv's under its tests)."""
+    """A ``flowkit rollout-server --backend BACKEND --tensor-parallel-size N`` subprocess serving bundled:tiny_adder
+    on ``port`` (default: a free one; this interpreter's ``flowkit``: the vLLM venv's under its tests)."""
 
-    def __init__(self, log: Path, timeout_s: float, backend: str = "hf", port: int | None = None):
+    def __init__(self, log: Path, timeout_s: float, backend: str = "hf", port: int | None = None,
+                 tensor_parallel_size: int = 1):
         self.backend, self.port = backend, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -43,7 +44,8 @@ class RolloutServer:
         self.log = log
         self.process = subprocess.Popen([flowkit, "rollout-server", "--backbone", "bundled:tiny_adder", "--backend",
                                          backend, "--host", "127.0.0.1", "--port", str(self.port), "--timeout",
-                                         str(timeout_s)], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+                                         str(timeout_s), "--tensor-parallel-size", str(tensor_parallel_size)],
+                                        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + STARTUP_S
         while "rollout server for" not in log.read_text():
             assert self.process.poll() is None, log.read_text()[-3000:]

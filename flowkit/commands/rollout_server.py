@@ -27,6 +27,8 @@ trainer::
 
 Several servers (one per GPU, or per node) generate data parallel for one trainer, which lists their addresses in
 ``rollout.server_url``; each is a process of its own, started alike on its own device and port.
+``--tensor-parallel-size N`` shards the vLLM backend's model over N GPUs (vLLM's tensor parallelism; its workers
+then run in processes of their own, and pushes arrive over gloo, :class:`VllmServerBackend`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from flowkit.errors import ConfigError
 from flowkit.llm.server_backends import HFServerBackend, ServedAdapter, VllmServerBackend
 from flowkit.llm.server_engine import WeightChannel, model_identity
 from flowkit.llm.vllm_engine import seed_sampling
@@ -222,12 +225,21 @@ def rollout_server_command(argv: list[str]) -> None:
                         help="vllm: share of the GPU's memory for weights and KV cache (CPU: VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="vllm: longest prompt + response its KV cache is planned for (default: the model's)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="vllm: GPUs (on CPU: worker processes) the model is sharded over, vLLM's tensor "
+                             "parallelism")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait on a trainer may take")
     options = parser.parse_args(argv)
+    if options.tensor_parallel_size < 1:
+        raise ConfigError(f"flowkit rollout-server --tensor-parallel-size must be >= 1, got "
+                          f"{options.tensor_parallel_size}")
+    if options.tensor_parallel_size > 1 and options.backend != "vllm":
+        raise ConfigError("flowkit rollout-server --tensor-parallel-size > 1 needs --backend vllm (the hf backend "
+                          "runs one model on one device)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if options.backend == "vllm":
         backend = VllmServerBackend(options.backbone, options.dtype, options.gpu_memory_utilization,
-                                    options.max_model_len)
+                                    options.max_model_len, options.tensor_parallel_size)
     else:
         backend = HFServerBackend(options.backbone, options.dtype, options.device)
     service = RolloutService(backend, options.backbone, options.timeout)

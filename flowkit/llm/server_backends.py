@@ -24,7 +24,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from flowkit.llm.backbone import load_backbone, load_tokenizer, resolve_backbone_path, torch_dtype
 from flowkit.llm.hf_engine import HFRolloutEngine
-from flowkit.llm.vllm_engine import build_llm, load_weights, merge_lora, require_vllm, sample, sampling_params
+from flowkit.llm.vllm_engine import (
+    build_llm, load_weights_one_by_one, merge_lora, require_vllm, sample, sampling_params,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +80,18 @@ class HFServerBackend:
 
 class VllmServerBackend:
     """vLLM's in-process engine (:func:`flowkit.llm.vllm_engine.build_llm`, as the colocated engine builds it) on the
-    device vLLM's platform runs on; pushed weights go through vLLM's own loader (:func:`load_weights`) as they
-    arrive. vLLM schedules its own decoding batches (a request's ``rollout_batch_size`` does not apply; its KV cache
-    is sized by ``gpu_memory_utilization``, on CPU by ``VLLM_CPU_KVCACHE_SPACE``)."""
+    device vLLM's platform runs on; pushed weights go through vLLM's own loader as they arrive
+    (:func:`load_weights_one_by_one`: a push may fail part way). vLLM schedules its own decoding batches (a request's
+    ``rollout_batch_size`` does not apply; its KV cache is sized by ``gpu_memory_utilization``, on CPU by
+    ``VLLM_CPU_KVCACHE_SPACE``).
 
-    def __init__(self, backbone: str, dtype: str, gpu_memory_utilization: float, max_model_len: int | None):
+    ``tensor_parallel_size`` > 1 shards the model over that many vLLM workers (GPUs; on CPU, processes), which vLLM
+    runs in processes of their own (its multiprocessing executor) while its engine core stays in this one. Pushes
+    then arrive in host memory (gloo) whatever the devices: every worker is sent each weight from this process, and
+    a CUDA tensor would go through the pickle whole (its bucket's storage), not out of band."""
+
+    def __init__(self, backbone: str, dtype: str, gpu_memory_utilization: float, max_model_len: int | None,
+                 tensor_parallel_size: int = 1):
         require_vllm("flowkit rollout-server --backend vllm", "use --backend hf")
         from vllm.platforms import current_platform
 
@@ -94,8 +103,9 @@ class VllmServerBackend:
             skeleton = AutoModelForCausalLM.from_config(self.config)
         self.shapes = {name: p.shape for name, p in skeleton.named_parameters(remove_duplicate=False)}
         on_gpu = current_platform.is_cuda_alike()
-        self.device = torch.device("cuda" if on_gpu else "cpu")
-        self.llm = build_llm(path, torch_dtype(dtype), 0, on_gpu, gpu_memory_utilization, max_model_len)
+        self.device = torch.device("cuda" if on_gpu and tensor_parallel_size == 1 else "cpu")
+        self.llm = build_llm(path, torch_dtype(dtype), 0, on_gpu, gpu_memory_utilization, max_model_len,
+                             tensor_parallel_size=tensor_parallel_size)
         # a fresh engine's first generation is slow (once over 20 s on a loaded 2-core CPU, later ones about 1 s):
         # it runs here, before the server listens, not inside a trainer's first request and its timeout
         sample(self.llm, [[self.tokenizer.eos_token_id or 0]], 1, sampling_params(None, 1, 0.0, 1.0))
@@ -110,7 +120,7 @@ class VllmServerBackend:
 
     def load(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         known = _Known(weights, self.shapes, self.backbone)
-        load_weights(self.llm, known)
+        load_weights_one_by_one(self.llm, known)
         return known.count
 
 

@@ -199,7 +199,9 @@ def build_llm(model_path: str, dtype: torch.dtype, seed: int, on_gpu: bool, gpu_
     unless the user set it, so that a weight load is a call on the model object), prompts in and responses out as
     token ids (vLLM's tokenizer never loaded), log-probs of the distribution each token was drawn from (after
     temperature and top-p), eager on CPU. vLLM's CPU backend pins OpenMP threads to cores by default, which would pin
-    the trainer's (or the server's HTTP threads) too: unpinned unless the user says otherwise."""
+    the trainer's (or the server's HTTP threads) too: unpinned unless the user says otherwise. With
+    ``tensor_parallel_size`` > 1 in ``settings`` (the rollout server's) vLLM runs its workers in processes of their
+    own; only the engine core stays here."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -241,6 +243,52 @@ def load_weights(llm, weights: Iterable[tuple[str, Tensor]]) -> None:
     weights); the prompt KV it cached was computed by the old weights, so that cache goes."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
     llm.reset_prefix_cache()
+
+
+def load_weights_one_by_one(llm, weights: Iterable[tuple[str, Tensor]]) -> None:
+    """:func:`load_weights` for an engine whose workers may run in processes of their own (tensor parallel size > 1:
+    vLLM's multiprocessing executor), and for a stream that may fail part way (a push from another process).
+
+    A generator does not pickle, so each weight goes to every worker in a call of its own (vLLM's message queue moves
+    a CPU tensor's bytes out of band; each worker's loader keeps its own shard), inside one layerwise reload session
+    of vLLM's — what its weight-transfer engines run (``initialize_layerwise_reload``, ``model.load_weights([(name,
+    weight)])`` per weight, ``finalize_layerwise_reload``: vLLM 0.32 distributed/weight_transfer/nccl_engine.py). A
+    fused layer split over calls is processed once its last part arrives. One ``reload_weights`` per part would not
+    do: each call is a session of its own, and its end finishes a partly loaded layer with the missing parts
+    uninitialized (``finalize_layerwise_processing`` in model_loader/reload/layerwise.py). The session is closed
+    even when the stream fails (the model is then torn, its server serves nothing until a whole push), so the next
+    push starts a clean one: after a ``reload_weights`` whose iterator raised, vLLM 0.32's next load fails."""
+    llm.collective_rpc(_start_layerwise_reload)
+    try:
+        for name, tensor in weights:
+            llm.collective_rpc(_load_into_model, args=([(name, tensor)],))
+    finally:
+        llm.collective_rpc(_finish_layerwise_reload)
+    llm.reset_prefix_cache()
+
+
+def _start_layerwise_reload(worker) -> None:
+    """On each vLLM worker (``collective_rpc`` passes it first), under its config as its own ``reload_weights``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.get_model())
+
+
+def _load_into_model(worker, weights: list[tuple[str, Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.get_model().load_weights(weights)
+
+
+def _finish_layerwise_reload(worker) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.get_model(), worker.model_config)
 
 
 def seed_sampling(seed: int) -> None:

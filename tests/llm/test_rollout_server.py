@@ -326,6 +326,47 @@ def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, lora_
     assert served_greedy(server.url, PROMPTS, version=2, max_new_tokens=24, timeout_s=TIMEOUT_S) == expected
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_a_tensor_parallel_vllm_server_decodes_with_the_pushed_trained_weights(tmp_path, monkeypatch, single_thread):
+    """``--tensor-parallel-size 2``: vLLM shards the model over 2 CPU worker processes (q/k/v and gate/up column-split,
+    o/down row-split), and every push reaches both a weight per call — a fused layer's parts in separate calls. After
+    3 RL steps the served greedy decode and its log-probs are the trained policy's (HF), not the backbone's."""
+    import psutil
+
+    monkeypatch.chdir(tmp_path)
+    server = RolloutServer(tmp_path / "server.log", TIMEOUT_S, "vllm", tensor_parallel_size=2)
+    try:
+        children = [" ".join(child.cmdline()).strip() for child in psutil.Process(server.process.pid).children()]
+        assert sorted(c for c in children if "Worker_TP" in c) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"], children
+        cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--model.init_args.rollout.engine",
+                  "server", "--model.init_args.rollout.server_url", server.url,
+                  "--model.init_args.rollout.server_timeout", str(TIMEOUT_S))
+        served = greedy(cli.model.engine)
+    finally:
+        server.kill()
+    assert cli.model.engine.pushed_version == 3
+    trained = cli.model.policy
+    initial, tokenizer = load_backbone("bundled:tiny_adder")
+    mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
+    assert served.responses == mine.responses
+    torch.testing.assert_close(served.rollout_logprobs, mine.rollout_logprobs, rtol=0, atol=1e-4)
+    assert greedy(HFRolloutEngine(initial, tokenizer, max_new_tokens=24)).responses != mine.responses
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "0"], r"^flowkit rollout-server --tensor-parallel-size must be >= 1, got 0$"),
+    (["--tensor-parallel-size", "2"], r"^flowkit rollout-server --tensor-parallel-size > 1 needs --backend vllm "),
+])
+def test_bad_tensor_parallel_sizes_are_one_line_config_errors_before_any_model_loads(argv, message, monkeypatch):
+    from flowkit.commands import rollout_server
+
+    monkeypatch.setattr(rollout_server, "HFServerBackend", None)  # called only past the option checks
+    with pytest.raises(ConfigError, match=message):
+        rollout_server.rollout_server_command(["--backbone", "bundled:tiny_adder", *argv])
+
+
 class TrainedBatches(Callback):
     def __init__(self):
         self.indices: list[int] = []

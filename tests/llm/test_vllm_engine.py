@@ -242,6 +242,46 @@ def test_explanation_method_rolls_out_with_vllm_and_syncs_its_lora(tmp_path, sin
     release(module)
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_a_push_that_breaks_off_inside_a_layer_does_not_spoil_the_next_whole_one(single_thread):
+    """The rollout server's loading (``load_weights_one_by_one``): a push of the backbone's weights that breaks off
+    inside a layer (its q and k in, v not), then a whole push of other weights: vLLM's greedy decode is then theirs
+    (HF's). The failed push's layerwise reload session was closed; left open (one ``reload_weights`` over each stream,
+    as the colocated engine loads), vLLM 0.32's next load failed ("'Parameter' object has no attribute
+    'weight_loader'", tried)."""
+    from flowkit.llm.vllm_engine import build_llm, load_weights_one_by_one, policy_weights, sample, sampling_params
+
+    torch.manual_seed(0)
+    backbone, tokenizer = load_backbone("bundled:tiny_adder")
+    other, _ = load_backbone("bundled:tiny_adder")
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    torn = list(policy_weights(backbone))
+    cut = next(i for i, (name, _) in enumerate(torn) if name == "model.layers.1.self_attn.k_proj.weight")
+
+    def breaking_off():
+        yield from torn[:cut + 1]
+        raise RuntimeError("the trainer went away")
+
+    llm = build_llm(resolve_backbone_path("bundled:tiny_adder"), torch.float32, 0, False, 0.3, 128)
+    with pytest.raises(RuntimeError, match="the trainer went away"):
+        load_weights_one_by_one(llm, breaking_off())
+    load_weights_one_by_one(llm, policy_weights(other))
+    prompts, _ = val_prompts(6)
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    served = [tokens for tokens, _ in sample(llm, prompt_ids, 1, sampling_params(tokenizer.eos_token_id, 28, 0.0, 1.0))]
+    del llm
+    gc.collect()
+    greedy = {name: HFRolloutEngine(model, tokenizer, max_new_tokens=28).generate(prompts, 1, temperature=0)
+              for name, model in (("other", other), ("backbone", backbone))}
+    decoded = greedy["other"]
+    expected = [ids[mask.bool()].tolist() for ids, mask in zip(decoded.input_ids, decoded.response_mask)]
+    assert served == expected
+    assert greedy["other"].responses != greedy["backbone"].responses  # the whole push's weights decode otherwise
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
