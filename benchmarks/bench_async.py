@@ -13,11 +13,13 @@ parameters, 4 prompts × 8 samples, 256 new tokens, long-tailed response lengths
 ``--mid-prompts`` / ``--mid-new-tokens`` shrink it); both with the flow reward of rlfr_tiny.yaml and its online
 update, no offline pretraining. Each size gets its own server, pinned to the first core (``taskset``), this process
 to the second, one intra-op thread each. Per size the three variants alternate ``--rounds`` times so that a busy
-machine slows all alike. A step's time is the wall time from the end of one step to the end of the next (the weight
+machine slows all alike; round r seeds all three with r (the same prompts, and per round other samples: a variant
+with one seed would time one sample path however many rounds ran). A step's time is the wall time from the end of one step to the end of the next (the weight
 push after a step runs in the module's ``on_train_batch_end``, after a callback's, so a callback's own window would
 miss it), so ``--warmup`` must be at least 1. Mid-size steps follow their sampled lengths, so the mean step time is
-reported beside the median (ratios of both), with each variant's mean response length and the median and mean time a
-step waits for its rollouts (``time/generate_s``: the whole generation when it is in turn with training, the part
+reported beside the median (ratios of both), with each variant's mean response length, the ratio of the mean step
+times per mean response token (the colocated engine samples from the trainer's RNG, the server from seeds drawn from
+it, so their lengths differ by chance), and the median and mean time a step waits for its rollouts (``time/generate_s``: the whole generation when it is in turn with training, the part
 not hidden behind the previous step when it overlaps). Each part prints its numbers as it ends, with the machine's
 1-minute load average at the start and then; the rows go to benchmarks/results/results.csv at the end.
 
@@ -133,9 +135,9 @@ def variants(url: str) -> dict[str, dict]:
 def time_size(url: str, settings: dict, steps: int, warmup: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     """Per variant, over all rounds: step times, rollout waits and response lengths of the steps after ``warmup``."""
     measured = {name: {"times": [], "waits": [], "lengths": []} for name in variants(url)}
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for name, options in variants(url).items():
-            clock = run_steps(warmup + steps, settings, **options)
+            clock = run_steps(warmup + steps, settings, seed=round_, **options)
             measured[name]["times"] += [b - a for a, b in zip(clock.ends[warmup - 1:], clock.ends[warmup:])]
             measured[name]["waits"] += clock.waits[warmup:]
             measured[name]["lengths"] += clock.lengths[warmup:]
@@ -184,6 +186,11 @@ def report_times(size: str, label: str, measured: dict, load: str) -> list[dict]
         print(f"{size:4s} step time ({statistic[:-3]}), async k=1 / server sync: "
               f"{async_ms / summary[SYNC][statistic]:.2f}, async k=1 / colocated hf: "
               f"{async_ms / summary[COLOCATED][statistic]:.2f}")
+    per_token = {name: summary[name]["mean_ms"] / statistics.mean(values["lengths"])
+                 for name, values in measured.items()}
+    print(f"{size:4s} mean step time per mean response token, async k=1 / server sync: "
+          f"{per_token[ASYNC] / per_token[SYNC]:.2f}, async k=1 / colocated hf: "
+          f"{per_token[ASYNC] / per_token[COLOCATED]:.2f}")
     generation = statistics.mean(measured[SYNC]["waits"])
     training = statistics.mean(measured[SYNC]["times"]) - generation
     print(f"{size:4s} sync server: generation {generation:.2f} s + the rest {training:.2f} s (means); "
