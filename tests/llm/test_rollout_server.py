@@ -306,9 +306,8 @@ def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, lora_
     alone) and the server's merge is the trained policy."""
     import rlfr_run
     from test_strategies import deepspeed_args
-    from safetensors.torch import load_file
 
-    from flowkit.llm.lora import LoraSettings, apply_lora
+    from flowkit.llm.lora import LoraSettings
 
     lora = [*LORA, "--model.init_args.rollout.server_lora_push", lora_push] if lora_push else []
     rlfr_run.run(tmp_path, 2, *deepspeed_args(tmp_path, 3, devices=2), "--model.init_args.sampling.num_samples", "2",
@@ -317,17 +316,27 @@ def test_two_zero3_ranks_push_their_gathered_weights_to_the_server(server, lora_
                  "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), *lora,
                  "--trainer.callbacks+=rank_weights.RankWeights", "--trainer.callbacks.out", str(tmp_path / "weights"),
                  timeout=600)
-    snapshot = load_file(str(tmp_path / "weights" / "rank0.safetensors"))
+    expected = trained_greedy(tmp_path / "weights", LoraSettings(r=4, alpha=8) if lora_push else None)
+    assert served_greedy(server.url, PROMPTS, version=2, max_new_tokens=24, timeout_s=TIMEOUT_S) == expected
+
+
+def trained_greedy(weights: Path, lora=None) -> list[list[int]]:
+    """The greedy responses to PROMPTS of the policy that rank 0 of a run saved at its end (``rank_weights``, in
+    ``weights``; ``lora``: its LoRA settings), after checking that training moved it."""
+    from safetensors.torch import load_file
+
+    from flowkit.llm.lora import apply_lora
+
+    snapshot = load_file(str(weights / "rank0.safetensors"))
     trained, tokenizer = load_backbone("bundled:tiny_adder")
-    if lora_push:
-        trained = apply_lora(trained, LoraSettings(r=4, alpha=8))
+    if lora is not None:
+        trained = apply_lora(trained, lora)
     initial = {name: p.clone() for name, p in trained.named_parameters()}
     trained.load_state_dict({k.removeprefix("end/policy."): v for k, v in snapshot.items()
                              if k.startswith("end/policy.")}, strict=False)
     assert any(not torch.equal(p, initial[name]) for name, p in trained.named_parameters())
     mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
-    expected = [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
-    assert served_greedy(server.url, PROMPTS, version=2, max_new_tokens=24, timeout_s=TIMEOUT_S) == expected
+    return [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
 
 
 @pytest.mark.slow
@@ -637,7 +646,6 @@ def test_two_zero3_ranks_generate_each_on_its_own_server_and_push_both(two_serve
     step, of its rank's 2 prompts × 2 samples) and pushes it, and both servers' greedy decodes are then the trained
     weights'."""
     import rlfr_run
-    from safetensors.torch import load_file
     from test_strategies import deepspeed_args
 
     before = [len(generations(server)) for server in two_servers]
@@ -649,14 +657,7 @@ def test_two_zero3_ranks_generate_each_on_its_own_server_and_push_both(two_serve
                  timeout=600)
     for server, earlier in zip(two_servers, before):
         assert generations(server)[earlier:] == [(2, 2), (2, 2)], server.url
-    snapshot = load_file(str(tmp_path / "weights" / "rank0.safetensors"))
-    trained, tokenizer = load_backbone("bundled:tiny_adder")
-    initial = {name: p.clone() for name, p in trained.named_parameters()}
-    trained.load_state_dict({k.removeprefix("end/policy."): v for k, v in snapshot.items()
-                             if k.startswith("end/policy.")}, strict=False)
-    assert any(not torch.equal(p, initial[name]) for name, p in trained.named_parameters())
-    mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
-    expected = [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
+    expected = trained_greedy(tmp_path / "weights")
     for server in two_servers:
         assert served_greedy(server.url, PROMPTS, version=2, max_new_tokens=24, timeout_s=TIMEOUT_S) == expected
 
