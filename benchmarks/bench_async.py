@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -93,22 +92,27 @@ def job(size: str, policy: Path | None, prompts: int, new_tokens: int) -> dict:
             "prompts": prompts}
 
 
-def start_server(log: Path, core: int, backbone: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [shutil.which("flowkit") or "flowkit", "rollout-server", "--backbone", backbone, "--port", str(port)]
-    if shutil.which("taskset"):
+def start_server(log: Path, backbone: str, core: int | None = None,
+                 timeout_s: float | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``flowkit rollout-server`` (HF backend, one intra-op thread, this checkout's code) for ``backbone`` on a port
+    the OS picks, pinned to ``core`` (``taskset``) when given, ``--timeout`` ``timeout_s`` (default: the server's);
+    returns its process and the address it printed. Also bench_lora_push's server."""
+    command = [str(Path(sys.executable).parent / "flowkit"), "rollout-server", "--backbone", backbone, "--port", "0"]
+    if timeout_s is not None:
+        command += ["--timeout", str(timeout_s)]
+    if core is not None and shutil.which("taskset"):
         command = ["taskset", "-c", str(core), *command]
-    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log.open("w"),
-                               stderr=subprocess.STDOUT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_S
     while "rollout server for" not in log.read_text():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise SystemExit(f"the rollout server did not start: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"the rollout server did not start: {log.read_text()[-2000:]}")
         time.sleep(0.2)
-    return process, f"http://127.0.0.1:{port}"
+    line = next(line for line in log.read_text().splitlines() if "rollout server for" in line)
+    return process, line.rsplit(" at ", 1)[1]
 
 
 def run_steps(steps: int, settings: dict, seed: int = 0, **options) -> StepClock:
@@ -277,7 +281,8 @@ def main() -> None:
                                 "bench_trl_race.build_mid_policy(pathlib.Path(sys.argv[1]))", policy],
                                cwd=BENCHMARKS, check=True)
             settings = job(size, policy, args.mid_prompts, args.mid_new_tokens)
-            process, url = start_server(temporary / f"server_{size}.log", cores[0], str(policy or "bundled:tiny_adder"))
+            process, url = start_server(temporary / f"server_{size}.log", str(policy or "bundled:tiny_adder"),
+                                         core=cores[0])
             try:
                 steps = args.steps if size == "tiny" else args.mid_steps
                 if not args.reward_only:

@@ -20,9 +20,7 @@ benchmarks/results/results.csv.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,23 +32,6 @@ BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 PROMPTS = ["12+30=", "7+8="]
 MODES = ("merged", "adapter")
-
-
-def start_server(policy: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """A ``flowkit rollout-server`` (HF backend, one thread) for ``policy`` on a port the OS picks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    process = subprocess.Popen([str(Path(sys.executable).parent / "flowkit"), "rollout-server", "--backbone",
-                                str(policy), "--port", "0", "--timeout", "120"], env=env, stdout=log.open("w"),
-                               stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while "rollout server for" not in log.read_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"the rollout server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.2)
-    line = next(line for line in log.read_text().splitlines() if "rollout server for" in line)
-    return process, line.rsplit(" at ", 1)[1]
 
 
 def push_round(model, tokenizer, url: str, mode: str, pushes: int) -> dict:
@@ -87,6 +68,7 @@ def main() -> None:
     if args.pushes < 2:
         parser.error("--pushes must be at least 2 (the first push carries the base weights)")
     torch.set_num_threads(1)
+    from bench_async import start_server
     from bench_trl_race import build_mid_policy
     from common import append_csv, timestamp
     from flowkit.llm.backbone import load_backbone
@@ -95,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         policy_dir = Path(directory) / "policy"
         build_mid_policy(policy_dir)
-        server, url = start_server(policy_dir, Path(directory) / "server.log")
+        server, url = start_server(Path(directory) / "server.log", str(policy_dir), timeout_s=120)
         try:
             model, tokenizer = load_backbone(str(policy_dir))
             model = apply_lora(model, LoraSettings(r=args.r, alpha=args.r))
