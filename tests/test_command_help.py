@@ -178,8 +178,8 @@ def test_the_option_names_are_the_parsers_aliases_included(monkeypatch, launcher
 
 MISTAKES = {
     ("fitt", "--help"): "error: unknown command 'fitt'; did you mean 'fit'? (the commands: fit, validate, test, "
-                        "predict, convert-flow, explain-rules, export, score, plot, rollout-server; `flowkit --help` "
-                        "describes them)",
+                        "predict, convert-flow, explain-rules, export, score, docs, plot, rollout-server; `flowkit "
+                        "--help` describes them)",
     ("fit", "--trainer.max_step", "3"): "error: unknown option --trainer.max_step; did you mean 'trainer.max_steps'?",
     ("export", "--trainer.acelerator=cpu"):
         "error: unknown option --trainer.acelerator; did you mean 'trainer.accelerator'?",
