@@ -10,7 +10,7 @@ each solution length, counts the bytes of the tensors autograd saves for the bac
 rollouts at the rewarding timestep) and of an offline pretraining batch (2 copies per token) — with pieces of at most
 ``--max-rows`` field rows, and with one piece (no row bound) for contrast. With a row budget the largest piece must
 not grow with the length (issue 24's target: flat); bytes per row scale with the field's width and depth, which
-README "Memory at paper scale" extrapolates to the 7B field.
+docs/guides/paper-setting.md extrapolates to the 7B field.
 
 The step mode:
 

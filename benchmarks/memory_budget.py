@@ -1,6 +1,6 @@
 """Per-GPU memory budget of configs/rlfr_qwen.yaml (Qwen2.5-Math-7B on 8 × H200, ZeRO-3, bf16-mixed), computed.
 
-    python benchmarks/memory_budget.py          # prints the README's "Memory at paper scale" table
+    python benchmarks/memory_budget.py          # prints the memory table of docs/guides/paper-setting.md
 
 Parameter counts come from the model classes built on the meta device (nothing is downloaded or allocated): the
 policy from Qwen2.5-Math-7B's config, the flow from ``VelocityField(3584, depth=6)``. Byte counts follow from the
@@ -8,7 +8,7 @@ config (ZeRO-3 over 8 ranks, bf16 weights with fp32 master, Adam, gradients accu
 configs/deepspeed/zero3.json's ``data_types.grad_accum_dtype`` —, micro-batches of 4 sequences of ≤ 4096 tokens,
 LM-head chunks of 1024 tokens, vLLM at 35 % of the GPU). Two inputs are measured on CPU, not derived: the activation
 bytes a recomputed decoder layer keeps per token (303 KiB at d 3584) and the flow's saved bytes per field row in the
-backward (1.13 MiB at depth 6, width 3584, fp32; README "Memory at paper scale", bench_rl_memory.py --mode pieces).
+backward (1.13 MiB at depth 6, width 3584, fp32; docs/guides/paper-setting.md, bench_rl_memory.py --mode pieces).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ MICRO_BATCH, MAX_LEN, SEQUENCES_PER_RANK = 4, 4096, 128  # micro_batch_size; vll
 LM_HEAD_CHUNK, SCORING_ROWS, PIECE_ROWS = 1024, 8192, 8192  # lm_head_chunk_size, max_rows_per_call / _piece
 VLLM_SHARE = 0.35
 PERCENTILES = 3
-LAYER_RECOMPUTE_BYTES_PER_TOKEN = 303 * 2**10  # measured on CPU (README)
-FLOW_SAVED_BYTES_PER_ROW_FP32 = 1.13 * 2**20  # measured on CPU, depth 6, width 3584 (README)
+LAYER_RECOMPUTE_BYTES_PER_TOKEN = 303 * 2**10  # measured on CPU (docs/guides/paper-setting.md)
+FLOW_SAVED_BYTES_PER_ROW_FP32 = 1.13 * 2**20  # measured on CPU, depth 6, width 3584 (docs/guides/paper-setting.md)
 ZERO3_MAX_LIVE_PARAMETERS, ZERO3_BUCKET = 1e9, 5e7  # DeepSpeed's default; zero3.json's bucket sizes
 
 QWEN_MATH_7B = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
