@@ -1,4 +1,4 @@
-"""The README and the documentation pages say only what flowkit does: every `flowkit ...` command in a code block
+"""The README and the documentation pages say only what flowkit does: every `flowkit ...` command they show
 parses, every option they name exists, every code block either runs in a test or says what it needs, and the site
 builds in strict mode.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flowkit.command_help import builtin_commands, command_parser, config_commands, option_names
+from flowkit.command_help import builtin_commands, config_commands, option_names, standalone_module
 from flowkit.modules.policy_options import GROUPS
 from flowkit.options import OptionGroup
 
@@ -175,7 +175,7 @@ class Parsed(Exception):
 def parses_standalone(command: str, argv: list[str], monkeypatch) -> bool:
     from flowkit.registry import STANDALONE
 
-    importlib.import_module(f"flowkit.commands.{command.replace('-', '_')}")
+    importlib.import_module(standalone_module(command))
     original = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -221,9 +221,21 @@ def test_every_code_block_runs_in_a_test_or_says_why_not():
     assert problems == []
 
 
+def test_the_readme_is_short_and_dates_live_only_in_the_results():
+    """README.md is read in five minutes; dates, load averages and commit hashes belong to docs/results/."""
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 200
+    notebook = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|load average|\bat [0-9a-f]{7}\b")
+    found = [f"{path.relative_to(ROOT)}:{number}" for path in PAGES if "results" not in path.parts
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if notebook.search(line)]
+    assert found == []
+    assert notebook.search("measured 2026-12-01 at 1d7748d, load average 4")
+
+
 def test_the_scan_finds_commands_and_marks():
-    sample = "CUDA_VISIBLE_DEVICES=4 flowkit rollout-server --port 8000 &\nflowkit fit --config a.yaml \\\n    --x 1  # c"
-    assert flowkit_commands(sample) == [["rollout-server", "--port", "8000"], ["fit", "--config", "a.yaml", "--x", "1"]]
+    sample = ("CUDA_VISIBLE_DEVICES=4 flowkit rollout-server --port 8000 &\n"
+              "flowkit fit --config a.yaml \\\n    --x 1  # c")
+    assert flowkit_commands(sample) == [["rollout-server", "--port", "8000"],
+                                        ["fit", "--config", "a.yaml", "--x", "1"]]
     readme_blocks = code_blocks(ROOT / "README.md")
     assert "python -m pytest -q -n 2" in [text for _, _, _, text in readme_blocks]
     assert len(all_commands()) > 30
