@@ -19,8 +19,8 @@ Adding an environment is one file::
         def step(self, action):
             return EnvStep([], reward=float(action == "ok"), done=True)
 
-plus its import where the bundled ones are imported (:mod:`flowkit.agents.envs`), or ``module.Echo`` named in
-the configuration (the entry that importing ``module`` registers).
+plus its import where the bundled ones are imported (:mod:`flowkit.agents.envs`), or ``module.echo`` named in
+``EpisodeOptions.environment`` (the entry that importing ``module`` registers).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from flowkit.errors import ConfigError, did_you_mean
-from flowkit.options import registry_entry
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 
@@ -68,16 +66,6 @@ def register_environment(name: str) -> Callable[[type], type]:
         return cls
 
     return register
-
-
-def environment_class(name: str) -> type[Environment]:
-    """The environment registered as ``name`` (or ``module.name``: the one importing ``module`` registers); a name
-    that is neither is a one-line :class:`~flowkit.errors.ConfigError`."""
-    try:
-        return registry_entry(ENVIRONMENTS, name)
-    except (KeyError, ImportError):
-        raise ConfigError(f"unknown environment {name!r}{did_you_mean(name, ENVIRONMENTS)}; "
-                          f"registered: {sorted(ENVIRONMENTS)}") from None
 
 
 def check_messages(messages: Any, source: str) -> list[Message]:

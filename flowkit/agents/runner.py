@@ -18,13 +18,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from flowkit.agents.environment import ENVIRONMENTS, environment_class
+from flowkit.agents.environment import ENVIRONMENTS
 from flowkit.agents.episode import Episode, EpisodeSetup, Sample
 from flowkit.agents.rendering import ChatRenderer
-from flowkit.agents.tools import TOOL_CALL_PARSERS, ToolBox, tool_call_parser
+from flowkit.agents.tools import TOOL_CALL_PARSERS, ToolBox
 from flowkit.agents.trajectory import Trajectory
 from flowkit.errors import RunError
-from flowkit.options import OptionGroup, bounded, registered
+from flowkit.options import OptionGroup, bounded, registered, registry_entry
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[Sample]]
 
@@ -73,12 +73,12 @@ class EpisodeRunner:
     def __init__(self, generate: GenerateFn, tokenizer: Any, options: EpisodeOptions,
                  stop_ids: Iterable[int] | None = None):
         options.check("EpisodeOptions")
-        environment = environment_class(options.environment)
+        environment = registry_entry(ENVIRONMENTS, options.environment)
         toolbox = ToolBox(tuple(getattr(environment, "tools", ())), options.call_timeout, options.max_tool_reply_chars,
                           options.max_tool_calls)
         self.generate, self.options = generate, options
         self.setup = EpisodeSetup(environment, ChatRenderer(tokenizer, toolbox.schemas), toolbox,
-                                  tool_call_parser(options.tool_parser),
+                                  registry_entry(TOOL_CALL_PARSERS, options.tool_parser),
                                   frozenset([tokenizer.eos_token_id] if stop_ids is None else stop_ids),
                                   options.max_turns, options.max_tokens, options.call_timeout)
 

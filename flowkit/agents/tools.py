@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from flowkit.errors import ConfigError, did_you_mean
+from flowkit.errors import ConfigError
 
 
 class CallTimeout(Exception):
@@ -91,14 +91,6 @@ def register_tool_call_parser(name: str) -> Callable[[ToolCallParser], ToolCallP
         return parse
 
     return register
-
-
-def tool_call_parser(name: str) -> ToolCallParser:
-    """The registered parser ``name``; an unknown one is a one-line :class:`~flowkit.errors.ConfigError`."""
-    if name not in TOOL_CALL_PARSERS:
-        raise ConfigError(f"unknown tool-call parser {name!r}{did_you_mean(name, TOOL_CALL_PARSERS)}; "
-                          f"registered: {sorted(TOOL_CALL_PARSERS)}")
-    return TOOL_CALL_PARSERS[name]
 
 
 HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
