@@ -7,14 +7,15 @@ token-in path, the ``hf`` engine's so far). The runner appends exactly those ids
 encoded again — and the environment's answer as the chat template's delta (:mod:`flowkit.agents.rendering`).
 
 Environment and tool calls run in a thread pool while the engine generates: after each ``generate``, every episode
-answers its turn in its own worker, and the next ``generate`` takes every episode whose answer is ready then, so an
-episode waits for the engine, never for another episode's tool or environment.
+answers its turn in its own worker, and the next ``generate`` takes every episode whose answer is ready once the
+first is and the others have had ``batch_window`` seconds to join, so an episode waits for the engine and at most
+that window for the others, never for another episode's tool or environment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,10 @@ class EpisodeOptions(OptionGroup):
     """characters of a tool's reply the model reads; a longer reply is cut (counted)"""
     workers: int = bounded(64, 1)
     """threads that run environment and tool calls; as many as the episodes in flight lets none wait for another"""
+    batch_window: float = bounded(0.05, 0)
+    """seconds the runner waits, once an episode is ready for its next turn, for the episodes still answering theirs
+    to join the same ``generate`` call (a batched decoder takes about as long for one row as for the batch); the
+    most a ready episode waits for the others, whatever their tools take. 0: generate for whoever is ready at once"""
 
 
 def engine_generate(engine: Any) -> GenerateFn:
@@ -99,10 +104,11 @@ class EpisodeRunner:
         self._check_environment(trajectories)
         return trajectories
 
-    @staticmethod
-    def _next_ready(in_flight: dict[Future, Episode]) -> list[Episode]:
-        """Wait until some episode's calls are done, then take every episode whose are: those still going."""
+    def _next_ready(self, in_flight: dict[Future, Episode]) -> list[Episode]:
+        """Wait until some episode's calls are done and then up to ``batch_window`` for the rest, then take every
+        episode whose calls are done: those still going."""
         wait(in_flight, return_when=FIRST_COMPLETED)
+        wait(in_flight, timeout=self.options.batch_window, return_when=ALL_COMPLETED)
         ready = []
         for future in [future for future in in_flight if future.done()]:
             episode = in_flight.pop(future)
