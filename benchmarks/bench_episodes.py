@@ -107,13 +107,14 @@ def main() -> None:
     generate = scripted_generate(tokenizer, args.step_ms / 1000, calls)
     pooled = EpisodeRunner(generate, tokenizer, EpisodeOptions(environment="bench_addition", workers=args.episodes))
     serial = EpisodeRunner(generate, tokenizer, EpisodeOptions(environment="bench_addition", workers=1))
-    arms = {"instant": (pooled, 0.0), "slow": (pooled, args.tool_ms / 1000), "slow_serial": (serial, args.tool_ms / 1000)}
+    tool_seconds = args.tool_ms / 1000
+    arms = {"instant": (pooled, 0.0), "slow": (pooled, tool_seconds), "slow_serial": (serial, tool_seconds)}
     times: dict[str, list[float]] = {name: [] for name in arms}
     batches: dict[str, list[int]] = {}
     for _ in range(args.reps):
-        for name, (runner, tool_seconds) in arms.items():
+        for name, (runner, latency) in arms.items():
             calls.clear()
-            times[name].append(run_arm(runner, records, tool_seconds))
+            times[name].append(run_arm(runner, records, latency))
             batches[name] = list(calls)
     median = {name: statistics.median(values) for name, values in times.items()}
     load = os.getloadavg()[0]

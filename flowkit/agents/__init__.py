@@ -12,5 +12,5 @@ from flowkit.agents.tools import TOOL_CALL_PARSERS, register_tool_call_parser, t
 from flowkit.agents.trajectory import Trajectory, Turn, episode_metrics
 
 __all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EpisodeOptions", "EpisodeRunner", "Sample",
-           "TOOL_CALL_PARSERS", "Trajectory", "Turn", "engine_generate", "envs", "episode_metrics", "register_environment",
-           "register_tool_call_parser", "tool_schema"]
+           "TOOL_CALL_PARSERS", "Trajectory", "Turn", "engine_generate", "envs", "episode_metrics",
+           "register_environment", "register_tool_call_parser", "tool_schema"]

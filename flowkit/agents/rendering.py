@@ -16,6 +16,7 @@ from typing import Any
 
 from flowkit.agents.environment import Message
 from flowkit.errors import ConfigError
+from flowkit.llm.chat import format_prompt, has_chat_template
 
 SENTINEL = "FLOWKIT_POLICY_TURN_SENTINEL"
 STAND_IN = [{"role": "user", "content": "question"}, {"role": "assistant", "content": SENTINEL}]
@@ -23,12 +24,12 @@ STAND_IN = [{"role": "user", "content": "question"}, {"role": "assistant", "cont
 
 class ChatRenderer:
     """Renders messages with ``tokenizer``'s chat template (``tools``: the tools' JSON schemas, or None) and encodes
-    them without adding special tokens (the template writes its own, as ``apply_chat_template(tokenize=True)``).
+    them; a delta without the special tokens the tokenizer adds to a whole text (a BOS mid-sequence).
 
     Thread-safe: episodes render from worker threads, and a fast tokenizer's encode may not run concurrently."""
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             raise ConfigError("agent episodes need a tokenizer with a chat_template; this one has none")
         self.tokenizer, self.tools = tokenizer, tools or None
         self._lock = threading.Lock()
@@ -37,8 +38,11 @@ class ChatRenderer:
                               "user message, which multi-turn episodes need")
 
     def prompt(self, messages: list[Message]) -> list[int]:
-        """The first turn's ids: ``messages`` and the generation prompt."""
-        return self.encode(self._render(messages, True))
+        """The first turn's ids: ``messages`` and the generation prompt, encoded as flowkit's single-turn prompts are
+        (:func:`~flowkit.llm.chat.format_prompt`: the tokenizer's own BOS, never two)."""
+        text = format_prompt(messages, self.tokenizer, "chat", tools=self.tools)
+        with self._lock:
+            return self.tokenizer(text)["input_ids"]
 
     def delta(self, messages: list[Message], stop_id: int | None) -> list[int]:
         """The ids to append after a policy turn that ended with ``stop_id`` (None: none of the template's closing
@@ -51,6 +55,7 @@ class ChatRenderer:
         return self.encode(tail)
 
     def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` inside a sequence: no special tokens added."""
         with self._lock:
             return self.tokenizer.encode(text, add_special_tokens=False)
 

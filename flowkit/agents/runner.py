@@ -3,8 +3,9 @@
 ``generate(prompts, max_new_tokens)`` takes each ready episode's token ids so far and the tokens its next turn may
 take (its room in the episode's budget) and returns one :class:`~flowkit.agents.episode.Sample` per prompt: the
 sampled ids, their sampler log-probs and the policy version (:func:`engine_generate` adapts a rollout engine's
-token-in path, the ``hf`` engine's so far). The runner appends exactly those ids to the trajectory — the policy's tokens are never decoded and
-encoded again — and the environment's answer as the chat template's delta (:mod:`flowkit.agents.rendering`).
+token-in path, the ``hf`` engine's so far). The runner appends exactly those ids to the trajectory — the policy's
+tokens are never decoded and encoded again — and the environment's answer as the chat template's delta
+(:mod:`flowkit.agents.rendering`).
 
 Environment and tool calls run in a thread pool while the engine generates: after each ``generate``, every episode
 answers its turn in its own worker, and the next ``generate`` takes every episode whose answer is ready once the
@@ -65,7 +66,8 @@ def engine_generate(engine: Any) -> GenerateFn:
 
     def generate(prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
         ids, logprobs = engine.generate_from_ids(prompts, max_new_tokens)
-        return [Sample(sample, sample_logprobs, engine.policy_version) for sample, sample_logprobs in zip(ids, logprobs)]
+        return [Sample(sample, sample_logprobs, engine.policy_version)
+                for sample, sample_logprobs in zip(ids, logprobs, strict=True)]
 
     return generate
 

@@ -127,7 +127,9 @@ class HFRolloutEngine:
                    "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts],
                                                   device=device)}
         limits = [min(limit, self.max_new_tokens) for limit in max_new_tokens]
-        generated, logprobs = self._decode(encoded, 1, temperature, max(limits))
+        # ranks decoding in lockstep (ZeRO-3, a collective per step) all decode to the engine's own bound
+        lockstep = _zero3_partitioned(self.model) and self.whole_weights is None
+        generated, logprobs = self._decode(encoded, 1, temperature, self.max_new_tokens if lockstep else max(limits))
         eos, samples, sample_logprobs = self.tokenizer.eos_token_id, [], []
         for row, (ids, limit) in enumerate(zip(generated.tolist(), limits)):
             length = min(ids.index(eos) + 1 if eos in ids else len(ids), limit)
@@ -145,8 +147,8 @@ class HFRolloutEngine:
 
     def _decode(self, encoded: dict[str, Tensor], n: int, temperature: float,
                 max_new_tokens: int) -> tuple[Tensor, Tensor]:
-        """``n`` samples of each left-padded prompt of ``encoded``: their tokens and sampler log-probs (:meth:`_sample`),
-        the policy in eval mode meanwhile."""
+        """``n`` samples of each left-padded prompt of ``encoded``: their tokens and sampler log-probs
+        (:meth:`_sample`), the policy in eval mode meanwhile."""
         was_training = self.model.training
         self.model.eval()
         synced = _zero3_partitioned(self.model) and self.whole_weights is None
@@ -157,8 +159,10 @@ class HFRolloutEngine:
         # (what they create in inference mode could not be saved for backward in the training forward)
         decoding = torch.no_grad() if zero3_sharded(self.model.parameters()) else torch.inference_mode()
         with (self.whole_weights or nullcontext)(), decoding:
-            cache, pending = prompt_cache(self.model, encoded, n, shared, encoded["input_ids"].shape[1] + max_new_tokens)
-            generated, sampler_logprobs = self._sample(cache, pending, encoded["attention_mask"].repeat_interleave(n, dim=0),
+            cache, pending = prompt_cache(self.model, encoded, n, shared,
+                                           encoded["input_ids"].shape[1] + max_new_tokens)
+            generated, sampler_logprobs = self._sample(cache, pending,
+                                                       encoded["attention_mask"].repeat_interleave(n, dim=0),
                                                        temperature, synced, max_new_tokens)
         self.model.train(was_training)
         # out of inference mode: tensors the training forward may use

@@ -43,8 +43,10 @@ def drift_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def conversation(text: str) -> list[tuple[str, str]]:
-    """(role, content) of each message of a rendered conversation (the template above)."""
-    return re.findall(r"<\|(\w+)\|>(.*?)(?:<eos>|$)", text, flags=re.DOTALL)
+    """(role, content) of each message of a rendered conversation (the template above, its turns closed by <eos>
+    or another closing: ``[end]``)."""
+    return [(role, re.sub(r"(?:<eos>|\[end\]|\n)+$", "", content))
+            for role, content in re.findall(r"<\|(\w+)\|>(.*?)(?=<\|\w+\|>|$)", text, flags=re.DOTALL)]
 
 
 class ScriptedPolicy:

@@ -96,5 +96,8 @@ def test_the_tiny_chat_model_plays_through_the_hf_engines_token_in_path(single_t
     assert spans == sorted(tuple(sample.ids) for sample in sampled)
     for trajectory in trajectories:
         assert len(trajectory.token_ids) <= 120 and trajectory.stop_reason in ("done", "max_turns", "max_tokens")
+        # the template writes <bos> and the tokenizer adds one: the prompt holds one, as single-turn prompts do
+        bos = tokenizer.bos_token_id
+        assert trajectory.token_ids[:1] == (bos,) and trajectory.token_ids.count(bos) == 1
         policy = [i for turn in trajectory.policy_turns() for i in range(turn.start, turn.end)]
         assert all(trajectory.versions[i] == 5 and trajectory.logprobs[i] <= 0 for i in policy)

@@ -8,7 +8,7 @@ import json
 import threading
 
 import pytest
-from agent_fakes import ScriptedPolicy, drift_tokenizer
+from agent_fakes import TEMPLATE, ScriptedPolicy, drift_tokenizer
 
 from flowkit.agents import EnvStep, EpisodeOptions, EpisodeRunner, episode_metrics, register_environment, tool_schema
 from flowkit.agents.envs.long_addition import add, boxed_answer
@@ -127,6 +127,17 @@ def test_the_trajectory_keeps_every_sampled_id_where_re_tokenizing_would_change_
     # ... whose re-tokenization (what a runner that renders the whole conversation trains on) loses the policy's ids
     naive = tokenizer.encode(rendered, add_special_tokens=False)
     assert not contains(naive, list(sampled[0].ids)) and len(naive) < len(trajectory.token_ids)
+
+
+def test_a_template_that_closes_turns_with_other_text_gets_its_closing_after_the_stop_token():
+    tokenizer = drift_tokenizer()
+    tokenizer.chat_template = TEMPLATE.replace("<eos>", "[end]")
+    [trajectory], _ = run(tokenizer, [{"prompt": "12+47=", "answer": "59"}])
+    messages = [{"role": "user", "content": "12+47="}, {"role": "assistant", "content": CALLS["12+47="]},
+                {"role": "tool", "name": "add", "content": "59"}, {"role": "assistant", "content": "\\boxed{59}"}]
+    rendered = tokenizer.apply_chat_template(messages, tools=[tool_schema(t) for t in Calculator.tools], tokenize=False)
+    text = tokenizer.decode(trajectory.token_ids, skip_special_tokens=False)
+    assert text.count("<eos>") == 2 and text.replace("<eos>", "") + "[end]\n" == rendered
 
 
 def test_loss_mask_logprobs_and_versions_mark_exactly_the_policy_tokens(tokenizer):
