@@ -70,12 +70,12 @@ class Episode:
         try:
             self.environment = self.setup.environment()
             messages = call_with_timeout(self.environment.reset, self.setup.call_timeout, self.record)
-            check_messages(messages, "reset")
+            prompt = self.setup.renderer.prompt(check_messages(messages, "reset"))
         except CallTimeout as timeout:
             return self._end("env_timeout", str(timeout), "env_timeouts")
-        except Exception as error:  # noqa: BLE001 - a faulty environment ends its episode, counted
+        except Exception as error:  # noqa: BLE001 - a faulty environment (or messages its template rejects), counted
             return self._end("env_error", f"reset: {type(error).__name__}: {error}", "env_errors")
-        self._append(self.setup.renderer.prompt(messages), "prompt")
+        self._append(prompt, "prompt")
 
     def advance(self, sample: Sample) -> None:
         """Append the sampled turn as is, answer it (tools, or the environment's ``step``) and append the answer's
@@ -91,7 +91,11 @@ class Episode:
             return
         if len(self.turn_rewards) >= self.setup.max_turns:
             return self._end("max_turns")
-        self._append(self.setup.renderer.delta(answer, ids[-1]), "tool" if calls else "environment")
+        try:
+            delta = self.setup.renderer.delta(answer, ids[-1])
+        except Exception as error:  # noqa: BLE001 - messages the chat template rejects (a role it does not know)
+            return self._end("env_error", f"chat template: {type(error).__name__}: {error}", "env_errors")
+        self._append(delta, "tool" if calls else "environment")
 
     def trajectory(self) -> Trajectory:
         return Trajectory(self.record, tuple(self.ids), tuple(self.loss_mask), tuple(self.logprobs),

@@ -21,7 +21,9 @@ MERGES = [("a", "d"), ("ad", "d"), ("t", "o"), ("o", "l"), ("_", "c"), ("1", "2"
 # runner must write after the policy's stop token.
 TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|system|>tools: {% for tool in tools %}{{ tool.function.name }} {% endfor %}"
-    "<eos>\n{% endif %}{% for message in messages %}<|{{ message.role }}|>{{ message.content }}<eos>\n{% endfor %}"
+    "<eos>\n{% endif %}{% for message in messages %}{% if message.role not in ['user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role ' + message.role) }}{% endif %}"
+    "<|{{ message.role }}|>{{ message.content }}<eos>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 

@@ -70,6 +70,8 @@ class Calculator:
             HANG.wait(60)
         if self.record.get("fault") == "bad_message":
             return [{"role": "user", "content": 42}], 0.0, False
+        if self.record.get("fault") == "unknown_role":
+            return [{"role": "narrator", "content": "the template raises on this role"}], 0.0, False
         if self.record.get("fault") == "continue":
             return EnvStep([{"role": "user", "content": "again"}], reward=0.5)
         return EnvStep([], reward=float(boxed_answer(action) == self.record["answer"]), done=True)
@@ -182,6 +184,7 @@ def test_a_faulty_tool_call_is_an_observation_the_model_reads_and_is_counted(tok
     ("hang", "tool_timeout", "tool_timeouts"),
     ("step_hangs", "env_timeout", "env_timeouts"),
     ("bad_message", "env_error", "env_errors"),
+    ("unknown_role", "env_error", "env_errors"),
     ("reset_raises", "env_error", "env_errors"),
 ])
 def test_a_hang_or_a_broken_environment_ends_only_its_episode_counted(tokenizer, fault, reason, counter):
