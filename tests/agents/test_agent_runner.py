@@ -210,6 +210,8 @@ def test_turn_and_token_bounds_end_episodes_as_truncated(tokenizer):
     [tokens], _ = run(tokenizer, [{"prompt": "3+4=", "answer": "7", "fault": "continue"}], max_tokens=60)
     assert tokens.stop_reason == "max_tokens" and tokens.truncated and len(tokens.token_ids) <= 60
     assert sum(tokens.loss_mask) > 0
+    [unfit], policy = run(tokenizer, [{"prompt": "3+4=", "answer": "7"}], max_tokens=5)  # not even the prompt fits
+    assert unfit.stop_reason == "max_tokens" and unfit.token_ids == () and policy.calls == 0
 
 
 def test_user_errors_are_one_line_before_any_episode(tokenizer):
