@@ -13,7 +13,8 @@ LAYERS = [
     ("errors", "batch", "distributed", "seeding", "registry"),  # what every layer shares
     ("options",),                                            # option groups, declared once each
     ("rl", "flow", "data", "llm"),                           # pure math and models
-    ("explain", "rbrl"),                                     # the explanation and rule-bottleneck methods' parts
+    ("explain", "rbrl", "agents"),                           # the explanation and rule-bottleneck methods' parts;
+                                                             # agentic episodes (environments, tools, runner)
     ("rewards",),                                            # reward models
     ("engine",),                                             # one RL step in plain PyTorch
     ("checkpointing",),                                      # fault tolerance (the first Lightning layer)

@@ -40,13 +40,15 @@ def resolve_prompt_format(prompt_format: PromptFormat,
 
 
 def format_prompt(prompt: str | list[dict[str, str]], tokenizer: PreTrainedTokenizerBase | None,
-                  prompt_format: Literal["chat", "text"], template: str = "{prompt}") -> str:
+                  prompt_format: Literal["chat", "text"], template: str = "{prompt}",
+                  tools: list[dict[str, Any]] | None = None) -> str:
     """The policy's input text for one prompt.
 
     ``chat``: ``apply_chat_template(messages, add_generation_prompt=True)``, where a string prompt is the user
     message ``template`` with ``{prompt}`` replaced. The rollout engine tokenizes prompts with the tokenizer's
     special tokens, so a BOS token the template writes itself is dropped here (it would otherwise appear twice);
-    the token ids are then exactly ``apply_chat_template(..., tokenize=True)``'s.
+    the token ids are then exactly ``apply_chat_template(..., tokenize=True)``'s. ``tools``: the JSON schemas of the
+    tools the model may call, for the template to describe (:mod:`flowkit.agents.tools`).
     ``text``: ``template`` with ``{prompt}`` replaced; a conversation is an error (it needs a chat template).
     """
     if prompt_format == "text":
@@ -57,7 +59,7 @@ def format_prompt(prompt: str | list[dict[str, str]], tokenizer: PreTrainedToken
         messages = prompt
     else:
         messages = [{"role": "user", "content": template.replace("{prompt}", str(prompt))}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     bos = tokenizer.bos_token
     if bos and text.startswith(bos) and _adds_bos(tokenizer):
         text = text[len(bos):]

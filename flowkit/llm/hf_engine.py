@@ -114,9 +114,41 @@ class HFRolloutEngine:
         batch.group_ids = torch.arange(len(prompts), device=batch.group_ids.device).repeat_interleave(n)
         return batch
 
+    @torch.no_grad()
+    def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
+                          temperature: float | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Token-in/token-out, one sample per prompt: each prompt's sampled ids (through EOS, or cut at its own
+        ``max_new_tokens``, at most the engine's) and each one's log-probability under the sampler."""
+        temperature = self.temperature if temperature is None else temperature
+        self.saw_nonfinite_logits = False
+        device = next(self.model.parameters()).device
+        width, pad = max(map(len, prompts)), self.tokenizer.pad_token_id
+        encoded = {"input_ids": torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device),
+                   "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts],
+                                                  device=device)}
+        limits = [min(limit, self.max_new_tokens) for limit in max_new_tokens]
+        # ranks decoding in lockstep (ZeRO-3, a collective per step) all decode to the engine's own bound
+        lockstep = _zero3_partitioned(self.model) and self.whole_weights is None
+        generated, logprobs = self._decode(encoded, 1, temperature, self.max_new_tokens if lockstep else max(limits))
+        eos, samples, sample_logprobs = self.tokenizer.eos_token_id, [], []
+        for row, (ids, limit) in enumerate(zip(generated.tolist(), limits)):
+            length = min(ids.index(eos) + 1 if eos in ids else len(ids), limit)
+            samples.append(ids[:length])
+            sample_logprobs.append(logprobs[row, :length].tolist())
+        return samples, sample_logprobs
+
     def _generate(self, prompts: list[str], n: int, answers: list[str] | None, temperature: float) -> RolloutBatch:
         device = next(self.model.parameters()).device
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
+        generated, sampler_logprobs = self._decode(encoded, n, temperature, self.max_new_tokens)
+        batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
+        batch.policy_versions = torch.full((batch.batch_size,), self.policy_version, device=device)
+        return batch
+
+    def _decode(self, encoded: dict[str, Tensor], n: int, temperature: float,
+                max_new_tokens: int) -> tuple[Tensor, Tensor]:
+        """``n`` samples of each left-padded prompt of ``encoded``: their tokens and sampler log-probs
+        (:meth:`_sample`), the policy in eval mode meanwhile."""
         was_training = self.model.training
         self.model.eval()
         synced = _zero3_partitioned(self.model) and self.whole_weights is None
@@ -128,18 +160,16 @@ class HFRolloutEngine:
         decoding = torch.no_grad() if zero3_sharded(self.model.parameters()) else torch.inference_mode()
         with (self.whole_weights or nullcontext)(), decoding:
             cache, pending = prompt_cache(self.model, encoded, n, shared,
-                                           encoded["input_ids"].shape[1] + self.max_new_tokens)
-            generated, sampler_logprobs = self._sample(cache, pending, encoded["attention_mask"].repeat_interleave(n, dim=0),
-                                                       temperature, synced)
-        # out of inference mode: tensors the training forward may use
-        generated, sampler_logprobs = generated.clone(), sampler_logprobs.clone()
+                                           encoded["input_ids"].shape[1] + max_new_tokens)
+            generated, sampler_logprobs = self._sample(cache, pending,
+                                                       encoded["attention_mask"].repeat_interleave(n, dim=0),
+                                                       temperature, synced, max_new_tokens)
         self.model.train(was_training)
-        batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
-        batch.policy_versions = torch.full((batch.batch_size,), self.policy_version, device=device)
-        return batch
+        # out of inference mode: tensors the training forward may use
+        return generated.clone(), sampler_logprobs.clone()
 
     def _sample(self, cache: DynamicCache, pending: Tensor, attention_mask: Tensor, temperature: float,
-                synced: bool) -> tuple[Tensor, Tensor]:
+                synced: bool, max_new_tokens: int) -> tuple[Tensor, Tensor]:
         """Decodes up to ``max_new_tokens`` per row: the tokens and their log-probs under the sampler (B × steps taken;
         padding after EOS). Rows that emitted EOS leave
         the batch and the KV cache (once an eighth of the batch has ended: dropping rows copies the cache), so the long
@@ -150,11 +180,11 @@ class HFRolloutEngine:
         name = cache_argument(self.model.get_decoder())
         rows = torch.arange(len(pending), device=pending.device)  # the generated row of each row still decoding
         unfinished = torch.ones_like(rows, dtype=torch.bool)
-        generated = torch.full((len(rows), self.max_new_tokens), pad, dtype=torch.long, device=pending.device)
+        generated = torch.full((len(rows), max_new_tokens), pad, dtype=torch.long, device=pending.device)
         logprobs = torch.zeros(generated.shape, device=pending.device)
         positions = position_ids(attention_mask)[:, -pending.shape[1]:]
         steps = 0
-        while steps < self.max_new_tokens:
+        while steps < max_new_tokens:
             logits = self.model(input_ids=pending, attention_mask=attention_mask, position_ids=positions,
                                 use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
             scores, nonfinite = _next_token_scores(logits, temperature, self.top_p)
