@@ -223,8 +223,13 @@ def _print_help(command: str) -> None:
 
 
 def _run(args: list[str] | None, argv: list[str]) -> None:
-    """Register flowkit's subcommands (the plugins' are already), then run the command ``argv``."""
-    _load_builtin_subcommands()
+    """Register flowkit's subcommands (the plugins' are already; a standalone command's own module alone), then run
+    the command ``argv``."""
+    module = standalone_module(argv[0]) if argv else None
+    if module is not None:
+        importlib.import_module(module)
+    else:
+        _load_builtin_subcommands()
     if argv and argv[0] in STANDALONE:  # e.g. `flowkit plot RUN_DIR`: no config, model or trainer
         STANDALONE[argv[0]](argv[1:])
         return
