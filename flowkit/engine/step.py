@@ -65,14 +65,15 @@ class RLStep:
         backward, step_optimizer: see the module docstring.
         controls: DAPO's sampling controls (:class:`~flowkit.engine.options.SamplingControls`).
         draw_prompts: ``draw_prompts(step, draw)`` → (prompts, answers, columns) of dynamic sampling's extra draw
-            ``draw`` ≥ 1 of step ``step`` (a pure function of both, so a resumed run draws the same).
+            ``draw`` ≥ 1 of step ``step`` (a pure function of both, so a resumed run draws the same), or None: draw no
+            more (SIGTERM).
     """
 
     def __init__(self, actor: Actor, rollout: RolloutEngine, reward_model: TokenRewardModel | None,
                  grade: Callable[[RolloutBatch], RolloutBatch], advantage: AdvantageOptions, update: UpdateOptions,
                  num_samples: int, backward: Callable[[Tensor], None],
                  step_optimizer: Callable[[Collection[str]], None], controls: SamplingControls = SamplingControls(),
-                 draw_prompts: Callable[[int, int], tuple[list[str], list[str], dict[str, list]]] | None = None):
+                 draw_prompts: Callable[[int, int], tuple[list[str], list[str], dict[str, list]] | None] | None = None):
         self.actor, self.rollout, self.reward_model, self.grade = actor, rollout, reward_model, grade
         self.advantage, self.update, self.num_samples = advantage, update, num_samples
         self.backward, self.step_optimizer = backward, step_optimizer
@@ -143,7 +144,10 @@ class RLStep:
             if draws >= self.controls.dynamic_sampling_max_draws or all_reduce_int(kept, ReduceOp.MIN) >= target:
                 break
             next_id = int(batch.group_ids.max()) + 1
-            batch = self._generated(*self.draw_prompts(step, draws), timings)
+            extra = self.draw_prompts(step, draws)
+            if extra is None:  # the run is stopping (SIGTERM): train on the groups kept so far
+                break
+            batch = self._generated(*extra, timings)
             batch.group_ids = batch.group_ids + next_id  # groups of every draw stay apart
         stats.update({"train/groups_drawn": float(drawn), "train/groups_kept": float(min(kept, target)),
                       "train/sampling_draws": float(draws), "train/zero_advantage_group_frac": 1.0 - kept / drawn})
