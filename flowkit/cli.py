@@ -22,7 +22,6 @@ only when a command runs.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import inspect
@@ -32,10 +31,11 @@ import sys
 from pathlib import Path
 
 from flowkit.command_help import (
-    HELP_FLAGS, LIGHTNING_COMMANDS, builtin_commands, config_commands, option_names, print_command_help,
-    print_overview, standalone_module,
+    HELP_FLAGS, LIGHTNING_COMMANDS, builtin_commands, builtin_function, config_commands, option_names,
+    print_command_help, print_overview, standalone_module,
 )
 from flowkit.errors import ConfigError, RunError, did_you_mean
+from flowkit.parser_errors import parser_error_line
 from flowkit.registry import STANDALONE, SUBCOMMANDS, subcommand
 
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "main", "subcommand"]
@@ -60,49 +60,98 @@ def _load_builtin_subcommands() -> None:
     flowkit.commands.load_all()
 
 
+def builtin_command_names() -> set[str]:
+    """The names no plugin may take: Lightning's commands, flowkit's own and a launcher's (registered before
+    :func:`main`)."""
+    return {*LIGHTNING_COMMANDS, *builtin_commands(), *SUBCOMMANDS, *STANDALONE}
+
+
+def plugin_entry_points() -> tuple[list[importlib.metadata.EntryPoint], dict[str, str]]:
+    """The plugins installed packages declare in the entry-point group ``flowkit.subcommands`` (read from their
+    metadata; nothing is imported), and a one-line warning for each whose name is a command of flowkit itself."""
+    taken = builtin_command_names()
+    entries, refused = [], {}
+    for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        if entry.name in taken:
+            refused[entry.name] = _plugin_warning(entry, f"'{entry.name}' is a command of flowkit itself; choose "
+                                                         "another name")
+        else:
+            entries.append(entry)
+    return entries, refused
+
+
 def load_plugins() -> dict[str, str]:
     """Load the subcommands installed packages declare in the entry-point group ``flowkit.subcommands``.
 
     An entry point names a module (``count-params = my_project.commands``: importing it runs its
     :func:`subcommand` / :func:`~flowkit.registry.standalone` decorators) or a function (``count-params =
     my_project.commands:count_params``: registered as ``flowkit count-params`` unless a decorator already registered
-    it). A plugin that fails to load is left out with a one-line warning naming it (printed to stderr); flowkit
-    itself still runs. Returns those warnings, ``{entry-point name: warning}``.
+    it). A plugin that fails to load, or ends its import with ``SystemExit`` / ``KeyboardInterrupt``, is left out
+    with a one-line warning naming it (printed to stderr); flowkit itself still runs. A plugin's decorator cannot
+    replace a command of flowkit's (or a launcher's): that registration alone is undone, with a warning. Returns the
+    warnings, ``{entry-point name: warning}``.
     """
-    failed = {}
-    taken = {*LIGHTNING_COMMANDS, *builtin_commands(), *SUBCOMMANDS, *STANDALONE}  # flowkit's and a launcher's
-    for entry in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+    entries, failed = plugin_entry_points()
+    taken = builtin_command_names()
+    for entry in entries:
+        before = (dict(SUBCOMMANDS), dict(STANDALONE))
         try:
-            if entry.name in taken:
-                raise ValueError(f"'{entry.name}' is a command of flowkit itself; choose another name")
             loaded = entry.load()
             already = any(loaded is fn for fn in (*SUBCOMMANDS.values(), *STANDALONE.values()))
             if callable(loaded) and not inspect.ismodule(loaded) and not already:
                 subcommand(entry.name)(loaded)
-        except Exception as err:  # noqa: BLE001  (whatever a plugin raises, flowkit runs without it)
-            reason = " ".join(f"{type(err).__name__}: {err}".split())
-            failed[entry.name] = (f"warning: flowkit plugin {entry.name!r} ({entry.value}) failed to load and is left "
-                                  f"out: {reason}")
-            print(failed[entry.name], file=sys.stderr)
+        # whatever a plugin raises, flowkit runs without it; it cannot end flowkit either
+        except (Exception, SystemExit, KeyboardInterrupt) as err:  # noqa: BLE001
+            failed[entry.name] = _plugin_warning(entry, " ".join(f"{type(err).__name__}: {err}".split()).rstrip(":"))
+        for name in _keep_builtin_commands(before, taken):
+            print(f"warning: flowkit plugin {entry.name!r} ({entry.value}) registers {name!r}, a command of flowkit "
+                  f"itself; flowkit's own {name!r} runs", file=sys.stderr)
     return failed
 
 
+def _plugin_warning(entry: importlib.metadata.EntryPoint, reason: str) -> str:
+    warning = f"warning: flowkit plugin {entry.name!r} ({entry.value}) failed to load and is left out: {reason}"
+    print(warning, file=sys.stderr)
+    return warning
+
+
+def _keep_builtin_commands(before: tuple[dict, dict], taken: set[str]) -> list[str]:
+    """Undo what a plugin registered under a name in ``taken``, against the registries ``before`` it loaded (a
+    built-in whose module the plugin imported is registered from that module again); the names it tried."""
+    replaced = []
+    for kind, registry, previous in (("subcommand", SUBCOMMANDS, before[0]), ("standalone", STANDALONE, before[1])):
+        for name in [name for name in registry if name in taken and registry[name] is not previous.get(name)]:
+            original = previous.get(name) or builtin_function(name, kind)
+            if original is None:
+                del registry[name]
+            else:
+                registry[name] = original
+            replaced.append(name)
+    return replaced
+
+
 def _put_working_directory_on_path() -> None:
-    """Class paths and reward functions of the user's project import from the working directory, as under
-    ``python -m`` (a console script's ``sys.path`` starts with the script's own directory instead)."""
+    """Class paths and reward functions of the user's project import from the working directory, after flowkit's own
+    dependencies (a ``yaml.py`` there does not replace PyYAML): a console script's ``sys.path`` does not hold the
+    working directory, and ``python -m flowkit`` puts it first."""
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
+    sys.path[:] = [*(path for path in sys.path if path not in ("", cwd)), cwd]
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run the CLI; bad input (see :func:`_input_error`) prints ``error: <one line>`` and exits with code 2."""
+    """Run the CLI; bad input (see :func:`_input_error`) prints ``error: <one line>`` and exits with code 2.
+
+    Plugins load only for a command that is not flowkit's own (``flowkit --help`` lists them by name unloaded).
+    """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _put_working_directory_on_path()
     argv = sys.argv[1:] if args is None else list(args)
-    failed_plugins = load_plugins()  # once, before any command; a plugin's own imports are its own
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    failed_plugins = load_plugins() if command is not None and command not in builtin_command_names() else {}
     if len(argv) == 1 and argv[0] in HELP_FLAGS:
-        print_overview()
+        entries, _ = plugin_entry_points()
+        print_overview({entry.name: f"a plugin ({entry.value}); `flowkit {entry.name} --help` loads it"
+                        for entry in entries})
         return
     if len(argv) == 2 and argv[1] in HELP_FLAGS and not _unknown_command(argv[0], failed_plugins):
         _print_help(argv[0])
@@ -174,8 +223,13 @@ def _print_help(command: str) -> None:
 
 
 def _run(args: list[str] | None, argv: list[str]) -> None:
-    """Register flowkit's subcommands (the plugins' are already), then run the command ``argv``."""
-    _load_builtin_subcommands()
+    """Register flowkit's subcommands (the plugins' are already; a standalone command's own module alone), then run
+    the command ``argv``."""
+    module = standalone_module(argv[0]) if argv else None
+    if module is not None:
+        importlib.import_module(module)
+    else:
+        _load_builtin_subcommands()
     if argv and argv[0] in STANDALONE:  # e.g. `flowkit plot RUN_DIR`: no config, model or trainer
         STANDALONE[argv[0]](argv[1:])
         return
@@ -256,124 +310,5 @@ def _input_error(err: BaseException, argv: list[str]) -> str | None:
         if isinstance(link, (ConfigError, RunError, RecordError, BackboneError, MisconfigurationException)):
             return " ".join(str(link).split())
     if isinstance(chain[0], ArgumentError):
-        return _parser_error_line(str(chain[0]), argv)
+        return parser_error_line(str(chain[0]), argv)
     return None
-
-
-_PARSER_REPORT_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:",
-                        "Given value type:", "Given value:", "- Expected a <class 'NoneType'>")
-
-
-def _parser_error_line(report: str, argv: list[str]) -> str:
-    """jsonargparse's nested report (one block per Union alternative) → ``key.path: innermost message``.
-
-    The innermost message is the most indented line that is not part of the report's scaffolding; the key
-    path is the chain of ``Parser key`` lines above it (``init_args`` where it descends into a class). A class that
-    does not import is reported under ``class_path``, and an option the class does not take with the nearest one.
-    """
-    path: list[tuple[int, str, str | None]] = []  # (indent, key, class path) of the enclosing key / class lines
-    best: tuple[int, str, list[tuple[str, str | None]]] | None = None
-    for line in report.splitlines():
-        text, indent = line.strip(), len(line) - len(line.lstrip())
-        if not text or text.startswith(_PARSER_REPORT_NOISE):
-            continue
-        while path and path[-1][0] >= indent:
-            path.pop()
-        key = re.fullmatch(r'Parser key "(.+)":', text)
-        class_path = re.fullmatch(r"- Problem with given class_path '(.+)':", text)
-        if key or class_path:
-            path.append((indent, key.group(1) if key else "init_args", class_path.group(1) if class_path else None))
-        elif best is None or indent > best[0]:
-            best = (indent, text.removeprefix("- "), [(k, c) for _, k, c in path])
-    if best is None:
-        return " ".join(report.split())
-    _, message, keys = best
-    owner = keys[-1][1] if keys else None
-    names = [k for k, _ in keys]
-    if owner is not None:
-        message, key = _class_problem(owner, message)
-        if message.startswith("cannot import"):
-            names[-1] = "class_path"
-        source = config_file_with_key(argv, ".".join([*names, key]), leaf=True) if key else None
-        if source is not None:
-            return f"{source}: {'.'.join(names)}: {message}"
-    return f"{'.'.join(names)}: {message}" if names else message
-
-
-def _class_problem(class_path: str, message: str) -> tuple[str, str | None]:
-    """A problem jsonargparse reports for ``class_path``, with the name the user probably meant, and the key (below
-    the class's ``init_args``) it is about, if one. An option of the old flat form that a class's ``MOVED_OPTIONS``
-    maps to a key of an option group is named with that key (``temperature`` is now ``sampling.temperature``)."""
-    if re.match(r"(module '.+' has no attribute|No module named|Import path .+ does not)", message):
-        module = class_path.rpartition(".")[0]
-        try:
-            choices = [f"{module}.{n}" for n in dir(importlib.import_module(module)) if not n.startswith("_")]
-        except Exception:  # noqa: BLE001  (the module itself does not import: nothing to suggest)
-            choices = []
-        return f"cannot import {class_path!r} ({message}){did_you_mean(class_path, choices)}", None
-    try:
-        module, _, name = class_path.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-    except Exception:  # noqa: BLE001
-        cls = None
-    moved = getattr(cls, "MOVED_OPTIONS", {})
-    option = re.fullmatch(r"Option '(.+)' is not accepted", message)
-    group_option = re.fullmatch(r"Group '(.+)' does not accept option '(.+)'", message)
-    argument = re.fullmatch(r"unrecognized arguments: --([^\s=]+).*", message)
-    scalar_for_group = re.fullmatch(r'Parser key "(\w+)": Unable to load config .*', message)
-    key = (option or argument or scalar_for_group).group(1) if (option or argument or scalar_for_group) else (
-        f"{group_option.group(1)}.{group_option.group(2)}" if group_option else None)
-    if key is None:
-        return message, None
-    if key in moved and moved[key] != key:
-        return f"{key!r} is now {moved[key]!r} (the options of {class_path} are in groups)", key
-    if scalar_for_group:
-        return message, key
-    suggestion = did_you_mean(key, _option_keys(cls))
-    near_old = difflib.get_close_matches(key, list(moved), n=1, cutoff=0.6)
-    if not suggestion and near_old:  # a misspelt option of the old flat form: the key it moved to
-        suggestion = f"; did you mean {moved[near_old[0]]!r}?"
-    return f"{class_path} has no option {key!r}{suggestion}", key
-
-
-def _option_keys(cls: type | None) -> list[str]:
-    """The keys of ``cls``'s constructor, each option group's as ``group.field``."""
-    import dataclasses
-    import typing
-
-    if cls is None:
-        return []
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-        parameters = inspect.signature(cls).parameters
-    except Exception:  # noqa: BLE001  (an unresolvable annotation: the names alone)
-        return list(getattr(inspect.signature(cls), "parameters", {}))
-    keys = []
-    for name in parameters:
-        keys.append(name)
-        if dataclasses.is_dataclass(hints.get(name)):
-            keys += [f"{name}.{f.name}" for f in dataclasses.fields(hints[name]) if f.init]
-    return keys
-
-
-def config_file_with_key(argv: list[str], dotted: str, leaf: bool = False) -> str | None:
-    """The last ``--config`` file of ``argv`` that sets the key ``dotted`` (``trainer.max_step``), if any; ``leaf``:
-    to a value that is not a mapping (an old flat option, not the option group of the same name)."""
-    import yaml
-
-    found = None
-    for i, arg in enumerate(argv):
-        name, sep, value = arg.partition("=")
-        if name not in ("--config", "-c") or (not sep and i + 1 == len(argv)):
-            continue
-        path = value if sep else argv[i + 1]
-        try:
-            node = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue
-        *parents, last = dotted.split(".")
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node and not (leaf and isinstance(node[last], dict)):
-            found = path
-    return found

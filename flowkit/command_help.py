@@ -20,7 +20,9 @@ import importlib.util
 import inspect
 import re
 import shutil
+import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +58,7 @@ def command_description(command: str, summary: str) -> str:
             "flowkit.modules.RolloutDataModule` (or another class), and set as `--model.init_args.NAME`.")
 
 
+@functools.lru_cache(maxsize=1)
 def _subcommand_functions() -> dict[str, tuple[str, ast.FunctionDef, str]]:
     """flowkit's own commands, ``{name: (kind, function node, module)}`` with kind ``subcommand`` or ``standalone``,
     from the decorators in ``flowkit/commands/*.py`` (importing them would import torch)."""
@@ -78,21 +81,28 @@ def builtin_commands() -> dict[str, tuple[str, str]]:
             for name, (kind, node, _) in _subcommand_functions().items()}
 
 
+def builtin_function(command: str, kind: str) -> Callable | None:
+    """flowkit's own function of the ``kind`` command ``command`` (``subcommand`` or ``standalone``) where its module
+    is imported already; None otherwise (importing the module registers it)."""
+    found_kind, node, module = _subcommand_functions().get(command, (None, None, None))
+    return getattr(sys.modules[module], node.name) if found_kind == kind and module in sys.modules else None
+
+
 def standalone_module(command: str) -> str | None:
     """The module of flowkit's standalone command ``command`` (``flowkit.commands.plot``), if it is one."""
     kind, _, module = _subcommand_functions().get(command, (None, None, None))
     return module if kind == "standalone" else None
 
 
-def print_overview() -> None:
-    """``flowkit --help``: every command with its first docstring line (plugins' included)."""
+def print_overview(plugins: dict[str, str]) -> None:
+    """``flowkit --help``: every command with its first docstring line; ``plugins``, not loaded, with a line each."""
     builtin = builtin_commands()
     with_config = dict(LIGHTNING_COMMANDS)
     with_config.update({name: doc for name, (kind, doc) in builtin.items() if kind == "subcommand"})
     with_config.update({name: first_paragraph(fn.__doc__) for name, fn in SUBCOMMANDS.items()})
     other = {name: doc for name, (kind, doc) in builtin.items() if kind == "standalone"}
     other.update({name: first_paragraph(fn.__doc__) for name, fn in STANDALONE.items()})
-    width = max(map(len, [*with_config, *other])) + 2
+    width = max(map(len, [*with_config, *other, *plugins])) + 2
     text_width = max(40, shutil.get_terminal_size().columns - width - 4)
 
     def rows(commands: dict[str, str]) -> list[str]:
@@ -114,6 +124,7 @@ def print_overview() -> None:
         "",
         "other commands:",
         *rows(other),
+        *(["", "plugin commands (installed packages, loaded when run):", *rows(plugins)] if plugins else []),
         "",
         "Start with: flowkit fit --config configs/rlfr_tiny.yaml",
     ]))

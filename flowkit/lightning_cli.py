@@ -25,7 +25,6 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
-from flowkit.cli import config_file_with_key
 from flowkit.checkpointing import fault_tolerance_defaults
 from flowkit.checkpointing.preemption import VALIDATION_INTERRUPTED_KEY
 from flowkit.checkpointing.resume import (
@@ -38,6 +37,7 @@ from flowkit.errors import ConfigError, did_you_mean
 from flowkit.modules.callbacks import ExportArtifacts
 from flowkit.modules.completions import CompletionLogs
 from flowkit.modules.summary import ParameterSummary, RunSummary
+from flowkit.parser_errors import config_file_with_key
 from flowkit.registry import SUBCOMMANDS
 
 __all__ = ["FlowkitCLI", "FlowkitTrainer", "RunCSVLogger", "place_run"]

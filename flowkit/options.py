@@ -3,7 +3,8 @@
 Each option is declared once, as a field of its group: its name, its type (a ``Literal`` lists the allowed values),
 its default, its help (the string literal under the field, which ``flowkit fit --model.help`` and the README's tables
 print) and its range (:func:`bounded`) or registry (:func:`registered`). :meth:`OptionGroup.check` checks every field
-against them, then the group's own rules between fields (:meth:`OptionGroup.check_rules`).
+against them, then the group's own rules between fields (:meth:`OptionGroup.check_rules`). Every number an option
+holds must also survive the dtype it is used in (:func:`check_representable`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import math
 import re
 import textwrap
 import types
@@ -22,12 +24,35 @@ from flowkit.errors import ConfigError, check_range, did_you_mean
 
 Entry = TypeVar("Entry")
 
+FLOAT_LIMIT = 1e15
+"""The largest magnitude of a float option: options become float32 tensors (at most 3.4e38), and a value, its square
+and their sums over a batch must stay finite there (``overlong_penalty 1e300`` is −inf in float32)."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The smallest normal float32: a nonzero option below it in magnitude would be 0 (or lose its precision) there."""
+INT_LIMIT = 2**31 - 1
+"""The largest magnitude of an int option: counts and sizes reach int32 arguments (vLLM's, CUDA kernels')."""
+
 
 def bounded(default: Any, low: float | None = None, high: float | None = None, *, open_low: bool = False,
             open_high: bool = False) -> Any:
     """A field with ``default`` whose value must lie in ``[low, high]`` (open on an ``open_`` side; None: unbounded;
     a None value is "off" and passes): :func:`~flowkit.errors.check_range`."""
     return field(default=default, metadata={"range": (low, high, open_low, open_high)})
+
+
+def check_representable(key: str, value: Any) -> None:
+    """A one-line ConfigError for a number ``value`` of option ``key`` that its dtype cannot hold: a float beyond
+    :data:`FLOAT_LIMIT` or nonzero below :data:`FLOAT32_TINY` in magnitude, an int beyond :data:`INT_LIMIT`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        return
+    if isinstance(value, int) and abs(value) > INT_LIMIT:
+        raise ConfigError(f"{key} {value} overflows int32, where it is used: at most {INT_LIMIT} in magnitude")
+    if isinstance(value, float) and math.isfinite(value) and abs(value) > FLOAT_LIMIT:
+        raise ConfigError(f"{key} {value!r} overflows float32, where it is used (its square and a batch's sum must "
+                          f"stay finite): at most {FLOAT_LIMIT:g} in magnitude")
+    if isinstance(value, float) and abs(value) < FLOAT32_TINY:
+        raise ConfigError(f"{key} {value!r} is subnormal or 0 in float32, where it is used: 0 or at least "
+                          f"{FLOAT32_TINY:.2g} in magnitude")
 
 
 def registered(default: str, registry: dict[str, Any]) -> Any:
@@ -80,6 +105,7 @@ class OptionGroup:
             if "range" in option.metadata:
                 low, high, open_low, open_high = option.metadata["range"]
                 check_range(owner, option.name, value, low, high, open_low=open_low, open_high=open_high)
+            check_representable(f"{owner}.{option.name}", value)
             if isinstance(value, OptionGroup):
                 value.check(f"{owner}.{option.name}")
         self.check_rules(owner)

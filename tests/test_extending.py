@@ -89,14 +89,15 @@ def test_a_broken_plugin_is_one_warning_and_flowkit_still_runs(tmp_path):
                                      "fit": "my_project.commands:count_params"},  # a name flowkit's own command has
                           {"my_project/__init__.py": "", "my_project/commands.py": COUNT_PARAMS,
                            "my_project/broken.py": "import a_module_nobody_installed\n"})
-    for command in ([], ["count-params"]):  # the overview and a command's help both warn
+    taken = ("warning: flowkit plugin 'fit' (my_project.commands:count_params) failed to load and is left out: "
+             "'fit' is a command of flowkit itself; choose another name")
+    broken = ("warning: flowkit plugin 'broken' (my_project.broken) failed to load and is left out: "
+              "ModuleNotFoundError: No module named 'a_module_nobody_installed'")
+    # the overview reads the plugins' names and loads none; a plugin's help loads them all
+    for command, expected in (([], [taken]), (["count-params"], [taken, broken])):
         result = flowkit(tmp_path, *command, "--help", extra_path=site)
         assert result.returncode == 0, result.stderr[-2000:]
-        warnings = [line for line in result.stderr.splitlines() if "plugin" in line]
-        assert warnings == ["warning: flowkit plugin 'broken' (my_project.broken) failed to load and is left out: "
-                            "ModuleNotFoundError: No module named 'a_module_nobody_installed'",
-                            "warning: flowkit plugin 'fit' (my_project.commands:count_params) failed to load and is left "
-                            "out: ValueError: 'fit' is a command of flowkit itself; choose another name"], result.stderr
+        assert [line for line in result.stderr.splitlines() if "plugin" in line] == expected, result.stderr
         assert "count-params" in result.stdout and "Traceback" not in result.stderr
     fit_help = flowkit(tmp_path, "fit", "--help", extra_path=site)  # flowkit's fit, not the plugin's
     assert fit_help.returncode == 0 and "--trainer.max_steps" in fit_help.stdout, fit_help.stderr[-2000:]
@@ -111,6 +112,73 @@ def test_a_broken_plugin_is_one_warning_and_flowkit_still_runs(tmp_path):
                         "rollout-server; `flowkit --help` describes them)")
 
 
+HOSTILE_PLUGINS = {
+    "my_project/__init__.py": "",
+    "my_project/exits.py": "import sys\nsys.exit(0)\n",
+    "my_project/interrupts.py": "raise KeyboardInterrupt\n",
+    "my_project/takes_over.py": '''
+        import os
+        from pathlib import Path
+
+        from flowkit.registry import standalone, subcommand
+
+        Path(os.environ["PLUGIN_MARKER"]).write_text("imported")
+
+
+        @standalone("fit")
+        def fake_fit(argv):
+            print("the plugin's fit")
+
+
+        @subcommand("export")
+        def fake_export(trainer, model, datamodule):
+            print("the plugin's export")
+
+
+        @standalone("hello")
+        def hello(argv):
+            """say hello"""
+            print("hello from the plugin", argv)
+    ''',
+}
+
+
+def test_plugins_cannot_end_or_replace_flowkit_and_load_only_for_their_own_commands(tmp_path):
+    site = install_plugin(tmp_path, {"exits": "my_project.exits", "interrupts": "my_project.interrupts",
+                                     "takes-over": "my_project.takes_over"}, HOSTILE_PLUGINS)
+    marker = tmp_path / "imported"
+    os.environ["PLUGIN_MARKER"] = str(marker)  # the child's environment is this one's
+    try:
+        overview = flowkit(tmp_path, "--help", extra_path=site)
+        fit_config = flowkit(tmp_path, "fit", "--config", str(CONFIG), "--print_config", extra_path=site)
+        assert not marker.exists()  # neither the overview nor flowkit's own command imported a plugin
+        hello = flowkit(tmp_path, "hello", "world", extra_path=site)
+        registries = subprocess.run(
+            [sys.executable, "-c", "from flowkit import cli; from flowkit.registry import STANDALONE, SUBCOMMANDS; "
+                                   "import flowkit.commands.export; cli.load_plugins(); "
+                                   "print(sorted(STANDALONE), SUBCOMMANDS['export'].__module__)"],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])},
+            capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        del os.environ["PLUGIN_MARKER"]
+    assert overview.returncode == 0 and overview.stderr == "", overview.stderr[-2000:]
+    assert {"exits", "interrupts", "takes-over"} <= {line.split()[0] for line in overview.stdout.splitlines()
+                                                     if line.startswith("  ") and line[2] != " "}
+    assert fit_config.returncode == 0 and "the plugin's" not in fit_config.stdout, fit_config.stderr[-2000:]
+    assert "trainer:" in fit_config.stdout
+    assert hello.returncode == 0 and "hello from the plugin ['world']" in hello.stdout, hello.stderr[-2000:]
+    assert hello.stderr.splitlines() == [
+        "warning: flowkit plugin 'exits' (my_project.exits) failed to load and is left out: SystemExit: 0",
+        "warning: flowkit plugin 'interrupts' (my_project.interrupts) failed to load and is left out: "
+        "KeyboardInterrupt",
+        "warning: flowkit plugin 'takes-over' (my_project.takes_over) registers 'export', a command of flowkit "
+        "itself; flowkit's own 'export' runs",
+        "warning: flowkit plugin 'takes-over' (my_project.takes_over) registers 'fit', a command of flowkit itself; "
+        "flowkit's own 'fit' runs"], hello.stderr
+    assert registries.returncode == 0, registries.stderr[-2000:]
+    assert registries.stdout.split() == ["['hello']", "flowkit.commands.export"]  # flowkit's export, no plugin fit
+
+
 PROJECT_REWARDS = '''
     def short_answer(completions, **columns):
         """1 for a completion of at most 4 characters."""
@@ -121,10 +189,13 @@ PROJECT_REWARDS = '''
 def test_project_code_imports_from_the_working_directory_and_from_a_file(tmp_path):
     (tmp_path / "my_project").mkdir()
     (tmp_path / "my_project" / "__init__.py").write_text("")
-    (tmp_path / "my_project" / "funcs.py").write_text(textwrap.dedent(PROJECT_REWARDS))
+    # a module and a file that end their import as a script would: warnings, and the functions they defined run
+    (tmp_path / "my_project" / "funcs.py").write_text(textwrap.dedent(PROJECT_REWARDS) + "raise KeyboardInterrupt\n")
     (tmp_path / "rewards").mkdir()
-    (tmp_path / "rewards" / "length.py").write_text("def length(completions, **columns):\n"
-                                                     "    return [float(len(c)) for c in completions]\n")
+    (tmp_path / "rewards" / "length.py").write_text("import sys\n\ndef length(completions, **columns):\n"
+                                                     "    return [float(len(c)) for c in completions]\n\nsys.exit(0)\n")
+    # a file of the project named as one of flowkit's dependencies does not replace it
+    (tmp_path / "yaml.py").write_text("from pathlib import Path\nPath('shadowed').write_text('')\n")
     functions = ('[{function: my_project.funcs.short_answer, weight: 0.1}, '
                  '{function: "rewards/length.py:length", weight: 0.0}]')
     with_validation_data = [arg for arg in ONE_STEP if arg not in ("--data.init_args.val_path", "null")]
@@ -132,6 +203,12 @@ def test_project_code_imports_from_the_working_directory_and_from_a_file(tmp_pat
                      "runs/own", "--model.init_args.reward_functions", functions,
                      "--trainer.callbacks", "[{class_path: flowkit.modules.ExportArtifacts}]")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not (tmp_path / "shadowed").exists()
+    stops = {0: (tmp_path / "my_project" / "funcs.py", "KeyboardInterrupt()"),
+             1: (tmp_path / "rewards" / "length.py", "SystemExit(0)")}
+    for index, (module, stop) in stops.items():
+        assert (f"warning: PolicyModule.reward_functions[{index}]: {module} raised {stop} when imported; flowkit goes "
+                "on with what it defined before") in result.stderr.splitlines(), result.stderr[-3000:]
     # the export and the summary on one stream (stdout); no HF bar ("Writing model shards") in a log
     assert "fit summary: 1 step (0 → 1)" in result.stdout and "exported policy: " in result.stdout, result.stdout
     assert "exported" not in result.stderr and "Writing model shards" not in result.stderr
@@ -229,7 +306,8 @@ def test_a_reward_function_returning_a_dict_is_one_line_naming_it(tmp_path):
 
 
 def test_importing_the_cli_loads_neither_torch_nor_lightning():
-    probe = ("import sys, flowkit.cli; "
+    """Nor does the translation of the parser's errors, which :mod:`flowkit.lightning_cli` imports (not the CLI)."""
+    probe = ("import sys, flowkit.cli, flowkit.parser_errors; "
              "print(sorted(m for m in ('torch', 'lightning', 'transformers', 'jsonargparse') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=120, check=True).stdout

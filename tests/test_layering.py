@@ -21,7 +21,7 @@ LAYERS = [
     ("strategies",),
     ("modules",),                                            # LightningModules, DataModules, callbacks
     ("commands",),
-    ("cli", "command_help", "lightning_cli", "__main__", "__init__"),  # the console: its modules call one another
+    ("cli", "command_help", "parser_errors", "lightning_cli", "__main__", "__init__"),  # the console
 ]
 CONSOLE = LAYERS[-1]
 LAYER = {unit: index for index, units in enumerate(LAYERS) for unit in units}

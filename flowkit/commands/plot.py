@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import csv
 import fnmatch
+import io
 import math
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from flowkit.registry import standalone
@@ -47,27 +50,66 @@ def metrics_files(run_dir: str | Path) -> list[Path]:
     return sorted(versions, key=lambda p: int(p.parent.name.removeprefix("version_")))
 
 
+class MetricsFileError(ValueError):
+    """A ``metrics.csv`` that is not the table Lightning's CSVLogger writes; the message names the file and line."""
+
+
 def read_metrics(run_dir: str | Path) -> Series:
     """Every logged metric of the run by step; a later version's value of a step replaces an earlier one's.
-    Non-finite values (``flow/loss`` is NaN on steps without a flow update) are left out."""
+    Non-finite values (``flow/loss`` is NaN on steps without a flow update) are left out. A damaged file is a
+    :class:`MetricsFileError` (:func:`metrics_rows`)."""
     files = metrics_files(run_dir)
     if not files:
         raise FileNotFoundError(f"{run_dir}: no metrics.csv (looked in it and in its version_* directories)")
     series: Series = {}
     for path in files:
-        with path.open(newline="") as f:
-            for row in csv.DictReader(f):
-                step = int(row.pop("step"))
-                for name, value in row.items():
-                    if name != "epoch" and value not in ("", None) and math.isfinite(float(value)):
-                        series.setdefault(name, {})[step] = float(value)
+        for step, values in metrics_rows(path):
+            for name, value in values.items():
+                if name != "epoch" and math.isfinite(value):
+                    series.setdefault(name, {})[step] = value
     return series
+
+
+def metrics_rows(path: Path) -> Iterator[tuple[int, dict[str, float]]]:
+    """``(step, {metric: value})`` of each row of ``path``, empty cells left out. Checked as it is read: a header
+    naming ``step`` once and no column twice, rows as long as it, an integer step and numbers in every other cell.
+    A last line cut short with no newline after it (the logger is writing it) is left out."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        lines = list(csv.reader(io.StringIO(text, newline="")))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise MetricsFileError(f"{path}: not a readable CSV file ({type(err).__name__}: {err})") from None
+    if not lines:
+        raise MetricsFileError(f"{path}: empty (no header row)")
+    header = lines[0]
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated or "step" not in header:
+        problem = f"names {', '.join(map(repr, repeated))} more than once" if repeated else "has no 'step' column"
+        raise MetricsFileError(f"{path}:1: the header {problem}: {','.join(header)[:80]!r}")
+    for number, cells in enumerate(lines[1:], start=2):
+        if len(cells) != len(header):
+            if number == len(lines) and len(cells) < len(header) and not text.endswith("\n"):
+                continue  # being written
+            raise MetricsFileError(f"{path}:{number}: {len(cells)} cells where the header has {len(header)}")
+        row = dict(zip(header, cells))
+        step = row.pop("step")
+        if not step.strip().lstrip("-").isdigit():
+            raise MetricsFileError(f"{path}:{number}: step {step[:40]!r} is not an integer")
+        yield int(step), {name: _number(value, path, number, name) for name, value in row.items() if value != ""}
+
+
+def _number(value: str, path: Path, line: int, column: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise MetricsFileError(f"{path}:{line}: {column} {value[:40]!r} is not a number") from None
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None, smooth: int = 1, title: str | None = None) -> Path:
     """Draw the run's curves (:func:`draw_curves`) and write the PNG (default ``RUN_DIR/curves.png``)."""
+    series = read_metrics(run_dir)  # before matplotlib loads: a damaged file is reported at once
     plt = _pyplot()
-    figure = draw_curves(read_metrics(run_dir), smooth, title or str(run_dir))
+    figure = draw_curves(series, smooth, title or str(run_dir))
     out = Path(out) if out is not None else Path(run_dir) / "curves.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=100)
@@ -149,6 +191,7 @@ def plot_command(argv: list[str]) -> None:
     options = parser.parse_args(argv)
     try:
         path = plot_run(options.run_dir, options.out, options.smooth, options.title)
-    except FileNotFoundError as err:
-        raise SystemExit(f"error: {err}") from None
+    except (FileNotFoundError, MetricsFileError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {path}")

@@ -65,14 +65,14 @@ class RLStep:
         backward, step_optimizer: see the module docstring.
         controls: DAPO's sampling controls (:class:`~flowkit.engine.options.SamplingControls`).
         draw_prompts: ``draw_prompts(step, draw)`` → (prompts, answers, columns) of dynamic sampling's extra draw
-            ``draw`` ≥ 1 of step ``step`` (a pure function of both, so a resumed run draws the same).
+            ``draw`` ≥ 1 of step ``step`` (pure in both: a resumed run draws the same), or None to stop (SIGTERM).
     """
 
     def __init__(self, actor: Actor, rollout: RolloutEngine, reward_model: TokenRewardModel | None,
                  grade: Callable[[RolloutBatch], RolloutBatch], advantage: AdvantageOptions, update: UpdateOptions,
                  num_samples: int, backward: Callable[[Tensor], None],
                  step_optimizer: Callable[[Collection[str]], None], controls: SamplingControls = SamplingControls(),
-                 draw_prompts: Callable[[int, int], tuple[list[str], list[str], dict[str, list]]] | None = None):
+                 draw_prompts: Callable[[int, int], tuple[list[str], list[str], dict[str, list]] | None] | None = None):
         self.actor, self.rollout, self.reward_model, self.grade = actor, rollout, reward_model, grade
         self.advantage, self.update, self.num_samples = advantage, update, num_samples
         self.backward, self.step_optimizer = backward, step_optimizer
@@ -127,10 +127,9 @@ class RLStep:
 
     def _dynamic_sampling(self, batch: RolloutBatch, step: int, timings: dict[str, float],
                           stats: dict[str, float]) -> RolloutBatch:
-        """DAPO's dynamic sampling: keep the groups whose raw outcomes differ, draw more prompts until as many groups
-        as the step's prompts are kept on every rank (or ``max_draws`` generations ran: every rank draws as often,
-        each draw being a collective under ZeRO-3), then keep the first that many. A rank that kept no group trains
-        on its first draw as it came (all its outcome advantages are 0)."""
+        """DAPO's dynamic sampling: keep the groups whose raw outcomes differ and draw more prompts until every rank
+        kept as many as the step has prompts, ``max_draws`` ran or SIGTERM came (ranks draw equally often: a draw is a
+        collective under ZeRO-3); keep the first that many. A rank that kept none trains on its first draw."""
         if self.draw_prompts is None:
             raise ValueError("dynamic sampling needs RLStep.draw_prompts (a source of extra prompt batches)")
         target = int(batch.group_ids.unique().numel())
@@ -140,10 +139,11 @@ class RLStep:
             drawn += int(batch.group_ids.unique().numel())
             kept += int(parts[-1].group_ids.unique().numel())
             draws += 1
-            if draws >= self.controls.dynamic_sampling_max_draws or all_reduce_int(kept, ReduceOp.MIN) >= target:
+            if (draws >= self.controls.dynamic_sampling_max_draws or all_reduce_int(kept, ReduceOp.MIN) >= target
+                    or (extra := self.draw_prompts(step, draws)) is None):  # None: SIGTERM
                 break
             next_id = int(batch.group_ids.max()) + 1
-            batch = self._generated(*self.draw_prompts(step, draws), timings)
+            batch = self._generated(*extra, timings)
             batch.group_ids = batch.group_ids + next_id  # groups of every draw stay apart
         stats.update({"train/groups_drawn": float(drawn), "train/groups_kept": float(min(kept, target)),
                       "train/sampling_draws": float(draws), "train/zero_advantage_group_frac": 1.0 - kept / drawn})

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from flowkit.batch import RolloutBatch, pad_columns
+from flowkit.distributed import all_reduce_int
 from flowkit.engine import (
     Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
     UpdateOptions,
@@ -238,8 +239,12 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         self.log("acc", batch.correct.float().mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
         return {"rollouts": batch}  # on_train_batch_end's outputs, for callbacks (flowkit.modules.CompletionLogs)
 
-    def draw_prompts(self, step: int, draw: int) -> tuple[list[str], list[str], dict[str, list]]:
-        """Dynamic sampling's extra draw ``draw`` of RL step ``step``, from the datamodule's ``extra_batch``."""
+    def draw_prompts(self, step: int, draw: int) -> tuple[list[str], list[str], dict[str, list]] | None:
+        """Dynamic sampling's extra draw ``draw`` of RL step ``step``, from the datamodule's ``extra_batch``; None
+        once any rank received SIGTERM (a collective: every rank draws as often), so the step ends with the groups
+        it kept and the pre-emption checkpoint follows it."""
+        if all_reduce_int(int(self.trainer.received_sigterm), torch.distributed.ReduceOp.MAX):
+            return None
         extra_batch = getattr(self.trainer.datamodule, "extra_batch", None)
         if extra_batch is None:
             raise ConfigError(f"PolicyModule.controls.dynamic_sampling_max_draws draws more prompts from the datamodule's extra_batch "

@@ -109,6 +109,10 @@ def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_rew
             group.check(f"{owner}.{key}")
     sampling, rollout, flow_pretrain = groups["sampling"], groups["rollout"], groups["flow_pretrain"]
     groups["controls"].check_within(f"{owner}.controls", sampling.max_new_tokens)
+    if groups["controls"].dynamic_sampling_max_draws is not None and sampling.num_samples < 2:
+        raise ConfigError(f"{owner}.controls.dynamic_sampling_max_draws keeps the groups whose outcomes differ, which "
+                          f"a group of {owner}.sampling.num_samples 1 never has: use num_samples >= 2, or "
+                          "dynamic_sampling_max_draws null")
     rollout.check_group_size(f"{owner}.rollout", sampling.num_samples)
     registry_entry(ROLLOUT_ENGINES, rollout.engine).check()
     if rollout.server_lora_push == "adapter" and lora is None:

@@ -152,13 +152,20 @@ def _is_number(value: Any) -> bool:
 
 def _import(dotted: Any, where: str) -> Any:
     """``package.module.name`` (importable: installed, or under the working directory, which the flowkit CLI puts on
-    ``sys.path`` as ``python -m`` does) or ``path/to/file.py:name`` (a file, relative to the working directory)."""
+    ``sys.path`` after flowkit's own dependencies) or ``path/to/file.py:name`` (a file, relative to the working
+    directory)."""
     text = str(dotted)
     if ":" in text:
         return _import_from_file(text, where)
     module, _, attr = text.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), attr)
+        loaded = sys.modules.get(module)
+        if loaded is None:
+            spec = importlib.util.find_spec(module)  # imports the parent packages
+            if spec is None:
+                raise ModuleNotFoundError(f"No module named {module!r}")
+            loaded = _executed(module, spec, where, spec.origin or module)
+        return getattr(loaded, attr)
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(f"{where}: cannot import {dotted!r} ({err}); a module of your project imports from the "
                           "directory flowkit runs in, or name a file: path/to/file.py:function") from None
@@ -173,17 +180,29 @@ def _import_from_file(spec: str, where: str) -> Any:
     name = f"flowkit_user.{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     module = sys.modules.get(name)
     if module is None:
-        loader_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[name] = module  # before running it: pickling and dataclasses look the module up by name
         try:
-            loader_spec.loader.exec_module(module)
+            module = _executed(name, importlib.util.spec_from_file_location(name, path), where, str(path))
         except Exception as err:
-            del sys.modules[name]
             raise ConfigError(f"{where}: {path} fails to load ({type(err).__name__}: {err})") from None
     if not hasattr(module, attr):
         raise ConfigError(f"{where}: {path} has no {attr!r}")
     return getattr(module, attr)
+
+
+def _executed(name: str, spec: Any, where: str, shown: str) -> Any:
+    """The module ``spec`` run as ``name``. ``SystemExit`` or ``KeyboardInterrupt`` from its top level does not end
+    flowkit: a one-line warning naming the file, and the module keeps what it defined before it."""
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: pickling and dataclasses look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except (SystemExit, KeyboardInterrupt) as stop:
+        print(f"warning: {where}: {shown} raised {type(stop).__name__}({stop}) when imported; flowkit goes on with "
+              "what it defined before", file=sys.stderr)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 OutcomeReward = Literal["official", "binary", "none"]  # PolicyModule.outcome_reward

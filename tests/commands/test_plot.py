@@ -1,6 +1,9 @@
 """`flowkit plot RUN_DIR`: the training curves of a run's metrics.csv files as one PNG with six panels."""
 
 import csv
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,7 @@ import pytest
 from flowkit.cli import main
 from flowkit.commands.plot import PANELS, draw_curves, read_metrics
 
+ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ["epoch", "step", "train/outcome_reward", "train/accuracy", "train/reward/boxed_format_reward",
            "flow/reward_nonzero_frac", "flow/reward_mean", "flow/loss", "train/policy_loss", "train/entropy",
            "train/response_length", "val/heldout/pass@1"]
@@ -83,6 +87,43 @@ def test_flowkit_plot_writes_the_png(run_dir, capsys):
     assert pixels.std() > 0.05  # something was drawn
 
 
-def test_flowkit_plot_names_a_directory_without_metrics(tmp_path):
-    with pytest.raises(SystemExit, match="no metrics.csv"):
+def test_flowkit_plot_names_a_directory_without_metrics(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
         main(["plot", str(tmp_path)])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path}: no metrics.csv (looked in it and in its version_* "
+                                       "directories)\n")
+
+
+HEADER = "epoch,step,train/accuracy,train/entropy\r\n"
+DAMAGED = {  # what metrics.csv holds → the error's line and what it says
+    "truncated-row": (HEADER + "0,1,0.5,0.2\r\n0,2,0.6\r\n0,3,0.7,0.1\r\n", ":3: 3 cells where the header has 4"),
+    "non-numeric-cell": (HEADER + "0,1,0.5,0.2\r\n0,2,high,0.1\r\n", ":3: train/accuracy 'high' is not a number"),
+    "non-integer-step": (HEADER + "0,1.5,0.5,0.2\r\n", ":2: step '1.5' is not an integer"),
+    "missing-header": ("0,1,0.5,0.2\r\n0,2,0.6,0.1\r\n", ":1: the header has no 'step' column: '0,1,0.5,0.2'"),
+    "empty-file": ("", ": empty (no header row)"),
+    "binary-garbage": (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", ": not a readable CSV file (UnicodeDecodeError: "),
+    "nul-bytes": ("step,x\r\n1,\x00\r\n", ":2: x '\\x00' is not a number"),
+    "duplicate-columns": ("epoch,step,train/accuracy,train/accuracy\r\n0,1,0.5,0.6\r\n",
+                          ":1: the header names 'train/accuracy' more than once"),
+    "extra-cells": (HEADER + "0,1,0.5,0.2,0.9\r\n", ":2: 5 cells where the header has 4"),
+}
+
+
+@pytest.mark.parametrize(("content", "expected"), DAMAGED.values(), ids=DAMAGED.keys())
+def test_a_damaged_metrics_file_is_one_line_naming_it_and_the_row(tmp_path, content, expected):
+    metrics = tmp_path / "run" / "version_0" / "metrics.csv"
+    write_metrics(metrics.parent.parent / "version_1", range(3))  # an intact version beside it: the damaged one named
+    metrics.parent.mkdir()
+    (metrics.write_bytes if isinstance(content, bytes) else metrics.write_text)(content)
+    result = subprocess.run([sys.executable, "-m", "flowkit", "plot", str(tmp_path / "run")], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 2 and result.stderr.startswith(f"error: {metrics}{expected}"), result.stderr
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "run" / "curves.png").exists()
+
+
+def test_a_last_row_being_written_is_left_out(tmp_path):
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text(HEADER + "0,1,0.5,0.2\r\n0,2,0.6,0.1\r\n0,3,0.")  # the logger is writing row 3
+    assert read_metrics(tmp_path) == {"train/accuracy": {1: 0.5, 2: 0.6}, "train/entropy": {1: 0.2, 2: 0.1}}
