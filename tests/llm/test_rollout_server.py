@@ -37,11 +37,14 @@ PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
 TIMEOUT_S = 20.0  # the engine's bound on every wait, in these tests
 HF_ONLY = pytest.mark.parametrize("server", ["hf"], indirect=True)
 LORA = ["--model.init_args.lora", "{r: 4, alpha: 8}"]  # a LoRA policy, 4 layers × 7 projections adapted
+SHARED = ("--lease", "0.01")
+"""The module's servers serve one trainer run after another from this process, the earlier runs' weight-channel
+stores still open (so still live runs to the server): each run takes the channel once the previous one is silent."""
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def server(request, tmp_path_factory):
-    running = RolloutServer(tmp_path_factory.mktemp("server") / "server.log", TIMEOUT_S, request.param)
+    running = RolloutServer(tmp_path_factory.mktemp("server") / "server.log", TIMEOUT_S, request.param, extra=SHARED)
     yield running
     running.kill()
 
@@ -530,7 +533,7 @@ def two_servers(tmp_path_factory):
     directory = tmp_path_factory.mktemp("two_servers")
     running = []
     try:
-        running += [RolloutServer(directory / f"server{index}.log", TIMEOUT_S) for index in range(2)]
+        running += [RolloutServer(directory / f"server{index}.log", TIMEOUT_S, extra=SHARED) for index in range(2)]
         yield running
     finally:
         for server in running:
