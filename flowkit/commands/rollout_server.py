@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 TORN = -1
 """The version after a push that failed part way (the model holds a mix of two versions): below every request's
 ``min_version``, so nothing is generated until the next whole push."""
+LEASE_S = 600.0  # --lease: a trainer step (its generation, update, validation, checkpoint) takes less
+MAX_REQUEST_TOKENS = 2**24  # --max-request-tokens: 512 prompts × 16 samples × 2048 tokens
 PROBE_S = 2.0  # how long a holder's store has to answer before its run counts as gone (a stopped or vanished host)
 
 
@@ -95,7 +97,7 @@ class RolloutService:
     the run holding it (:class:`Lease`), one lock for the model."""
 
     def __init__(self, backend: HFServerBackend | VllmServerBackend, backbone: str, timeout_s: float,
-                 lease_s: float = 600.0, max_request_tokens: int = 2**24):
+                 lease_s: float = LEASE_S, max_request_tokens: int = MAX_REQUEST_TOKENS):
         self.backend, self.backbone, self.timeout_s = backend, backbone, timeout_s
         self.lease_s, self.max_request_tokens = lease_s, max_request_tokens
         self.tokenizer = backend.tokenizer
@@ -288,12 +290,12 @@ def _parser() -> argparse.ArgumentParser:
                              "generated into a file of mode 0600, its path printed)")
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve requests without the secret (only with a loopback --host)")
-    parser.add_argument("--lease", type=_bounded(float, 0, open_low=True), default=600.0,
+    parser.add_argument("--lease", type=_bounded(float, 0, open_low=True), default=LEASE_S,
                         help="seconds without a request after which a live trainer run's weight channel may be taken "
                              "by another run")
     parser.add_argument("--max-body-mb", type=_bounded(float, 0, open_low=True), default=16.0,
                         help="largest request body (refused from its Content-Length, unread)")
-    parser.add_argument("--max-request-tokens", type=_bounded(int, 1), default=2**24,
+    parser.add_argument("--max-request-tokens", type=_bounded(int, 1), default=MAX_REQUEST_TOKENS,
                         help="largest n × prompts × max_new_tokens of one /generate request")
     parser.add_argument("--max-connections", type=_bounded(int, 1), default=64,
                         help="connections served at once (more wait in the kernel's backlog)")

@@ -16,6 +16,10 @@ the pushes run in parallel over ranks; a rank that pushes several servers sends 
 pass over the weights, and under ZeRO-3 every rank makes that one pass per push, pushing a server or not (each
 weight's gather is a collective). The servers must serve the trainer's model (each one's identity is checked at build).
 
+Every request carries the servers' secret (``rollout.server_token_file``, else ``FLOWKIT_SERVER_TOKEN``) and, from
+the run's first push, its run id (one for all ranks, :mod:`flowkit.llm.server_protocol`): a server leases its weight
+channel to the run that connected, and a reply saying another run holds it is one line (docs/security.md).
+
 Every wait has a bound (``rollout.server_timeout``): a server that is down, does not answer, restarted (its
 instance id changed, so its weights are no longer the trainer's) or serves another model (compared at connect:
 architecture, hidden size, layers, vocabulary) is one line naming its address, a :class:`ConfigError` at build
@@ -369,9 +373,12 @@ class ServerLink:
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")
             try:
-                detail = json.loads(detail)["error"]
+                refusal = json.loads(detail)
+                detail = refusal["error"]
             except (ValueError, KeyError, TypeError):
-                pass
+                refusal = None
+            if isinstance(refusal, dict):
+                self._check_instance(refusal)  # a refusal from another process than the one first reached
             raise self.error(f": {path} failed ({err.code}: {detail})") from None
         except (TimeoutError, socket.timeout):
             raise self.error(f": no answer to {path} within {self.timeout_s:g} s") from None
@@ -381,14 +388,17 @@ class ServerLink:
             raise self.error(f": unreachable ({err.reason})") from None
         except (OSError, ValueError) as err:  # reset mid-answer, or an answer that is not JSON
             raise self.error(f": {path} failed ({type(err).__name__}: {err})") from None
-        if self.instance is not None and reply.get("instance") != self.instance:
-            raise self.error(f" restarted (instance {reply.get('instance')}, was {self.instance}): it no longer "
-                             "holds the trainer's weights; resume the run from its last checkpoint")
+        self._check_instance(reply)
         if self.run is not None and reply.get("run") != self.run:
             raise self.error(f"'s weight channel was taken by another trainer run ({reply.get('run')}; this one: "
                              f"{self.run}) after this one sent no request for its --lease: the weights it holds are "
                              "no longer this run's; resume the run from its last checkpoint")
         return reply
+
+    def _check_instance(self, reply: dict) -> None:
+        if self.instance is not None and reply.get("instance") != self.instance:
+            raise self.error(f" restarted (instance {reply.get('instance')}, was {self.instance}): it no longer "
+                             "holds the trainer's weights; resume the run from its last checkpoint")
 
     def connect(self, device: torch.device) -> None:
         """Form the weight channel: this rank hosts the store on the interface it reaches the server through (and

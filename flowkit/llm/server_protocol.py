@@ -35,7 +35,7 @@ def read_token(path: str | None, owner: str) -> str | None:
     if path is None:
         return os.environ.get(TOKEN_ENV) or None
     try:
-        token = Path(path).read_text().strip()
+        token = Path(path).expanduser().read_text().strip()
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{owner} {path}: cannot read the token file ({err.strerror or err})") from None
     if not token or any(ord(c) < 0x21 or ord(c) > 0x7E for c in token):
