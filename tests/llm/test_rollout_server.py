@@ -31,7 +31,7 @@ from flowkit.llm.server_engine import ServerRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from rollout_server_process import BACKENDS, HAS_VLLM, RolloutServer, free_port, served_greedy  # noqa: E402
+from rollout_server_process import BACKENDS, HAS_VLLM, TOKEN, RolloutServer, free_port, served_greedy  # noqa: E402
 
 PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
 TIMEOUT_S = 20.0  # the engine's bound on every wait, in these tests
@@ -547,7 +547,8 @@ def generations(server: RolloutServer) -> list[tuple[int, int]]:
 
 
 def instance(url: str) -> str:
-    with urllib.request.urlopen(url + "/info", timeout=TIMEOUT_S) as response:
+    request = urllib.request.Request(url + "/info", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
         return json.loads(response.read())["instance"]
 
 
