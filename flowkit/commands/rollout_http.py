@@ -25,7 +25,6 @@ from flowkit.llm.server_protocol import RUN_HEADER, RequestError, authorization
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Request:
     """What a route is given: the parsed JSON body (``{}`` when there is none), the ``Flowkit-Run`` header (None:
@@ -41,6 +40,9 @@ Route = Callable[[Request], dict]
 
 @dataclass(frozen=True)
 class Limits:
+    """The server's bounds: ``--max-body-mb`` (in bytes), ``--max-connections``, ``--read-timeout``, and the
+    ``--timeout`` a reply's writes get."""
+
     max_body_bytes: int
     max_connections: int
     read_timeout_s: float

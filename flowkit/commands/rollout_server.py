@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from flowkit.commands.rollout_http import Limits, Request, RolloutHTTPServer
+from flowkit.commands.rollout_http import Limits, Request, RolloutHTTPServer, Route
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import torch_dtype
 from flowkit.llm.server_backends import HFServerBackend, ServedAdapter, VllmServerBackend
@@ -110,7 +110,7 @@ class RolloutService:
         self.joined = threading.Event()  # set once a trainer's channel is formed (or failed to form)
         self.ready = threading.Condition()  # guards the model and the version; notified when a push lands
 
-    def routes(self) -> dict[tuple[str, str], Callable[[Request], dict]]:
+    def routes(self) -> dict[tuple[str, str], Route]:
         return {("GET", "/info"): self.info, ("POST", "/generate"): self.generate,
                 ("POST", "/weights/connect"): self.connect, ("POST", "/weights"): self.receive_weights}
 
