@@ -94,10 +94,12 @@ def job(size: str, policy: Path | None, prompts: int, new_tokens: int) -> dict:
 
 def start_server(log: Path, backbone: str, core: int | None = None,
                  timeout_s: float | None = None) -> tuple[subprocess.Popen, str]:
-    """A ``flowkit rollout-server`` (HF backend, one intra-op thread, this checkout's code) for ``backbone`` on a port
-    the OS picks, pinned to ``core`` (``taskset``) when given, ``--timeout`` ``timeout_s`` (default: the server's);
-    returns its process and the address it printed. Also bench_lora_push's server."""
-    command = [str(Path(sys.executable).parent / "flowkit"), "rollout-server", "--backbone", backbone, "--port", "0"]
+    """A ``flowkit rollout-server`` (HF backend, one intra-op thread, this checkout's code) for ``backbone`` on a
+    loopback port the OS picks, pinned to ``core`` (``taskset``) when given, ``--timeout`` ``timeout_s`` (default:
+    the server's); returns its process and the address it printed. Also bench_lora_push's server."""
+    # on loopback, for this process's trainers alone, one run after another (each takes the channel at once)
+    command = [str(Path(sys.executable).parent / "flowkit"), "rollout-server", "--backbone", backbone, "--port", "0",
+               "--insecure-no-auth", "--lease", "0.01"]
     if timeout_s is not None:
         command += ["--timeout", str(timeout_s)]
     if core is not None and shutil.which("taskset"):

@@ -231,7 +231,11 @@ def _run(args: list[str] | None, argv: list[str]) -> None:
     else:
         _load_builtin_subcommands()
     if argv and argv[0] in STANDALONE:  # e.g. `flowkit plot RUN_DIR`: no config, model or trainer
-        STANDALONE[argv[0]](argv[1:])
+        try:
+            STANDALONE[argv[0]](argv[1:])
+        except ConfigError as err:  # its arguments, checked before it starts work
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
         return
     try:
         from flowkit.lightning_cli import run

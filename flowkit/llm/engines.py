@@ -174,6 +174,10 @@ class RolloutOptions(OptionGroup):
     one request per server at once), else on server r mod S; every server gets every push, server s from rank
     s mod W (:mod:`flowkit.llm.server_engine`). The weights are pushed over torch.distributed (gloo on CPU, NCCL on
     GPU)"""
+    server_token_file: str | None = None
+    """the file holding the servers' secret (``flowkit rollout-server --token-file``, or the file it generated and
+    printed), sent with every request; null: the ``FLOWKIT_SERVER_TOKEN`` environment variable, else none (a server
+    started with ``--insecure-no-auth``)"""
     server_timeout: float = bounded(300.0, 0, open_low=True)
     """seconds any wait on the server may take (a request, a weight push, prefetched rollouts); past it, or when the
     server is down, restarted or serves another model, the run stops with one line naming the address"""

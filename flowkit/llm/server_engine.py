@@ -16,6 +16,10 @@ the pushes run in parallel over ranks; a rank that pushes several servers sends 
 pass over the weights, and under ZeRO-3 every rank makes that one pass per push, pushing a server or not (each
 weight's gather is a collective). The servers must serve the trainer's model (each one's identity is checked at build).
 
+Every request carries the servers' secret (``rollout.server_token_file``, else ``FLOWKIT_SERVER_TOKEN``) and, from
+the run's first push, its run id (one for all ranks, :mod:`flowkit.llm.server_protocol`): a server leases its weight
+channel to the run that connected, and a reply saying another run holds it is one line (docs/security.md).
+
 Every wait has a bound (``rollout.server_timeout``): a server that is down, does not answer, restarted (its
 instance id changed, so its weights are no longer the trainer's) or serves another model (compared at connect:
 architecture, hidden size, layers, vocabulary) is one line naming its address, a :class:`ConfigError` at build
@@ -40,7 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -62,6 +69,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.errors import ConfigError
 from flowkit.llm.packing import pack_response_rows
+from flowkit.llm.server_protocol import RUN_HEADER, authorization, read_token
 from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
 
 if TYPE_CHECKING:
@@ -72,6 +80,10 @@ IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size
 
 _ALIGN = 64  # byte offset of every tensor in a bucket, so each is viewed in place as its own dtype
 _CANCEL_POLL_S = 0.005  # how often a cancellable channel's wait looks for a cancellation
+# A joining TCPStore client's first messages (c10d's QueryType VALIDATE with its magic number, then PING with a
+# nonce the store echoes): :meth:`WeightChannel.store_answers` sends them to learn whether a store listens.
+_STORE_VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
+_STORE_PING = b"\x0d"
 
 LoraPush = Literal["merged", "adapter"]
 """How a LoRA policy's weights reach the servers (``rollout.server_lora_push``)."""
@@ -116,12 +128,40 @@ class WeightChannel:
 
     @staticmethod
     def host_store(host: str, timeout_s: float) -> torch.distributed.TCPStore:
-        """The trainer's store, on a port the OS picks (``store.port``); the server joins it."""
-        return torch.distributed.TCPStore(host, 0, world_size=2, is_master=True, timeout=timedelta(seconds=timeout_s),
-                                          wait_for_workers=False)
+        """The trainer's store, listening on ``host`` alone (a TCPStore of its own binds every interface), on a port
+        the OS picks (``store.port``); the server joins it."""
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        return torch.distributed.TCPStore(host, port, world_size=2, is_master=True,
+                                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                                          master_listen_fd=listener.detach())  # the store owns the socket now
+
+    @staticmethod
+    def store_answers(host: str, port: int, timeout_s: float) -> bool:
+        """Whether a TCPStore answers at ``host:port`` within ``timeout_s``: its ping, as a joining client sends it
+        (TCPStore's own join waits for that answer without a bound, so another kind of listener would hold it)."""
+        nonce = os.urandom(4)
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s) as probe:
+                probe.sendall(_STORE_VALIDATE + _STORE_PING + nonce)
+                answer = b""
+                while len(answer) < len(nonce):
+                    chunk = probe.recv(len(nonce) - len(answer))
+                    if not chunk:
+                        return False
+                    answer += chunk
+        except OSError:
+            return False
+        return answer == nonce
 
     @staticmethod
     def join_store(host: str, port: int, timeout_s: float) -> torch.distributed.TCPStore:
+        """The trainer's store at ``host:port`` (the server's side), once it answered as a store within
+        ``timeout_s``; else a one-line ConnectionError."""
+        if not WeightChannel.store_answers(host, port, timeout_s):
+            raise ConnectionError(f"no TCPStore answered at {host}:{port} within {timeout_s:g} s")
         return torch.distributed.TCPStore(host, port, world_size=2, is_master=False,
                                           timeout=timedelta(seconds=timeout_s))
 
@@ -289,13 +329,16 @@ class ServerError(RuntimeError):
 
 
 class ServerLink:
-    """The engine's view of one server: its address, the id of the process it first answered from (a restart
-    changes it), the weight channel this rank pushes it through (None: not formed yet, or pushed by another rank),
-    and a worker that sends this rank's prefetch requests to it one at a time, in order."""
+    """The engine's view of one server: its address, the secret its requests carry (None: a server started with
+    ``--insecure-no-auth``), the id of the process it first answered from (a restart changes it), the trainer run
+    whose requests these are (None until the first push), the weight channel this rank pushes it through (None: not
+    formed yet, or pushed by another rank), and a worker that sends this rank's prefetch requests to it one at a
+    time, in order."""
 
-    def __init__(self, index: int, url: str, timeout_s: float, prefetching: bool):
-        self.index, self.url, self.timeout_s = index, url, timeout_s
+    def __init__(self, index: int, url: str, timeout_s: float, prefetching: bool, token: str | None = None):
+        self.index, self.url, self.timeout_s, self.token = index, url, timeout_s, token
         self.instance: str | None = None
+        self.run: str | None = None
         self.channel: WeightChannel | None = None
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch") if prefetching else None
 
@@ -318,17 +361,24 @@ class ServerLink:
         """One JSON request, each socket operation bounded by the timeout; any failure is one line naming the
         address."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.token is not None:
+            headers["Authorization"] = authorization(self.token)
+        if self.run is not None:
+            headers[RUN_HEADER] = self.run
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 reply = json.loads(response.read())
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")
             try:
-                detail = json.loads(detail)["error"]
+                refusal = json.loads(detail)
+                detail = refusal["error"]
             except (ValueError, KeyError, TypeError):
-                pass
+                refusal = None
+            if isinstance(refusal, dict):
+                self._check_instance(refusal)  # a refusal from another process than the one first reached
             raise self.error(f": {path} failed ({err.code}: {detail})") from None
         except (TimeoutError, socket.timeout):
             raise self.error(f": no answer to {path} within {self.timeout_s:g} s") from None
@@ -338,18 +388,25 @@ class ServerLink:
             raise self.error(f": unreachable ({err.reason})") from None
         except (OSError, ValueError) as err:  # reset mid-answer, or an answer that is not JSON
             raise self.error(f": {path} failed ({type(err).__name__}: {err})") from None
+        self._check_instance(reply)
+        if self.run is not None and reply.get("run") != self.run:
+            raise self.error(f"'s weight channel was taken by another trainer run ({reply.get('run')}; this one: "
+                             f"{self.run}) after this one sent no request for its --lease: the weights it holds are "
+                             "no longer this run's; resume the run from its last checkpoint")
+        return reply
+
+    def _check_instance(self, reply: dict) -> None:
         if self.instance is not None and reply.get("instance") != self.instance:
             raise self.error(f" restarted (instance {reply.get('instance')}, was {self.instance}): it no longer "
                              "holds the trainer's weights; resume the run from its last checkpoint")
-        return reply
 
     def connect(self, device: torch.device) -> None:
-        """Form the weight channel: this rank hosts the store on the interface it reaches the server through; the
-        server joins it and says which device the group moves tensors on (NCCL when both sides hold the weights on
-        GPUs, else gloo: a GPU side then copies each bucket through host memory)."""
-        host = _local_address_towards(self.url)
-        store = WeightChannel.host_store(host, self.timeout_s)
-        reply = self.request("POST", "/weights/connect", {"host": host, "port": store.port, "device": device.type})
+        """Form the weight channel: this rank hosts the store on the interface it reaches the server through (and
+        listens on no other); the server joins it, on the address this request comes from, and says which device the
+        group moves tensors on (NCCL when both sides hold the weights on GPUs, else gloo: a GPU side then copies
+        each bucket through host memory)."""
+        store = WeightChannel.host_store(_local_address_towards(self.url), self.timeout_s)
+        reply = self.request("POST", "/weights/connect", {"port": store.port, "device": device.type})
         self.channel = WeightChannel(store, 0, self.timeout_s, torch.device(reply["device"]))
 
     def close(self) -> None:
@@ -396,12 +453,13 @@ class ServerRolloutEngine:
         rollout_batch_size: sequences per decoding batch on a server (bounds its KV cache); None: all at once.
         lora_push: a LoRA (peft) policy's weights go ``merged`` (every weight, each push) or as the ``adapter``
             (the base weights once per channel, then A and B alone; the server merges).
+        token_file: the file holding the servers' secret (None: ``FLOWKIT_SERVER_TOKEN``, else no secret).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, urls: str | list[str],
                  timeout_s: float = 300.0, max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0,
                  sync_every: int = 1, bucket_mb: int = 256, max_staleness: int = 0,
-                 rollout_batch_size: int | None = None, lora_push: LoraPush = "merged"):
+                 rollout_batch_size: int | None = None, lora_push: LoraPush = "merged", token_file: str | None = None):
         if lora_push == "adapter" and not hasattr(model, "peft_config"):
             raise ValueError("lora_push 'adapter' needs a LoRA (peft) model")
         self.model, self.tokenizer, self.lora_push = model, tokenizer, lora_push
@@ -414,7 +472,9 @@ class ServerRolloutEngine:
         self.pushed_version: int | None = None  # the version the servers hold (None: the backbone's, never pushed)
         self.served_layout: dict | None = None  # adapter pushes: the LoRA layout the servers hold our base weights for
         self.last_push: PushReceipt | None = None  # this rank's latest push, as sent (None: it pushes no server)
-        self.servers = [ServerLink(index, url.rstrip("/"), timeout_s, prefetching=max_staleness > 0)
+        token = read_token(token_file, "PolicyModule.rollout.server_token_file")
+        self.run: str | None = None  # this trainer run's id on the servers (their weight channels' lease), at 1st push
+        self.servers = [ServerLink(index, url.rstrip("/"), timeout_s, prefetching=max_staleness > 0, token=token)
                         for index, url in enumerate([urls] if isinstance(urls, str) else urls)]
         self._requests = ThreadPoolExecutor(len(self.servers), thread_name_prefix="rollout-generate")
         self._pending: list[_Pending] = []
@@ -450,6 +510,10 @@ class ServerRolloutEngine:
             self._push_agreed()
 
     def _push_agreed(self) -> None:
+        if self.run is None:  # one id for all ranks: a server is leased to the run, whichever rank pushes it
+            self.run = f"{all_reduce_int(secrets.randbits(62), ReduceOp.MAX):016x}"
+            for server in self.servers:
+                server.run = self.run
         try:
             self._agreed(self._push, f"weight push of version {self.policy_version}")
         except RuntimeError:
@@ -647,7 +711,7 @@ def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
     return ServerRolloutEngine(setup.policy, setup.tokenizer, server_urls(options.server_url, "PolicyModule.rollout"),
                                options.server_timeout, setup.max_new_tokens, setup.temperature, setup.top_p,
                                options.server_sync_every, options.server_bucket_mb, options.max_staleness,
-                               options.batch_size, options.server_lora_push)
+                               options.batch_size, options.server_lora_push, options.server_token_file)
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -31,17 +31,20 @@ from flowkit.llm.server_engine import ServerRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from rollout_server_process import BACKENDS, HAS_VLLM, RolloutServer, free_port, served_greedy  # noqa: E402
+from rollout_server_process import BACKENDS, HAS_VLLM, TOKEN, RolloutServer, free_port, served_greedy  # noqa: E402
 
 PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
 TIMEOUT_S = 20.0  # the engine's bound on every wait, in these tests
 HF_ONLY = pytest.mark.parametrize("server", ["hf"], indirect=True)
 LORA = ["--model.init_args.lora", "{r: 4, alpha: 8}"]  # a LoRA policy, 4 layers × 7 projections adapted
+SHARED = ("--lease", "0.01")
+"""The module's servers serve one trainer run after another from this process, the earlier runs' weight-channel
+stores still open (so still live runs to the server): each run takes the channel once the previous one is silent."""
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def server(request, tmp_path_factory):
-    running = RolloutServer(tmp_path_factory.mktemp("server") / "server.log", TIMEOUT_S, request.param)
+    running = RolloutServer(tmp_path_factory.mktemp("server") / "server.log", TIMEOUT_S, request.param, extra=SHARED)
     yield running
     running.kill()
 
@@ -530,7 +533,7 @@ def two_servers(tmp_path_factory):
     directory = tmp_path_factory.mktemp("two_servers")
     running = []
     try:
-        running += [RolloutServer(directory / f"server{index}.log", TIMEOUT_S) for index in range(2)]
+        running += [RolloutServer(directory / f"server{index}.log", TIMEOUT_S, extra=SHARED) for index in range(2)]
         yield running
     finally:
         for server in running:
@@ -544,7 +547,8 @@ def generations(server: RolloutServer) -> list[tuple[int, int]]:
 
 
 def instance(url: str) -> str:
-    with urllib.request.urlopen(url + "/info", timeout=TIMEOUT_S) as response:
+    request = urllib.request.Request(url + "/info", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
         return json.loads(response.read())["instance"]
 
 
