@@ -251,9 +251,11 @@ def _run(args: list[str] | None, argv: list[str]) -> None:
 
 def _check_config_files(argv: list[str]) -> None:
     """Each ``--config`` file must be YAML; the parser would say only ``in "<unicode string>", line 2`` (not the file,
-    nor that a tab indents it)."""
+    nor that a tab indents it). A delta (first line ``# A delta over configs/BASE.yaml``) comes after its base: alone,
+    the parser would name a key the delta sets on a class it does not know yet."""
     import yaml
 
+    given: list[str] = []
     for i, arg in enumerate(argv):
         name, sep, value = arg.partition("=")
         if name not in ("--config", "-c") or (not sep and i + 1 == len(argv)):
@@ -275,6 +277,11 @@ def _check_config_files(argv: list[str]) -> None:
             line = (text.splitlines() or [""])[min(mark.line, len(text.splitlines()) - 1)]
             tab = "; YAML indents with spaces, never tabs" if "\t" in line[:mark.column + 1] else ""
             raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: {problem}{tab}") from None
+        delta = re.match(r"# A delta over (\S+\.yaml)", text)
+        if delta and Path(delta[1]).name not in given:
+            raise ConfigError(f"{path} is a delta over {delta[1]}: give that first, "
+                              f"`--config {delta[1]} --config {path}` (docs/guides/configs.md)")
+        given.append(path.name)
 
 
 def _checkpoint_argument(argv: list[str]) -> str:

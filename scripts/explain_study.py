@@ -4,8 +4,8 @@
         [--arms flow proxy proxy0 proxy1 proxy2 sparse sft] [--out runs/explain_study.jsonl]
 
 Every arm starts from the same SFT on the records' ``preferred`` explanations (``--sft-epochs``, paper: 3) and then
-runs the toy's config, ``configs/explain_tiny.yaml`` or ``configs/explain_noisy.yaml`` (two rounds of flow fitting
-and PPO; the two differ only in their proxies), with:
+runs the toy's config, ``configs/explain_tiny.yaml`` or that with the delta ``configs/explain_noisy.yaml`` over it
+(two rounds of flow fitting and PPO; the delta sets only the proxies), with:
 
 - ``flow``: the flow's sentence rewards + its sparse reward (the paper's method), fitted on the union of the
   proxies' accepted explanations;
@@ -40,13 +40,16 @@ from flowkit.cli import FlowkitCLI
 ROOT = Path(__file__).resolve().parent.parent
 PROXIES = {"tiny": [f"bundled:explain_tiny/proxy{i}" for i in (0, 1)],
            "noisy": [f"bundled:explain_noisy/proxy{i}" for i in (0, 1, 2)]}
-CONFIGS = {toy: ROOT / "configs" / f"explain_{toy}.yaml" for toy in PROXIES}
+# Each toy's config files, the base first: explain_noisy.yaml is a delta over explain_tiny.yaml
+CONFIGS = {"tiny": [ROOT / "configs" / "explain_tiny.yaml"],
+           "noisy": [ROOT / "configs" / "explain_tiny.yaml", ROOT / "configs" / "explain_noisy.yaml"]}
 ACCURACY = "val/heldout/explanation_accuracy"
 
 
 def check_configs() -> None:
     """Each toy's config trains with the proxies the study assumes (the ``flow`` and ``proxy`` arms use them all)."""
-    for toy, path in CONFIGS.items():
+    for toy, paths in CONFIGS.items():
+        path = paths[-1]  # the file that sets the toy's proxies
         proxies = yaml.safe_load(path.read_text())["model"]["init_args"]["reward_model"]["init_args"]["proxies"]
         if proxies != PROXIES[toy]:
             raise SystemExit(f"{path} trains with {proxies}, the study expects {PROXIES[toy]}")
@@ -63,7 +66,7 @@ def arm_options(toy: str, arm: str) -> list[str]:
 
 def run(toy: str, arm: str, seed: int, sft_epochs: int, tmp: Path) -> dict:
     start = time.perf_counter()
-    args = ["--config", str(CONFIGS[toy]), "--seed_everything", str(seed),
+    args = [*(arg for path in CONFIGS[toy] for arg in ("--config", str(path))), "--seed_everything", str(seed),
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
             "--trainer.default_root_dir", str(tmp / f"{toy}_{arm}_{seed}"), "--trainer.limit_val_batches", "1.0",
             "--data.init_args.val_batch_size", "96", "--model.init_args.sft.epochs", str(sft_epochs),

@@ -1,4 +1,5 @@
-"""Dress rehearsals of the paper configs: the YAML as shipped, run through the ``flowkit`` CLI on 2 CPU ranks.
+"""Dress rehearsals of the paper configs: the YAML as shipped, run through the ``flowkit`` CLI on 2 CPU ranks, a delta
+after its base as a user composes it (``--config configs/rlfr_qwen.yaml --config configs/rlfr_qwen_async.yaml``).
 
 Only what a CPU machine cannot hold is overridden: the backbone (a bundled tiny model), the accelerator (cpu),
 the devices (2), the step count, the data (bundled), the lengths, and for rlfr_qwen_async.yaml the address its
@@ -16,6 +17,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from config_layers import config_args
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -114,7 +117,7 @@ def command(config: str, root: Path, steps: int, *extra: str) -> list[str]:
         length = ["--trainer.max_steps", str(steps)]
         if config in ("rlfr_qwen.yaml", "rlfr_qwen_async.yaml"):
             length += ["--trainer.val_check_interval", str(steps)]
-    return [flowkit, "fit", "--config", str(CONFIGS / config), *_SHRUNK_RUN, *OVERRIDES[config], *length,
+    return [flowkit, "fit", *config_args(CONFIGS / config), *_SHRUNK_RUN, *OVERRIDES[config], *length,
             "--trainer.default_root_dir", str(root / "run"), *extra]
 
 

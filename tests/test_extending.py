@@ -225,8 +225,9 @@ USER_ALGORITHMS = '''
 
     import torch
 
-    from flowkit.llm.engines import ROLLOUT_ENGINES, EngineSpec
+    from flowkit.llm.engines import ROLLOUT_ENGINES
     from flowkit.llm.hf_engine import HFRolloutEngine
+    from flowkit.llm.rollout_engine import EngineSpec
     from flowkit.rl.advantages import register_advantage
     from flowkit.rl.losses import aggregated, policy_metrics, register_policy_loss, token_ratio
 

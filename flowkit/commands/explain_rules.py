@@ -4,13 +4,16 @@ with their selection probabilities, the chosen rule, the action and its explanat
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowkit.registry import subcommand
-from flowkit.modules.rule_data import RuleEnvDataModule
-from flowkit.modules.selector import SelectorModule
-from flowkit.rbrl.agent import StepRecord, run_episode
+
+if TYPE_CHECKING:  # RBRL's modules import when the command runs: every `flowkit` command registers this one
+    from flowkit.modules.rule_data import RuleEnvDataModule
+    from flowkit.modules.selector import SelectorModule
+    from flowkit.rbrl.agent import StepRecord
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -41,6 +44,8 @@ def explain_rules(
         ckpt_path: checkpoint to explain; default: the newest one under the trainer's default_root_dir.
         seed: episode seed.
     """
+    from flowkit.rbrl.agent import run_episode
+
     ckpt = Path(ckpt_path) if ckpt_path else latest_checkpoint(trainer.default_root_dir)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint under {trainer.default_root_dir}; run `flowkit fit` first or pass --ckpt_path")

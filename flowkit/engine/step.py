@@ -36,7 +36,7 @@ from flowkit.engine.actor import Actor, ActorOutput
 from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, sequence_lengths
 from flowkit.engine.options import AdvantageOptions, SamplingControls, UpdateOptions
 from flowkit.engine.stats import StepStats
-from flowkit.llm.engines import RolloutEngine
+from flowkit.llm.rollout_engine import RolloutEngine
 from flowkit.options import registry_entry
 from flowkit.rewards.base import (
     LearnsOnline, PadsScoring, ReportsMetrics, StepScorer, TokenRewardModel, check_step_scorer, check_token_rewards,
@@ -58,7 +58,7 @@ class RLStep:
 
     Args:
         actor: the policy's forward and loss.
-        rollout: the rollout engine (:class:`~flowkit.llm.engines.RolloutEngine`).
+        rollout: the rollout engine (:class:`~flowkit.llm.rollout_engine.RolloutEngine`).
         reward_model: dense token rewards (and an online loss), or None.
         grade: fills ``outcome_rewards`` and ``correct`` of a generated batch.
         advantage, update: option groups; ``num_samples``: responses per prompt.

@@ -1,129 +1,23 @@
-"""The rollout-engine contract, the engines registered by name (``PolicyModule.rollout.engine``) and their options.
+"""The rollout engines registered by name (``PolicyModule.rollout.engine``) and their options.
 
-An engine samples ``n`` responses per prompt into a :class:`~flowkit.batch.RolloutBatch` (rows prompt-major), with
-its sampler's per-token log-probs (``rollout_logprobs``) and the policy version whose weights produced each row
-(``policy_versions``); it learns of new weights through :meth:`RolloutEngine.sync_weights` after each optimizer step,
-and releases what it holds in :meth:`RolloutEngine.close`. Sleeping and waking (vLLM on a GPU) happen inside
-``generate``: an engine frees its memory between generations when it can.
-
-Adding an engine is one file with a class that satisfies :class:`RolloutEngine` and a builder
-``fn(setup: EngineSetup) -> RolloutEngine``, plus its line in :data:`ROLLOUT_ENGINES`. An engine that generates
-apart from training also satisfies :class:`PrefetchingEngine` (``rollout.max_staleness`` needs one): the policy
-module keeps later steps' rollouts in flight through it (:func:`prefetch_ahead`) and logs :func:`rollout_metrics`.
+Adding an engine is one file with a class that satisfies :class:`~flowkit.llm.rollout_engine.RolloutEngine` and a
+builder ``fn(setup: EngineSetup) -> RolloutEngine``, plus its line in :data:`ROLLOUT_ENGINES`
+(:mod:`flowkit.llm.rollout_engine` is the contract; this file imports every engine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from flowkit.batch import RolloutBatch
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import resolve_backbone_path
 from flowkit.llm.hf_engine import HFRolloutEngine
+from flowkit.llm.rollout_engine import EngineSetup, EngineSpec
 from flowkit.llm.server_engine import LoraPush, build_server_engine, server_urls
 from flowkit.llm.vllm_engine import VllmRolloutEngine, require_vllm
 from flowkit.options import OptionGroup, bounded, registered
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What :class:`flowkit.engine.RLStep` and the policy module need of a rollout engine."""
-
-    tokenizer: Any  # the policy's tokenizer, which the engine encodes prompts and decodes responses with
-    saw_nonfinite_logits: bool  # after generate: a next-token score was NaN or inf (the step is skipped or fails)
-    policy_version: int  # the optimizer steps behind the weights it samples from
-
-    def generate(self, prompts: list[str], n: int = 1, answers: list[str] | None = None,
-                 temperature: float | None = None) -> RolloutBatch:
-        """``n`` samples per prompt (prompt i → rows i·n … i·n+n−1), ``rollout_logprobs`` and ``policy_versions``
-        filled; ``temperature`` None: the engine's own, 0: greedy."""
-
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        """``model``'s weights are those of policy version ``version`` (optimizer steps so far): sample from them
-        from the next generation on."""
-
-    def close(self) -> None:
-        """Release the engine's processes and memory; it is not used afterwards."""
-
-
-@runtime_checkable
-class PrefetchingEngine(RolloutEngine, Protocol):
-    """An engine that generates apart from training (``server``), which ``rollout.max_staleness`` ≥ 1 needs: it starts
-    later steps' rollouts now (:meth:`prefetch`, run in order) from the weights it holds, and a later
-    :meth:`generate` of the same prompts takes them when at most ``max_staleness`` versions behind, else regenerates
-    them (counted in ``regenerated_rows``)."""
-
-    max_staleness: int
-    regenerated_rows: int
-
-    def prefetch(self, prompts: list[str], n: int, temperature: float | None = None) -> None:
-        """Start generating these prompts' rollouts, behind the requests already made."""
-
-    def prefetched(self, prompts: list[str], n: int, temperature: float | None = None) -> bool:
-        """Whether these prompts' rollouts were prefetched and not taken yet."""
-
-
-def prefetch_ahead(engine: PrefetchingEngine, prompts_of: Callable[[int], list[str]], index: int, n: int,
-                   steps_after: int) -> None:
-    """At the start of the step that trains batch ``index``: keep the rollouts of batches ``index`` … ``index + k``
-    in flight (k = ``engine.max_staleness``, at most the ``steps_after`` steps left after this one), so that while a
-    step trains, the next k steps' rollouts are generated and a row is at most k versions behind. ``prompts_of(i)``
-    is batch i's prompts (a :class:`~flowkit.modules.datamodule.PromptStream` batch is a pure function of its
-    index). The requests run in order: a step whose own batch was not prefetched (the first, or the first resumed)
-    asks for it first, and no step's prompts are generated twice for training."""
-    depth = min(engine.max_staleness, steps_after)
-    for upcoming in range(index, index + depth + 1) if depth > 0 else ():
-        prompts = prompts_of(upcoming)
-        if not engine.prefetched(prompts, n):
-            engine.prefetch(prompts, n)
-
-
-def rollout_metrics(engine: RolloutEngine, batch: RolloutBatch, max_staleness: int) -> dict[str, torch.Tensor | float]:
-    """How many policy versions behind the weights this step trains (``engine.policy_version``) the rows were
-    sampled: ``rollout/staleness_mean|max`` and the fraction of rows s behind, ``rollout/staleness_<s>`` for
-    s = 0 … max(``max_staleness``, the largest); for a :class:`PrefetchingEngine`, the rows regenerated so far for
-    being more than ``max_staleness`` behind (``rollout/regenerated_rows``)."""
-    if batch.policy_versions is None:
-        return {}
-    staleness = (engine.policy_version - batch.policy_versions).float()
-    metrics: dict[str, torch.Tensor | float] = {"rollout/staleness_mean": staleness.mean(),
-                                                "rollout/staleness_max": staleness.max()}
-    for behind in range(max(max_staleness, int(staleness.max())) + 1):
-        metrics[f"rollout/staleness_{behind}"] = (staleness == behind).float().mean()
-    if isinstance(engine, PrefetchingEngine):
-        metrics["rollout/regenerated_rows"] = float(engine.regenerated_rows)
-    return metrics
-
-
-@dataclass(frozen=True)
-class EngineSetup:
-    """What a builder gets: the policy and its tokenizer, the backbone's path (an engine that loads its own copy
-    builds the architecture from it), the sampling options, the rollout options (an engine's own settings, e.g.
-    ``vllm_max_model_len``), and ``whole_weights``: a context in which the policy's weights are whole and its
-    forwards run no collective (ZeRO-3), for engines that run the policy in this process."""
-
-    policy: torch.nn.Module
-    tokenizer: Any
-    backbone: str
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    options: RolloutOptions
-    whole_weights: Callable[[], AbstractContextManager] | None = None
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """An engine's builder and the check of its prerequisites (an installed package), which runs before the backbone
-    loads so that a missing one is a one-line error before any work."""
-
-    build: Callable[[EngineSetup], RolloutEngine]
-    check: Callable[[], None] = lambda: None
 
 
 def _hf(setup: EngineSetup) -> HFRolloutEngine:
@@ -175,9 +69,9 @@ class RolloutOptions(OptionGroup):
     s mod W (:mod:`flowkit.llm.server_engine`). The weights are pushed over torch.distributed (gloo on CPU, NCCL on
     GPU)"""
     server_token_file: str | None = None
-    """the file holding the servers' secret (``flowkit rollout-server --token-file``, or the file it generated and
-    printed), sent with every request; null: the ``FLOWKIT_SERVER_TOKEN`` environment variable, else none (a server
-    started with ``--insecure-no-auth``)"""
+    """the file holding the servers' secret (the server's ``--token-file``, or the file it generated and printed),
+    sent with every request; null: the ``FLOWKIT_SERVER_TOKEN`` environment variable, else none (a server started
+    with ``--insecure-no-auth``)"""
     server_timeout: float = bounded(300.0, 0, open_low=True)
     """seconds any wait on the server may take (a request, a weight push, prefetched rollouts); past it, or when the
     server is down, restarted or serves another model, the run stops with one line naming the address"""

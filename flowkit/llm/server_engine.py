@@ -26,9 +26,9 @@ architecture, hidden size, layers, vocabulary) is one line naming its address, a
 time and a :class:`RuntimeError` later — on every rank, the others learning of it through the agreed failure.
 
 With ``rollout.max_staleness`` k ≥ 1 the module keeps the next k batches' prompts prefetched
-(:meth:`ServerRolloutEngine.prefetch`, :func:`flowkit.llm.engines.prefetch_ahead`, split over the rank's servers as
-a generation is) before the current step trains, and each server generates them meanwhile, in order, from the
-weights it holds (up to k versions behind); :meth:`ServerRolloutEngine.generate` takes those rollouts when asked for
+(:meth:`ServerRolloutEngine.prefetch`, :func:`flowkit.llm.rollout_engine.prefetch_ahead`, split over the rank's
+servers as a generation is) before the current step trains, and each server generates them meanwhile, in order, from
+the weights it holds (up to k versions behind); :meth:`ServerRolloutEngine.generate` takes those rollouts when asked for
 the same prompts, each row carrying the version of the server that generated it, and regenerates a server's share
 more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
 
@@ -73,7 +73,7 @@ from flowkit.llm.server_protocol import RUN_HEADER, authorization, read_token
 from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
 
 if TYPE_CHECKING:
-    from flowkit.llm.engines import EngineSetup
+    from flowkit.llm.rollout_engine import EngineSetup
 
 IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 """The config fields that must agree between the trainer's policy and the server's model."""

@@ -19,11 +19,10 @@ from flowkit.engine import (
 from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, NonFiniteTraining
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.engines import (
-    ROLLOUT_ENGINES, EngineSetup, PrefetchingEngine, RolloutEngine, RolloutOptions, prefetch_ahead, rollout_metrics,
-)
+from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
+from flowkit.llm.rollout_engine import EngineSetup, PrefetchingEngine, RolloutEngine, prefetch_ahead, rollout_metrics
 from flowkit.modules.optim import require_fp32_master_weights
 from flowkit.modules.policy_checkpoints import CheckpointHooks
 from flowkit.modules.policy_guard import FiniteStateGuard
@@ -203,8 +202,9 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """``rollout.max_staleness`` k ≥ 1: the engine generates the next k steps' rollouts while this one trains
-        (:func:`~flowkit.llm.engines.prefetch_ahead`, batches of a :class:`~flowkit.modules.datamodule.PromptStream`);
-        a resumed run restarts the pipeline from its first step, no step's prompts lost or generated twice."""
+        (:func:`~flowkit.llm.rollout_engine.prefetch_ahead`, batches of a
+        :class:`~flowkit.modules.datamodule.PromptStream`); a resumed run restarts the pipeline from its first step, no
+        step's prompts lost or generated twice."""
         stream = getattr(self.trainer.train_dataloader, "dataset", None)
         if isinstance(self.engine, PrefetchingEngine) and hasattr(stream, "batch") and "index" in batch:
             steps_after = (math.ceil((self.trainer.max_steps - self.global_step) / self.update.updates) - 1

@@ -1,5 +1,5 @@
-"""The rollout-engine contract (flowkit.llm.engines): every registered engine satisfies it, the HF engine's sampler
-log-probs are the trainer's, and the step logs the mismatch and applies the configured correction."""
+"""The rollout-engine contract (flowkit.llm.rollout_engine): every registered engine satisfies it, the HF engine's
+sampler log-probs are the trainer's, and the step logs the mismatch and applies the configured correction."""
 
 import csv
 import inspect
@@ -13,11 +13,11 @@ import torch
 from flowkit.cli import FlowkitCLI
 from flowkit.llm.backbone import load_backbone
 from flowkit.engine import SamplingOptions
-from flowkit.llm.engines import (
-    ROLLOUT_ENGINES, EngineSetup, EngineSpec, PrefetchingEngine, RolloutEngine, RolloutOptions, prefetch_ahead,
-    rollout_metrics,
-)
+from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
 from flowkit.llm.hf_engine import HFRolloutEngine
+from flowkit.llm.rollout_engine import (
+    EngineSetup, EngineSpec, PrefetchingEngine, RolloutEngine, prefetch_ahead, rollout_metrics,
+)
 from flowkit.llm.server_engine import ServerRolloutEngine
 from flowkit.llm.vllm_engine import VllmRolloutEngine
 from flowkit.modules import PolicyModule, RolloutDataModule
