@@ -31,14 +31,14 @@ import yaml
 from flowkit.data.records import load_records
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.expert_latents import ExpertLatentCache
+from flowkit.rewards.flow.expert_latents import ExpertLatentCache
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.packing import encode_pairs
 from flowkit.modules.datamodule import PromptStream, resolve_data_path
 from flowkit.modules.optim import flow_pretraining_schedule
 from flowkit.rewards import FlowReward
 from flowkit.rewards.grader import grade
-from flowkit.rl.rewards import flow_token_rewards
+from flowkit.rewards.flow.scoring import flow_token_rewards
 
 try:
     from common import append_csv

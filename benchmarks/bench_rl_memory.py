@@ -43,7 +43,7 @@ import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from flowkit.flow import flow_matching_loss_pieces
+from flowkit.rewards.flow import flow_matching_loss_pieces
 from flowkit.llm.tiny import SPECIAL_TOKENS, tiny_qwen2
 from flowkit.modules import PolicyModule
 from flowkit.rewards import FlowReward

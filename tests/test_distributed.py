@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import agreed_call_count
-from flowkit.flow import VelocityField, velocity_deviation_scores
+from flowkit.rewards.flow import VelocityField, velocity_deviation_scores
 from flowkit.rewards import FlowReward
 from flowkit.rl.logprobs import lm_head_logprobs
 from backbone_stub import backbone_stub

@@ -142,7 +142,7 @@ REFUSED = {
                           "reward_model.percentiles is [0.25] there, [0.25, 0.75] in this config"),
     "depth": (["--model.init_args.reward_model.init_args.depth", "3"], "reward_model.depth is 2 there, 3 in this config"),
     "method": (["--model.init_args.reward_model", "null", "--model.init_args.flow_pretrain.steps", "0"],
-               "reward_model is 'flowkit.rewards.flow_reward.FlowReward' there, 'none' in this config"),
+               "reward_model is 'flowkit.rewards.flow.reward.FlowReward' there, 'none' in this config"),
 }
 
 

@@ -18,10 +18,10 @@ from flowkit.checkpointing.preemption import PreemptionCheckpoint, PretrainingPr
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.expert_latents import ExpertLatentCache, expert_latents
+from flowkit.rewards.flow.expert_latents import ExpertLatentCache, expert_latents
 from flowkit.modules.optim import LR_DECAYS, LrDecay, flow_pretraining_schedule
 from flowkit.modules.progress import LoopProgress
-from flowkit.rewards.flow_reward import FlowReward
+from flowkit.rewards.flow.reward import FlowReward
 from flowkit.strategies import accumulate_until_step, average_gradients, manual_backward
 
 log = logging.getLogger(__name__)

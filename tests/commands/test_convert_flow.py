@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from flowkit.cli import main
 from flowkit.commands.convert_flow import convert_official_flow, convert_official_state_dict
-from flowkit.flow import VelocityField
+from flowkit.rewards.flow import VelocityField
 from flowkit.rewards import FlowReward
 from backbone_stub import backbone_stub
 

@@ -7,7 +7,7 @@ from flowkit.data.records import load_records
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.expert_latents import expert_latents
+from flowkit.rewards.flow.expert_latents import expert_latents
 from flowkit.modules.datamodule import RolloutDataModule, resolve_data_path
 from flowkit.rewards import FlowReward
 from backbone_stub import backbone_stub

@@ -28,11 +28,12 @@ from safetensors.torch import load_file
 from flowkit import kernels
 from flowkit.batch import RolloutBatch
 from flowkit.errors import ConfigError
-from flowkit.flow.matching import scored_token_mask
-from flowkit.rewards import FlowReward, flow_step
-from flowkit.rewards.flow_step import FlowStep
-from flowkit.rl.rejection import entropy_quantile_weights
-from flowkit.rl.rewards import flow_token_rewards
+from flowkit.rewards.flow.matching import scored_token_mask
+from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import online as flow_step
+from flowkit.rewards.flow.online import FlowStep
+from flowkit.rewards.flow.rejection import entropy_quantile_weights
+from flowkit.rewards.flow.scoring import flow_token_rewards
 from flowkit.seeding import flow_noise_seed
 from backbone_stub import backbone_stub
 from test_flow_reward_steps import D, P

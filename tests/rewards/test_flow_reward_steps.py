@@ -7,7 +7,7 @@ import torch
 
 from flowkit.batch import RolloutBatch
 from flowkit.rewards import FlowReward
-from flowkit.rewards.flow_step import FlowStep
+from flowkit.rewards.flow.online import FlowStep
 from backbone_stub import backbone_stub
 
 P, D = 2, 8
@@ -75,7 +75,7 @@ def test_rewards_and_flow_loss_do_not_depend_on_micro_batches_or_pieces(metric):
 
 
 def accept(metric: str, batch: RolloutBatch) -> torch.Tensor:
-    from flowkit.rl.rejection import accept_rollouts
+    from flowkit.rewards.flow.rejection import accept_rollouts
 
     return accept_rollouts(metric, batch.correct, batch.entropy)
 

@@ -15,12 +15,12 @@ from torch.distributed import ReduceOp
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int
 from flowkit.errors import ConfigError, check_nonempty, check_range
-from flowkit.flow import VelocityField, padding_velocity, pretraining_loss_pieces, velocity_deviation_scores
-from flowkit.flow.matching import DEFAULT_MAX_ROWS, Condition, LossPiece, scored_token_mask
+from flowkit.rewards.flow import VelocityField, padding_velocity, pretraining_loss_pieces, velocity_deviation_scores
+from flowkit.rewards.flow.matching import DEFAULT_MAX_ROWS, Condition, LossPiece, scored_token_mask
 from flowkit.rewards.base import TokenRewardModel
-from flowkit.rewards.flow_step import FlowStep
-from flowkit.rl.rejection import METRICS, TOKEN_METRICS, Metric, RolloutLatentBuffer
-from flowkit.rl.rewards import NORMALIZATIONS, Normalization, flow_token_rewards
+from flowkit.rewards.flow.online import FlowStep
+from flowkit.rewards.flow.rejection import METRICS, TOKEN_METRICS, Metric, RolloutLatentBuffer
+from flowkit.rewards.flow.scoring import NORMALIZATIONS, Normalization, flow_token_rewards
 from flowkit.seeding import flow_noise_seed, run_seed
 
 FlowUpdate = Literal["buffer", "micro_batch"]
@@ -47,7 +47,7 @@ class FlowReward(TokenRewardModel):
             top-k keeps exactly k tokens in rows with ≥ k survivors).
         normalization: ``minmax`` (official scripts: r̂ ∈ [0, 1], penalties only), ``bilateral`` (the paper's
             eq. 10 text: r̂ ∈ [−1, 1], |r̂| > η, bonuses for unusually low deviation) or ``mean`` (official
-            ``mean``: min-max minus the row mean, |r̂| > η); see :mod:`flowkit.rl.rewards`.
+            ``mean``: min-max minus the row mean, |r̂| > η); see :mod:`flowkit.rewards.flow.scoring`.
         condition: which latent conditions the field of token j: ``next`` = h_{j+1} (the paper's text and the
             official offline pretraining, ``token_pre``; the last response token is unscored) or ``previous`` =
             h_{j−1} (the official RL scripts, ``token_post``; the first response token is scored against the last
@@ -66,7 +66,7 @@ class FlowReward(TokenRewardModel):
             are reproducible) and of the field's initialisation, which runs on its own RNG so it never shifts the
             policy's sampling.
             ``None`` (default): the run's global seed (``seed_everything``); an int pins it.
-        rejection_metric: which rollouts train the flow online (:mod:`flowkit.rl.rejection`): ``correct``
+        rejection_metric: which rollouts train the flow online (:mod:`flowkit.rewards.flow.rejection`): ``correct``
             (official ``batch_correct``), ``entropy`` (mean entropy above the batch median), ``both``; with
             ``flow_update: micro_batch`` also ``token_entropy`` (official ``trajectory_entropy``: every row, its
             tokens selected by ``entropy_quantile``) and ``correct+token_entropy`` (official
@@ -220,7 +220,7 @@ class FlowReward(TokenRewardModel):
         return scored_token_mask(response_mask, self.condition).sum(-1)
 
     def begin_step(self, step: int, batch: RolloutBatch) -> FlowStep:
-        """Step ``step``'s scorer (:class:`~flowkit.rewards.flow_step.FlowStep`): its token rewards and online loss."""
+        """Step ``step``'s scorer (:class:`~flowkit.rewards.flow.online.FlowStep`): its token rewards and online loss."""
         return FlowStep(self, step, batch)
 
     def freezes_policy(self, step: int) -> bool:

@@ -1,6 +1,6 @@
 """Flow matching on hidden states: the velocity field and the path / loss / deviation math (RLFR §3)."""
 
-from flowkit.flow.matching import (
+from flowkit.rewards.flow.matching import (
     flow_matching_loss_pieces,
     padding_velocity,
     pretraining_loss_pieces,
@@ -8,7 +8,7 @@ from flowkit.flow.matching import (
     scored_token_mask,
     velocity_deviation_scores,
 )
-from flowkit.flow.velocity_field import VelocityField
+from flowkit.rewards.flow.field import VelocityField
 
 __all__ = [
     "VelocityField",

@@ -1,6 +1,6 @@
 """One RL step of the flow reward: its token rewards and its online flow loss (RLFR §3.3, Alg. 1).
 
-:meth:`FlowReward.begin_step <flowkit.rewards.flow_reward.FlowReward.begin_step>` hands out a :class:`FlowStep`, which
+:meth:`FlowReward.begin_step <flowkit.rewards.flow.reward.FlowReward.begin_step>` hands out a :class:`FlowStep`, which
 owns everything of that step — the noise slots of its rows, the latents kept for the online update, the logged sums —
 so nothing of one step reaches the next except through the reward model's buffer of accepted rollouts.
 """
@@ -15,17 +15,17 @@ from torch.distributed import ReduceOp
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int
-from flowkit.flow import flow_matching_loss_pieces
-from flowkit.flow.matching import LossPiece, scored_token_mask
-from flowkit.rl.rejection import TOKEN_METRICS, RolloutLatentBuffer, accept_rollouts, entropy_quantile_weights
+from flowkit.rewards.flow import flow_matching_loss_pieces
+from flowkit.rewards.flow.matching import LossPiece, scored_token_mask
+from flowkit.rewards.flow.rejection import TOKEN_METRICS, RolloutLatentBuffer, accept_rollouts, entropy_quantile_weights
 from flowkit.seeding import flow_noise_seed
 
 if TYPE_CHECKING:
-    from flowkit.rewards.flow_reward import FlowReward
+    from flowkit.rewards.flow.reward import FlowReward
 
 
 class FlowStep:
-    """The step scorer of :class:`~flowkit.rewards.flow_reward.FlowReward` for RL step ``step`` over ``batch``.
+    """The step scorer of :class:`~flowkit.rewards.flow.reward.FlowReward` for RL step ``step`` over ``batch``.
 
     Row r's first noise slot is the number of scored tokens in rows < r, so rewards do not depend on the
     micro-batches (:meth:`score`); :meth:`end_step` forms the online loss of the reward's ``flow_update``.
@@ -100,9 +100,9 @@ class FlowStep:
                 None if entropies is None else entropies[i, :length].clone()))
 
     def end_step(self, batch: RolloutBatch) -> list[LossPiece]:
-        """The online flow loss of ``flow_update`` (see :class:`~flowkit.rewards.flow_reward.FlowReward`) as pieces of
+        """The online flow loss of ``flow_update`` (see :class:`~flowkit.rewards.flow.reward.FlowReward`) as pieces of
         at most ``max_rows_per_piece`` field rows that sum to it; as many on every rank
-        (:meth:`~flowkit.rewards.flow_reward.FlowReward.agreed_over_ranks`)."""
+        (:meth:`~flowkit.rewards.flow.reward.FlowReward.agreed_over_ranks`)."""
         candidates, self.candidates = self.candidates, []
         if not self.reward.online_update:
             return []
