@@ -207,17 +207,17 @@ def rl_trained(args):
                  "--model.init_args.flow_pretrain.batch_size", str(args.pretrain_batch),
                  "--model.init_args.optim.flow_lr", str(args.flow_lr),
                  "--model.init_args.flow_pretrain.lr_decay", args.pretrain_lr_decay,
-                 init + "percentiles", str(args.percentiles), init + "depth", str(args.depth),
-                 init + "timesteps", str(args.timesteps), init + "eta", str(args.eta),
-                 init + "normalization", args.normalization, init + "condition", args.condition,
-                 init + "pretrain_timesteps", str(args.pretrain_copies),
-                 init + "pretrain_logit_mean", str(args.pretrain_logit_mean),
-                 init + "noise_draws", str(args.noise_draws),
+                 init + "latents.percentiles", str(args.percentiles), init + "network.depth", str(args.depth),
+                 init + "scoring.timesteps", str(args.timesteps), init + "scoring.eta", str(args.eta),
+                 init + "scoring.normalization", args.normalization, init + "latents.condition", args.condition,
+                 init + "pretraining.pretrain_timesteps", str(args.pretrain_copies),
+                 init + "pretraining.pretrain_logit_mean", str(args.pretrain_logit_mean),
+                 init + "scoring.noise_draws", str(args.noise_draws),
                  init + "seed", str(args.seed)]
     if args.width:
-        overrides += [init + "width", str(args.width)]
+        overrides += [init + "network.width", str(args.width)]
     if args.top_k:
-        overrides += [init + "top_k", str(args.top_k)]
+        overrides += [init + "scoring.top_k", str(args.top_k)]
     here = os.getcwd()
     with tempfile.TemporaryDirectory() as run_dir:
         os.chdir(run_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from typing import Any
 
 from flowkit.errors import ConfigError
@@ -11,8 +12,9 @@ log = logging.getLogger(__name__)
 
 REWARD_MODEL_KEY = "reward_model_settings"  # in a checkpoint: CheckpointHooks._reward_model_settings()
 # Reward-model settings that a checkpoint's reward state is only valid for (shapes, which layers are tapped, the field's
-# conditioning); the others (eta, beta, kappa, timesteps, ...) apply on resume as the config gives them.
-RESUME_FIXED_REWARD_SETTINGS = ("percentiles", "depth", "width", "condition")
+# conditioning), by their attribute paths, recorded under their last name; the others (eta, beta, kappa, timesteps,
+# ...) apply on resume as the config gives them.
+RESUME_FIXED_REWARD_SETTINGS = ("percentiles", "network.depth", "network.width", "latents.condition")
 
 
 class CheckpointHooks:
@@ -28,10 +30,12 @@ class CheckpointHooks:
         """What a checkpoint's reward-model state means: its class and the settings that shape or place it."""
         model = self.reward_model
         settings: dict[str, Any] = {"class": None if model is None else f"{type(model).__module__}.{type(model).__qualname__}"}
-        for name in RESUME_FIXED_REWARD_SETTINGS:
-            if hasattr(model, name):
-                value = getattr(model, name)
-                settings[name] = list(value) if isinstance(value, tuple) else value
+        for path in RESUME_FIXED_REWARD_SETTINGS:
+            try:
+                value = attrgetter(path)(model)
+            except AttributeError:  # a reward model without the setting
+                continue
+            settings[path.rpartition(".")[2]] = list(value) if isinstance(value, tuple) else value
         return settings
 
     def check_resume(self, checkpoint: dict[str, Any], path: str) -> None:
@@ -58,7 +62,7 @@ class CheckpointHooks:
             if (recorded["class"] is None) != (current["class"] is None) or (
                     recorded["class"] != "a reward model" and recorded["class"] != current["class"]):
                 refuse("reward_model", recorded["class"] or "none", current["class"] or "none")
-            for name in RESUME_FIXED_REWARD_SETTINGS:
+            for name in (path.rpartition(".")[2] for path in RESUME_FIXED_REWARD_SETTINGS):
                 if name in recorded and recorded[name] != current.get(name):
                     refuse(f"reward_model.{name}", recorded[name], current.get(name))
         if state is not None:

@@ -1,7 +1,7 @@
 """RLFR's offline start (§3.2): the velocity field pretrained on expert-solution latents with the policy frozen —
 alone (:class:`FlowRewardModule`, ``rlfr_qwen_offline.yaml``) or inside an RL run before its first step
 (:func:`pretrain_flow_reward`, ``PolicyModule.flow_pretrain.steps``, resumable and stoppable by SIGTERM). Both
-backpropagate the loss in row-bounded pieces (``FlowReward.max_rows_per_piece``)."""
+backpropagate the loss in row-bounded pieces (``FlowReward.network.max_rows_per_piece``)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class FlowRewardModule(L.LightningModule):
     """Pretrain a :class:`FlowReward`'s velocity field on latents of expert (prompt, solution) pairs.
 
     The frozen backbone runs in inference mode with a :class:`LatentTap`; only the field trains (eq. 4,
-    logit-normal t), one backward per piece of at most ``reward_model.max_rows_per_piece`` field rows, then one
+    logit-normal t), one backward per piece of at most ``reward_model.network.max_rows_per_piece`` field rows, then one
     optimizer step, so memory does not grow with the solutions' length. ``export_artifacts`` writes the field as
     safetensors for ``FlowReward(weights=...)``.
 

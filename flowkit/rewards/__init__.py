@@ -5,7 +5,7 @@ from flowkit.rewards.base import (
     TokenRewardModel,
 )
 from flowkit.rewards.explanation import ExplanationReward
-from flowkit.rewards.flow.reward import FlowReward
+from flowkit.rewards.flow import FlowReward
 
 __all__ = ["EvaluatesPolicy", "ExplanationReward", "ExportsWeights", "FlowReward", "LearnsOnline",
            "PadsScoring", "PretrainsOnLatents", "ReportsMetrics", "StepScorer", "TokenRewardModel"]

@@ -143,10 +143,10 @@ def test_flow_loss_decreases_on_synthetic_latents():
 
 
 def test_rewarding_timestep_must_be_inside_unit_interval():
-    from flowkit.rewards import FlowReward
+    from flow_options import flow_reward
 
     with pytest.raises(ValueError, match="timesteps"):
-        FlowReward(timesteps=[1.0])
+        flow_reward(timesteps=[1.0])
 
 
 @pytest.mark.parametrize("logit_mean", [0.0, 1.5])

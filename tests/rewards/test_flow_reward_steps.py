@@ -7,6 +7,7 @@ import torch
 
 from flowkit.batch import RolloutBatch
 from flowkit.rewards import FlowReward
+from flow_options import flow_reward
 from flowkit.rewards.flow.online import FlowStep
 from backbone_stub import backbone_stub
 
@@ -28,7 +29,7 @@ def scored_batch(rows: int, generator: torch.Generator) -> RolloutBatch:
 
 
 def bound_reward(**options) -> FlowReward:
-    reward = FlowReward(percentiles=(0.25, 0.5), depth=1, seed=5, **options)
+    reward = flow_reward(percentiles=(0.25, 0.5), depth=1, seed=5, **options)
     reward.bind(backbone_stub(D), [0.25, 0.5])
     return reward
 
