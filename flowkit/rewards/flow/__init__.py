@@ -1,7 +1,6 @@
-"""RLFR's flow reward (Zhang et al., "RLFR: Extending Reinforcement Learning for LLMs with Flow Environment"), one
-concept per file, the layers of the method from the bottom up:
+"""RLFR's flow reward, one concept per file, the layers of the method from the bottom up:
 
-- :mod:`~flowkit.rewards.flow.field`: the velocity field v_θ (an AdaLN MLP conditioned on t, the layer and a token).
+- :mod:`~flowkit.rewards.flow.field`: the velocity field v_φ (an AdaLN MLP conditioned on t, the layer and a token).
 - :mod:`~flowkit.rewards.flow.matching`: flow matching on tapped latents — the loss (eq. 4) and the debiased velocity
   deviation (eq. 5–7), on the fused kernels of :mod:`flowkit.kernels`.
 - :mod:`~flowkit.rewards.flow.scoring`: token rewards from the deviation (eq. 10) and the official code's variants.

@@ -43,7 +43,7 @@ class LatentOptions(OptionGroup):
 
 @dataclass(frozen=True)
 class NetworkOptions(OptionGroup):
-    """The velocity field v_θ (an AdaLN MLP, :class:`~flowkit.rewards.flow.field.VelocityField`) and the rows it
+    """The velocity field v_φ (an AdaLN MLP, :class:`~flowkit.rewards.flow.field.VelocityField`) and the rows it
     takes per call."""
 
     depth: int = bounded(4, 1)
