@@ -37,6 +37,7 @@ from flowkit.llm.packing import encode_pairs
 from flowkit.modules.datamodule import PromptStream, resolve_data_path
 from flowkit.modules.optim import flow_pretraining_schedule
 from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import LatentOptions, NetworkOptions, ScoringOptions, PretrainingOptions
 from flowkit.rewards.grader import grade
 from flowkit.rewards.flow.scoring import flow_token_rewards
 
@@ -105,8 +106,9 @@ def score(model, tokenizer, tap: LatentTap, reward: FlowReward, prompts: list[st
         deviation = reward.deviation_scores(tap.latents, rows.response_mask, seed, scored_before)
         scored = deviation != 0
         out["deviation"].append(deviation)
-        out["reward"].append(flow_token_rewards(deviation, scored, reward.eta, reward.beta, reward.top_k,
-                                                reward.normalization))
+        scoring = reward.scoring
+        out["reward"].append(flow_token_rewards(deviation, scored, scoring.eta, scoring.beta, scoring.top_k,
+                                                scoring.normalization))
         out["surprisal"].append(-logprobs * rows.response_mask)
         starts.append(rows.response_mask.argmax(-1))
     result = {k: torch.cat(v) for k, v in out.items()}
@@ -191,10 +193,13 @@ def pretrained_flow(args, model, tokenizer) -> tuple[FlowReward, LatentTap]:
 
 
 def flow_reward(args) -> FlowReward:
-    return FlowReward(percentiles=args.percentiles, depth=args.depth, width=args.width, timesteps=args.timesteps,
-                      eta=args.eta, top_k=args.top_k, normalization=args.normalization, condition=args.condition,
-                      pretrain_timesteps=args.pretrain_copies, pretrain_logit_mean=args.pretrain_logit_mean,
-                      noise_draws=args.noise_draws, seed=args.seed)
+    return FlowReward(latents=LatentOptions(percentiles=tuple(args.percentiles), condition=args.condition),
+                      network=NetworkOptions(depth=args.depth, width=args.width),
+                      scoring=ScoringOptions(timesteps=tuple(args.timesteps), eta=args.eta, top_k=args.top_k,
+                                             normalization=args.normalization, noise_draws=args.noise_draws),
+                      pretraining=PretrainingOptions(pretrain_timesteps=args.pretrain_copies,
+                                                     pretrain_logit_mean=args.pretrain_logit_mean),
+                      seed=args.seed)
 
 
 def rl_trained(args):
@@ -233,7 +238,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # defaults: configs/rlfr_tiny.yaml's flow reward and pretraining
     config = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]
-    flow = config["reward_model"]["init_args"]
+    reward = config["reward_model"]["init_args"]
+    flow = {name: value for key in ("latents", "network", "scoring", "online", "pretraining")
+            for name, value in reward.get(key, {}).items()}  # each option under its own name
     parser.add_argument("--condition", default=flow["condition"], choices=["next", "previous", "none"])
     parser.add_argument("--percentiles", type=float, nargs="+", default=flow["percentiles"])
     parser.add_argument("--normalization", default=flow["normalization"], choices=["minmax", "bilateral", "mean"])

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOW = "--model.init_args.reward_model.init_args."
 # The tiny default before the flow-signal study (three tapped blocks, T = {0.8}, 150 pretraining steps): the
 # condition / bilateral / timestep ablations were measured on it.
-EARLIER = [FLOW + "latents.percentiles", "[0.25, 0.5, 0.75]", FLOW + "scoring.timesteps", "[0.8]", FLOW + "pretraining.pretrain_logit_mean", "0.0",
+EARLIER = [FLOW + "latents.percentiles", "[0.25, 0.5, 0.75]", FLOW + "scoring.timesteps", "[0.8]",
+           FLOW + "pretraining.pretrain_logit_mean", "0.0",
            "--model.init_args.flow_pretrain.steps", "150", "--model.init_args.flow_pretrain.cache_latents", "false"]
 # The pretraining of the tiny default after the signal study and before the shifted timesteps (600 official steps).
 P600 = ["--model.init_args.flow_pretrain.steps", "600", FLOW + "pretraining.pretrain_logit_mean", "0.0"]

@@ -140,7 +140,8 @@ REFUSED = {
                     "reward_model.percentiles is [0.25] there, [0.5] in this config"),
     "percentiles-count": (["--model.init_args.reward_model.init_args.latents.percentiles", "[0.25, 0.75]"],
                           "reward_model.percentiles is [0.25] there, [0.25, 0.75] in this config"),
-    "depth": (["--model.init_args.reward_model.init_args.network.depth", "3"], "reward_model.depth is 2 there, 3 in this config"),
+    "depth": (["--model.init_args.reward_model.init_args.network.depth", "3"],
+              "reward_model.depth is 2 there, 3 in this config"),
     "method": (["--model.init_args.reward_model", "null", "--model.init_args.flow_pretrain.steps", "0"],
                "reward_model is 'flowkit.rewards.flow.reward.FlowReward' there, 'none' in this config"),
 }

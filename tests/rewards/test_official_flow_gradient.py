@@ -1,5 +1,5 @@
-"""The official RLFR online update under the official pins (transformers 4.50, ``--gradient_checkpointing_use_reentrant``)
-gives the flow no gradient: the reason ``FlowReward(protocol="official")`` freezes the flow (docs/methods/rlfr.md).
+"""The official RLFR online update under the official pins (transformers 4.50,
+``--gradient_checkpointing_use_reentrant``) gives the flow no gradient: the reason ``FlowReward(protocol="official")`` freezes the flow (docs/methods/rlfr.md).
 Run in a venv with those pins (``scripts/official_flow_gradient.py``); skipped under flowkit's own transformers."""
 
 import sys

@@ -190,8 +190,8 @@ class FlowReward(TokenRewardModel):
         resized = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
         if missing or unexpected or resized:
             first = (missing or unexpected or resized)[0]
-            raise ConfigError(f"flow weights {str(path)!r} do not fit this FlowReward (depth {self.network.depth}, width "
-                              f"{field.width}, hidden size {field.hidden_size}): {len(missing)} missing, "
+            raise ConfigError(f"flow weights {str(path)!r} do not fit this FlowReward (depth {self.network.depth}, "
+                              f"width {field.width}, hidden size {field.hidden_size}): {len(missing)} missing, "
                               f"{len(unexpected)} unexpected, {len(resized)} differently shaped tensors (first: {first!r})")
         field.load_state_dict(state)
 
