@@ -15,6 +15,8 @@ REWARD_MODEL_KEY = "reward_model_settings"  # in a checkpoint: CheckpointHooks._
 # conditioning), by their attribute paths, recorded under their last name; the others (eta, beta, kappa, timesteps,
 # ...) apply on resume as the config gives them.
 RESUME_FIXED_REWARD_SETTINGS = ("percentiles", "network.depth", "network.width", "latents.condition")
+# Reward-model classes recorded by earlier checkpoints under another module: the same class now.
+MOVED_REWARD_CLASSES = {"flowkit.rewards.flow_reward.FlowReward": "flowkit.rewards.flow.reward.FlowReward"}
 
 
 class CheckpointHooks:
@@ -55,6 +57,8 @@ class CheckpointHooks:
             refuse("backbone", saved_hparams["backbone"], self.hparams.backbone)
         state = checkpoint.get("state_dict")  # absent from a DeepSpeed checkpoint's client state
         recorded = checkpoint.get(REWARD_MODEL_KEY)
+        if recorded is not None and recorded["class"] in MOVED_REWARD_CLASSES:  # saved before the class moved
+            recorded = {**recorded, "class": MOVED_REWARD_CLASSES[recorded["class"]]}
         if recorded is None and state is not None:  # checkpoints written before the settings were recorded
             recorded = {"class": "a reward model" if any(k.startswith("reward_model.") for k in state) else None}
         current = self._reward_model_settings()
