@@ -55,6 +55,7 @@ from flowkit.errors import ConfigError
 from flowkit.modules.policy_options import LossOptions, OptimOptions, RolloutOptions, SamplingOptions, UpdateOptions
 from flowkit.options import literal_values
 from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import LatentOptions, NetworkOptions, OnlineOptions, ScoringOptions
 from flowkit.rl.rollout_correction import CorrectionMode, RolloutCorrection
 
 BENCHMARKS = Path(__file__).resolve().parent
@@ -120,8 +121,9 @@ def start_server(log: Path, backbone: str, core: int | None = None,
 def run_steps(steps: int, settings: dict, seed: int = 0, **options) -> StepClock:
     """A fresh run of ``steps`` RL steps of the job ``settings`` (``options``: the rollout variant)."""
     L.seed_everything(seed)
-    flow = FlowReward(percentiles=[0.25], depth=2, timesteps=[0.9], eta=0.6, beta=0.01, normalization="minmax",
-                      condition="previous", rejection_metric="correct", kappa=32)
+    flow = FlowReward(latents=LatentOptions(percentiles=(0.25,), condition="previous"), network=NetworkOptions(depth=2),
+                      scoring=ScoringOptions(timesteps=(0.9,), eta=0.6, beta=0.01, normalization="minmax"),
+                      online=OnlineOptions(rejection_metric="correct", kappa=32))
     settings = dict(settings)
     prompts = settings.pop("prompts")
     module = PolicyModule(reward_model=flow, **settings, **options)

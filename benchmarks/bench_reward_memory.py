@@ -11,7 +11,7 @@ token's latent, the official RL scripts' ``token_post``), under ``no_grad``:
   x_t = t·x1 + (1 − t)·ε and u_t = x1 − ε, one network call v = v_φ(x_t, t, c, ℓ) over all N tokens, and add
   t/(1 − t)·mean_d (v − u_t)² (RLFR eqs. 5, 7; each t with its own weight, as flowkit's eq. 7 — the official code
   weights all with the last t's), the network written as the official code writes it (:func:`official_velocity`);
-* ``flowkit``: :func:`flowkit.flow.velocity_deviation_scores` as ``FlowReward.score`` calls it (its default rows per
+* ``flowkit``: :func:`flowkit.rewards.flow.velocity_deviation_scores` as ``FlowReward.score`` calls it (its default rows per
   field call; the fused kernels regenerate ε instead of storing it).
 
 Peak memory: the largest sum of live CPU-allocator bytes during one call (torch's profiler records every allocation
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_csv, timestamp
 
 from flowkit import kernels
-from flowkit.flow import VelocityField, velocity_deviation_scores
-from flowkit.flow.matching import DEFAULT_MAX_ROWS
-from flowkit.flow.velocity_field import modulate, sinusoidal_embedding
+from flowkit.rewards.flow import VelocityField, velocity_deviation_scores
+from flowkit.rewards.flow.matching import DEFAULT_MAX_ROWS
+from flowkit.rewards.flow.field import modulate, sinusoidal_embedding
 
 SEED = 1234
 LAYER_POSITIONS = (0.25, 0.5, 0.75)

@@ -31,14 +31,15 @@ import yaml
 from flowkit.data.records import load_records
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.expert_latents import ExpertLatentCache
+from flowkit.rewards.flow.expert_latents import ExpertLatentCache
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.packing import encode_pairs
 from flowkit.modules.datamodule import PromptStream, resolve_data_path
 from flowkit.modules.optim import flow_pretraining_schedule
 from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import LatentOptions, NetworkOptions, ScoringOptions, PretrainingOptions
 from flowkit.rewards.grader import grade
-from flowkit.rl.rewards import flow_token_rewards
+from flowkit.rewards.flow.scoring import flow_token_rewards
 
 try:
     from common import append_csv
@@ -105,8 +106,9 @@ def score(model, tokenizer, tap: LatentTap, reward: FlowReward, prompts: list[st
         deviation = reward.deviation_scores(tap.latents, rows.response_mask, seed, scored_before)
         scored = deviation != 0
         out["deviation"].append(deviation)
-        out["reward"].append(flow_token_rewards(deviation, scored, reward.eta, reward.beta, reward.top_k,
-                                                reward.normalization))
+        scoring = reward.scoring
+        out["reward"].append(flow_token_rewards(deviation, scored, scoring.eta, scoring.beta, scoring.top_k,
+                                                scoring.normalization))
         out["surprisal"].append(-logprobs * rows.response_mask)
         starts.append(rows.response_mask.argmax(-1))
     result = {k: torch.cat(v) for k, v in out.items()}
@@ -191,10 +193,13 @@ def pretrained_flow(args, model, tokenizer) -> tuple[FlowReward, LatentTap]:
 
 
 def flow_reward(args) -> FlowReward:
-    return FlowReward(percentiles=args.percentiles, depth=args.depth, width=args.width, timesteps=args.timesteps,
-                      eta=args.eta, top_k=args.top_k, normalization=args.normalization, condition=args.condition,
-                      pretrain_timesteps=args.pretrain_copies, pretrain_logit_mean=args.pretrain_logit_mean,
-                      noise_draws=args.noise_draws, seed=args.seed)
+    return FlowReward(latents=LatentOptions(percentiles=tuple(args.percentiles), condition=args.condition),
+                      network=NetworkOptions(depth=args.depth, width=args.width),
+                      scoring=ScoringOptions(timesteps=tuple(args.timesteps), eta=args.eta, top_k=args.top_k,
+                                             normalization=args.normalization, noise_draws=args.noise_draws),
+                      pretraining=PretrainingOptions(pretrain_timesteps=args.pretrain_copies,
+                                                     pretrain_logit_mean=args.pretrain_logit_mean),
+                      seed=args.seed)
 
 
 def rl_trained(args):
@@ -207,17 +212,17 @@ def rl_trained(args):
                  "--model.init_args.flow_pretrain.batch_size", str(args.pretrain_batch),
                  "--model.init_args.optim.flow_lr", str(args.flow_lr),
                  "--model.init_args.flow_pretrain.lr_decay", args.pretrain_lr_decay,
-                 init + "percentiles", str(args.percentiles), init + "depth", str(args.depth),
-                 init + "timesteps", str(args.timesteps), init + "eta", str(args.eta),
-                 init + "normalization", args.normalization, init + "condition", args.condition,
-                 init + "pretrain_timesteps", str(args.pretrain_copies),
-                 init + "pretrain_logit_mean", str(args.pretrain_logit_mean),
-                 init + "noise_draws", str(args.noise_draws),
+                 init + "latents.percentiles", str(args.percentiles), init + "network.depth", str(args.depth),
+                 init + "scoring.timesteps", str(args.timesteps), init + "scoring.eta", str(args.eta),
+                 init + "scoring.normalization", args.normalization, init + "latents.condition", args.condition,
+                 init + "pretraining.pretrain_timesteps", str(args.pretrain_copies),
+                 init + "pretraining.pretrain_logit_mean", str(args.pretrain_logit_mean),
+                 init + "scoring.noise_draws", str(args.noise_draws),
                  init + "seed", str(args.seed)]
     if args.width:
-        overrides += [init + "width", str(args.width)]
+        overrides += [init + "network.width", str(args.width)]
     if args.top_k:
-        overrides += [init + "top_k", str(args.top_k)]
+        overrides += [init + "scoring.top_k", str(args.top_k)]
     here = os.getcwd()
     with tempfile.TemporaryDirectory() as run_dir:
         os.chdir(run_dir)
@@ -233,7 +238,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # defaults: configs/rlfr_tiny.yaml's flow reward and pretraining
     config = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]
-    flow = config["reward_model"]["init_args"]
+    reward = config["reward_model"]["init_args"]
+    flow = {name: value for key in ("latents", "network", "scoring", "online", "pretraining")
+            for name, value in reward.get(key, {}).items()}  # each option under its own name
     parser.add_argument("--condition", default=flow["condition"], choices=["next", "previous", "none"])
     parser.add_argument("--percentiles", type=float, nargs="+", default=flow["percentiles"])
     parser.add_argument("--normalization", default=flow["normalization"], choices=["minmax", "bilateral", "mean"])

@@ -43,10 +43,11 @@ import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from flowkit.flow import flow_matching_loss_pieces
+from flowkit.rewards.flow import flow_matching_loss_pieces
 from flowkit.llm.tiny import SPECIAL_TOKENS, tiny_qwen2
 from flowkit.modules import PolicyModule
 from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import LatentOptions, NetworkOptions, ScoringOptions, PretrainingOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_csv, timestamp  # noqa: E402
@@ -139,8 +140,10 @@ def piece_memory(args: argparse.Namespace) -> None:
     percentiles = (0.25, 0.5, 0.75)
     stub = SimpleNamespace(config=SimpleNamespace(hidden_size=args.width, rms_norm_eps=1e-6))
     for max_rows in (args.max_rows, None):
-        reward = FlowReward(percentiles=percentiles, depth=args.depth, width=args.width, timesteps=(0.8,),
-                            condition="previous", max_rows_per_piece=max_rows, pretrain_timesteps=2, seed=0)
+        reward = FlowReward(latents=LatentOptions(percentiles=percentiles, condition="previous"),
+                            network=NetworkOptions(depth=args.depth, width=args.width, max_rows_per_piece=max_rows),
+                            scoring=ScoringOptions(timesteps=(0.8,)),
+                            pretraining=PretrainingOptions(pretrain_timesteps=2), seed=0)
         reward.bind(stub, percentiles)
         params = {p.untyped_storage().data_ptr() for p in reward.parameters()}
         budget = "one piece" if max_rows is None else f"{max_rows} rows"

@@ -33,6 +33,7 @@ from flowkit.llm.tiny import tiny_qwen2
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.policy_options import OptimOptions, RolloutOptions, SamplingOptions, UpdateOptions
 from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import LatentOptions, NetworkOptions, OnlineOptions, ScoringOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rl_memory import padded_char_tokenizer  # noqa: E402
@@ -142,8 +143,9 @@ def main() -> None:
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        reward = FlowReward(percentiles=[0.25, 0.5, 0.75], depth=4, timesteps=[0.8], kappa=args.kappa, seed=0,
-                            rejection_metric=args.rejection_metric)
+        reward = FlowReward(latents=LatentOptions(percentiles=(0.25, 0.5, 0.75)), network=NetworkOptions(depth=4),
+                            scoring=ScoringOptions(timesteps=(0.8,)), seed=0,
+                            online=OnlineOptions(kappa=args.kappa, rejection_metric=args.rejection_metric))
         module = PolicyModule(backbone=tmp, dtype="float32", reward_model=reward, outcome_reward="official",
                               gradient_checkpointing=args.gradient_checkpointing,
                               sampling=SamplingOptions(num_samples=args.samples, max_new_tokens=args.new_tokens),

@@ -24,6 +24,7 @@ import torch
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.policy_options import OptimOptions, SamplingOptions, UpdateOptions
 from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import LatentOptions, NetworkOptions, ScoringOptions
 
 BENCHMARKS = str(Path(__file__).resolve().parent)
 
@@ -77,8 +78,9 @@ def main() -> None:
     for _ in range(args.rounds):
         every_row = UpdateOptions(skip_zero_advantage_rows=False)
         times["grpo"] += time_steps(None, args.steps, args.warmup, update=every_row).times
-        times["grpo+flow"] += time_steps(FlowReward(percentiles=[0.25], depth=2, timesteps=[0.9], kappa=32), args.steps,
-                                         args.warmup, update=every_row).times
+        flow = FlowReward(latents=LatentOptions(percentiles=(0.25,)), network=NetworkOptions(depth=2),
+                          scoring=ScoringOptions(timesteps=(0.9,)))
+        times["grpo+flow"] += time_steps(flow, args.steps, args.warmup, update=every_row).times
     results = {name: quantiles(t) for name, t in times.items()}
     # Imported only now: importing common fixes glibc's mmap threshold (for its peak-memory readings), which makes
     # every large allocation a fresh mmap and would slow the timed steps (and not TRL's, in bench_trl_race).

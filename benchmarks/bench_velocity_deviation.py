@@ -28,7 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_csv, measure, timestamp
 
-from flowkit.flow.matching import DEFAULT_MAX_ROWS
+from flowkit.rewards.flow.matching import DEFAULT_MAX_ROWS
 from flowkit.kernels import debias_weights, interpolate_latents, velocity_deviation, velocity_deviation_in_chunks
 from flowkit.kernels.reference import velocity_deviation as reference
 
@@ -67,7 +67,7 @@ def fused(x1, timesteps, weights, mask, max_rows: int | None, velocity=None):
 def velocity_network(dim: int, depth: int, device):
     """flowkit's VelocityField (RLFR §3.2) when present, else a token-wise MLP of the same depth and width."""
     try:
-        from flowkit.flow.velocity_field import VelocityField
+        from flowkit.rewards.flow.field import VelocityField
 
         net = VelocityField(dim, depth=depth, conditioned=False).to(device)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flowkit.flow import VelocityField
+from flowkit.rewards.flow import VelocityField
 
 GiB = 2**30
 RANKS = 8

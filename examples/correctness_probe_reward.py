@@ -10,7 +10,7 @@ Run it from the repository root
 
     flowkit fit --config configs/grpo_tiny.yaml --trainer.default_root_dir runs/probe \\
         --model.init_args.reward_model examples.correctness_probe_reward.CorrectnessProbe \\
-        --model.init_args.reward_model.init_args.beta 0.05
+        --model.init_args.reward_model.init_args.scoring.beta 0.05
 
 Its step scorer's ``metrics`` (``probe_loss``, ``probe_accuracy``) are logged as ``reward_model/probe_loss`` and
 ``reward_model/probe_accuracy`` and drawn by ``flowkit plot`` in the "reward model" panel, next to the token-reward

@@ -126,6 +126,18 @@ class OptionGroup:
             raise ConfigError(f"{key} must be one of {', '.join(registry)}, got {value!r}{why}") from None
 
 
+def moved_options(groups: dict[str, type]) -> dict[str, str]:
+    """Each option of an owner's old flat form (``temperature``) → its key in ``groups`` now
+    (``sampling.temperature``): the first group's field of that name. An owner with option groups keeps this as its
+    ``MOVED_OPTIONS``, from which the CLI names the new key of an old one in a one-line error."""
+    moved: dict[str, str] = {}
+    for key, group in groups.items():
+        for name, declared in group.__dataclass_fields__.items():
+            if declared.init:
+                moved.setdefault(name, f"{key}.{name}")
+    return moved
+
+
 def option_help(group: type) -> dict[str, str]:
     """Each field's help: the string literal right under its declaration in the class body."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(group)))
@@ -157,6 +169,8 @@ def _default_text(option: Field) -> str:
 
 
 def _value_text(value: Any) -> str:
+    if isinstance(value, tuple):  # as YAML writes it
+        return "[" + ", ".join(_value_text(v) for v in value) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 

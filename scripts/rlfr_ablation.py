@@ -36,25 +36,26 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOW = "--model.init_args.reward_model.init_args."
 # The tiny default before the flow-signal study (three tapped blocks, T = {0.8}, 150 pretraining steps): the
 # condition / bilateral / timestep ablations were measured on it.
-EARLIER = [FLOW + "percentiles", "[0.25, 0.5, 0.75]", FLOW + "timesteps", "[0.8]", FLOW + "pretrain_logit_mean", "0.0",
+EARLIER = [FLOW + "latents.percentiles", "[0.25, 0.5, 0.75]", FLOW + "scoring.timesteps", "[0.8]",
+           FLOW + "pretraining.pretrain_logit_mean", "0.0",
            "--model.init_args.flow_pretrain.steps", "150", "--model.init_args.flow_pretrain.cache_latents", "false"]
 # The pretraining of the tiny default after the signal study and before the shifted timesteps (600 official steps).
-P600 = ["--model.init_args.flow_pretrain.steps", "600", FLOW + "pretrain_logit_mean", "0.0"]
-T4 = [FLOW + "timesteps", "[0.2, 0.4, 0.6, 0.8]"]
+P600 = ["--model.init_args.flow_pretrain.steps", "600", FLOW + "pretraining.pretrain_logit_mean", "0.0"]
+T4 = [FLOW + "scoring.timesteps", "[0.2, 0.4, 0.6, 0.8]"]
 ARMS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo_tiny.yaml", []),
     "rlfr": ("rlfr_tiny.yaml", []),
-    "entropy": ("rlfr_tiny.yaml", [FLOW + "rejection_metric", "entropy"]),
-    "both": ("rlfr_tiny.yaml", [FLOW + "rejection_metric", "both"]),
-    "beta0": ("rlfr_tiny.yaml", [FLOW + "beta", "0.0"]),
+    "entropy": ("rlfr_tiny.yaml", [FLOW + "online.rejection_metric", "entropy"]),
+    "both": ("rlfr_tiny.yaml", [FLOW + "online.rejection_metric", "both"]),
+    "beta0": ("rlfr_tiny.yaml", [FLOW + "scoring.beta", "0.0"]),
     "p600": ("rlfr_tiny.yaml", P600),
-    "p600_entropy": ("rlfr_tiny.yaml", [*P600, FLOW + "rejection_metric", "entropy"]),
-    "p600_both": ("rlfr_tiny.yaml", [*P600, FLOW + "rejection_metric", "both"]),
+    "p600_entropy": ("rlfr_tiny.yaml", [*P600, FLOW + "online.rejection_metric", "entropy"]),
+    "p600_both": ("rlfr_tiny.yaml", [*P600, FLOW + "online.rejection_metric", "both"]),
     "earlier": ("rlfr_tiny.yaml", EARLIER),
-    "earlier_next": ("rlfr_tiny.yaml", [*EARLIER, FLOW + "condition", "next"]),
-    "earlier_bilateral": ("rlfr_tiny.yaml", [*EARLIER, FLOW + "normalization", "bilateral"]),
+    "earlier_next": ("rlfr_tiny.yaml", [*EARLIER, FLOW + "latents.condition", "next"]),
+    "earlier_bilateral": ("rlfr_tiny.yaml", [*EARLIER, FLOW + "scoring.normalization", "bilateral"]),
     "earlier_T4": ("rlfr_tiny.yaml", [*EARLIER, *T4]),
-    "earlier_T4_nodebias": ("rlfr_tiny.yaml", [*EARLIER, *T4, FLOW + "debias", "false"]),
+    "earlier_T4_nodebias": ("rlfr_tiny.yaml", [*EARLIER, *T4, FLOW + "scoring.debias", "false"]),
 }
 
 

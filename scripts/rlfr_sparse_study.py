@@ -63,11 +63,12 @@ FLOW = "--model.init_args.reward_model.init_args."
 ARMS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo_sparse.yaml", []),
     "rlfr": ("rlfr_sparse.yaml", []),
-    "rlfr_b0.05": ("rlfr_sparse.yaml", [FLOW + "beta", "0.05"]),
-    "rlfr_b0.2": ("rlfr_sparse.yaml", [FLOW + "beta", "0.2"]),
+    "rlfr_b0.05": ("rlfr_sparse.yaml", [FLOW + "scoring.beta", "0.05"]),
+    "rlfr_b0.2": ("rlfr_sparse.yaml", [FLOW + "scoring.beta", "0.2"]),
     "entropy_adv": ("grpo_sparse.yaml", ["--model.init_args.advantage.entropy_alpha", "0.4",
                                          "--model.init_args.advantage.entropy_kappa", "2.0"]),
-    "rlfr_official": ("rlfr_sparse.yaml", [FLOW + "flow_update", "micro_batch", FLOW + "soft_weight", "0.0",
+    "rlfr_official": ("rlfr_sparse.yaml", [FLOW + "online.flow_update", "micro_batch",
+                                           FLOW + "online.soft_weight", "0.0",
                                            "--model.init_args.update.micro_batch_size", "1"]),
     "grpo_dynamic": ("grpo_sparse.yaml", ["--model.init_args.controls.dynamic_sampling_max_draws", "4"]),
 }

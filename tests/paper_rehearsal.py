@@ -36,9 +36,9 @@ _RLFR_QWEN = [
     "--model.init_args.sampling.max_new_tokens", "28",
     "--model.init_args.rollout.batch_size", "8",       # 2 generate calls (decoding batches on a server) per rank
     "--model.init_args.update.lm_head_chunk_size", "8",       # ~10 LM-head chunks per micro-batch of 4
-    "--model.init_args.reward_model.init_args.max_rows_per_call", "48",  # 16 tokens × 3 layers per field call
-    "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several flow-loss pieces per update
-    "--model.init_args.reward_model.init_args.kappa", "2",  # the online flow step comes in step 1
+    "--model.init_args.reward_model.init_args.network.max_rows_per_call", "48",  # 16 tokens × 3 layers per field call
+    "--model.init_args.reward_model.init_args.network.max_rows_per_piece", "96",  # several flow-loss pieces per update
+    "--model.init_args.reward_model.init_args.online.kappa", "2",  # the online flow step comes in step 1
     "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
     "--data.init_args.eval_paths", "{heldout: bundled:arithmetic/val.jsonl}",
     "--data.init_args.max_val_examples", "8",
@@ -60,8 +60,8 @@ OVERRIDES: dict[str, list[str]] = {
         "--model.init_args.rollout.batch_size", "8",
         "--model.init_args.update.lm_head_chunk_size", "8",
         "--model.init_args.rollout.vllm_max_model_len", "128",
-        "--model.init_args.reward_model.init_args.max_rows_per_call", "24",  # 8 tokens per call: rows of 1-4 calls
-        "--model.init_args.reward_model.init_args.max_rows_per_piece", "48",  # several flow-loss pieces per step
+        "--model.init_args.reward_model.init_args.network.max_rows_per_call", "24",  # 8 tokens per call: rows of 1-4 calls
+        "--model.init_args.reward_model.init_args.network.max_rows_per_piece", "48",  # several flow-loss pieces per step
         "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
         "--data.init_args.eval_paths", "{heldout: bundled:arithmetic/val.jsonl}",
         "--data.init_args.max_val_examples", "8",
@@ -72,7 +72,7 @@ OVERRIDES: dict[str, list[str]] = {
     ],
     "rlfr_qwen_offline.yaml": [
         "--model.init_args.backbone", "bundled:tiny_adder",
-        "--model.init_args.reward_model.init_args.max_rows_per_piece", "96",  # several pieces per batch and rank
+        "--model.init_args.reward_model.init_args.network.max_rows_per_piece", "96",  # several pieces per batch and rank
         "--data.init_args.train_path", "bundled:arithmetic/train.jsonl",
         "--data.init_args.prompt_key", "prompt",
         "--data.init_args.prompt_template", "{prompt}",

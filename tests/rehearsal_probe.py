@@ -15,9 +15,9 @@ from pathlib import Path
 
 import lightning as L
 
-import flowkit.flow.matching as matching
+import flowkit.rewards.flow.matching as matching
 import flowkit.rl.logprobs as logprobs
-from flowkit.rewards.flow_reward import FlowReward
+from flowkit.rewards.flow.reward import FlowReward
 
 
 class RehearsalProbe(L.Callback):

@@ -18,8 +18,8 @@ CONFIG = ROOT / "configs" / "rlfr_tiny.yaml"
 TINY = [
     "--model.init_args.flow_pretrain.steps", "0",
     "--model.init_args.sampling.num_samples", "4",
-    "--model.init_args.reward_model.init_args.kappa", "2",
-    "--model.init_args.reward_model.init_args.rejection_metric", "entropy",
+    "--model.init_args.reward_model.init_args.online.kappa", "2",
+    "--model.init_args.reward_model.init_args.online.rejection_metric", "entropy",
     "--data.init_args.batch_size", "4",
     "--trainer.enable_progress_bar", "false",
     "--trainer.enable_model_summary", "false",

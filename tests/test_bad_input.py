@@ -26,7 +26,7 @@ from flowkit.llm.backbone import ASSETS
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.explanation import ExplanationRewardModule, ExplanationRounds
 from flowkit.modules.policy_options import OptimOptions, SamplingOptions
-from flowkit.rewards import FlowReward
+from flow_options import flow_reward
 from flowkit.rewards.explanation import ExplanationReward
 from backbone_stub import backbone_stub
 
@@ -218,19 +218,19 @@ OPTION_CASES = {
     "max_new_tokens-negative": (model_args("sampling.max_new_tokens", "-3"), "PolicyModule.sampling.max_new_tokens must be >= 1, got -3"),
     "greedy-with-a-group": (model_args("sampling.temperature", "0"), "PolicyModule.sampling.temperature 0 (greedy) makes the 8 samples"),
     "top_p-0": (model_args("sampling.top_p", "0"), "PolicyModule.sampling.top_p must be in (0, 1], got 0.0"),
-    "top_k-0": (model_args("reward.top_k", "0"), "FlowReward.top_k must be >= 1, got 0"),
-    "noise_draws-0": (model_args("reward.noise_draws", "0"), "FlowReward.noise_draws must be >= 1, got 0"),
-    "max_rows_per_call-0": (model_args("reward.max_rows_per_call", "0"), "FlowReward.max_rows_per_call must be >= 1"),
-    "kappa-0": (model_args("reward.kappa", "0"), "FlowReward.kappa must be >= 1, got 0"),
-    "pretrain_logit_mean-9": (model_args("reward.pretrain_logit_mean", "9"),
-                              "FlowReward.pretrain_logit_mean must be in [-5.0, 5.0], got 9.0"),
+    "top_k-0": (model_args("reward.scoring.top_k", "0"), "FlowReward.scoring.top_k must be >= 1, got 0"),
+    "noise_draws-0": (model_args("reward.scoring.noise_draws", "0"), "FlowReward.scoring.noise_draws must be >= 1, got 0"),
+    "max_rows_per_call-0": (model_args("reward.network.max_rows_per_call", "0"), "FlowReward.network.max_rows_per_call must be >= 1"),
+    "kappa-0": (model_args("reward.online.kappa", "0"), "FlowReward.online.kappa must be >= 1, got 0"),
+    "pretrain_logit_mean-9": (model_args("reward.pretraining.pretrain_logit_mean", "9"),
+                              "FlowReward.pretraining.pretrain_logit_mean must be in [-5.0, 5.0], got 9.0"),
     "flow_pretrain_lr_decay-linear": (model_args("flow_pretrain.lr_decay", "linear"), "flow_pretrain.lr_decay"),
-    "percentiles-empty": (model_args("reward.percentiles", "[]"), "FlowReward.percentiles must not be empty"),
-    "timesteps-empty": (model_args("reward.timesteps", "[]"), "FlowReward.timesteps must not be empty"),
-    "timestep-above-1": (model_args("reward.timesteps", "[1.5]"), "FlowReward.timesteps must lie in (0, 1)"),
-    "timestep-weight-inf-in-fp32": (model_args("reward.timesteps", "[0.99999999]"),
+    "percentiles-empty": (model_args("reward.latents.percentiles", "[]"), "FlowReward.latents.percentiles must not be empty"),
+    "timesteps-empty": (model_args("reward.scoring.timesteps", "[]"), "FlowReward.scoring.timesteps must not be empty"),
+    "timestep-above-1": (model_args("reward.scoring.timesteps", "[1.5]"), "FlowReward.scoring.timesteps must lie in (0, 1)"),
+    "timestep-weight-inf-in-fp32": (model_args("reward.scoring.timesteps", "[0.99999999]"),
                                     "finite t/(1−t) weight in float32, got 0.99999999 (1.0 in float32)"),
-    "eta-above-1": (model_args("reward.eta", "1.5"), "FlowReward.eta must be in [0.0, 1.0], got 1.5"),
+    "eta-above-1": (model_args("reward.scoring.eta", "1.5"), "FlowReward.scoring.eta must be in [0.0, 1.0], got 1.5"),
     "flow-weights-missing": (model_args("reward.weights", "no_such_flow.safetensors"),
                              "FlowReward.weights 'no_such_flow.safetensors' is not a file"),
     "dtype-int8": (model_args("dtype", "int8"),
@@ -238,8 +238,12 @@ OPTION_CASES = {
     "pretraining-without-reward-model": (model_args("reward_model", "null", "flow_pretrain.steps", "5"),
                                          "PolicyModule.flow_pretrain.steps 5 needs a reward_model"),
     "trainer-rejects-value": (["--trainer.max_steps", "-5"], "`max_steps` must be a non-negative integer or -1"),
-    "nested-choice": (model_args("reward.condition", "bogus"),
-                      "model.init_args.reward_model.init_args.condition: Expected a typing.Literal['next', 'previous'"),
+    "nested-choice": (model_args("reward.latents.condition", "bogus"),
+                      "model.init_args.reward_model.init_args.latents.condition: Expected a typing.Literal['next', "
+                      "'previous'"),
+    "reward-option-of-the-flat-form": (model_args("reward.eta", "0.5"),
+                                       "'eta' is now 'scoring.eta' (the options of flowkit.rewards.FlowReward are in "
+                                       "groups)"),
 }
 
 
@@ -299,7 +303,7 @@ def truncate(path: Path) -> None:
 
 
 def flow_weights(tmp_path: Path, depth: int) -> Path:
-    reward = FlowReward(depth=depth)
+    reward = flow_reward(depth=depth)
     reward.bind(backbone_stub(128), [0.25, 0.5, 0.75])  # the tiny adder's width
     reward.save_field(tmp_path / f"flow_depth{depth}.safetensors")
     return tmp_path / f"flow_depth{depth}.safetensors"
@@ -394,7 +398,8 @@ def test_skip_policy_covers_text_the_tokenizer_cannot_take(in_tmp, caplog):
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [(model_args("sampling.num_samples", "0"), "error: PolicyModule.sampling.num_samples must be >= 1, got 0"),
-     (model_args("reward.condition", "bogus"), "error: model.init_args.reward_model.init_args.condition: Expected"),
+     (model_args("reward.latents.condition", "bogus"),
+      "error: model.init_args.reward_model.init_args.latents.condition: Expected"),
      (["--data.init_args.train_path", "bad.jsonl"], "error: bad.jsonl:2: field 'prompt'")],
     ids=["option", "parser", "record"],
 )
@@ -415,7 +420,7 @@ def test_flowkit_command_prints_one_line_and_exits_2(in_tmp, extra, expected):
 
 def fit_one_batch(tmp_path: Path, nonfinite: str, bad_value: float) -> PolicyModule:
     L.seed_everything(0, verbose=False)
-    reward = FlowReward(depth=1, kappa=2, rejection_metric="entropy")
+    reward = flow_reward(depth=1, kappa=2, rejection_metric="entropy")
     module = PolicyModule(reward_model=reward, outcome_reward="binary",
                           sampling=SamplingOptions(num_samples=2, max_new_tokens=28),
                           optim=OptimOptions(nonfinite=nonfinite))
@@ -508,7 +513,7 @@ def _yaml_with_a_tab(tmp_path):
 
 
 def _percentile_past_the_last_block(tmp_path):
-    return (model_args("reward.percentiles", "[0.25, 1.0]"),
+    return (model_args("reward.latents.percentiles", "[0.25, 1.0]"),
             "error: percentiles: 1.0 taps decoder block round(1.0·4) = 4, but the model's blocks are 0..3; the last "
             "block is percentile 0.75")
 

@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import agreed_call_count
-from flowkit.flow import VelocityField, velocity_deviation_scores
-from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import VelocityField, velocity_deviation_scores
+from flow_options import flow_reward
 from flowkit.rl.logprobs import lm_head_logprobs
 from backbone_stub import backbone_stub
 
@@ -77,7 +77,7 @@ def worker(rank: int, store: str, out: str) -> None:
     results["scores_equal"] = bool(torch.equal(scores, velocity_deviation_scores(
         alone, latents, mask, [0.25, 0.5], [0.8], seed=3, condition="previous", max_rows=4)))
 
-    reward = FlowReward(percentiles=(0.25, 0.5), depth=1, seed=5, kappa=1, max_rows_per_piece=6)
+    reward = flow_reward(percentiles=(0.25, 0.5), depth=1, seed=5, kappa=1, max_rows_per_piece=6)
     reward.bind(backbone_stub(D), [0.25, 0.5])
     counted(reward.field, counts, "update field")
     batch = RolloutBatch(input_ids=ids, attention_mask=torch.ones(3, 11), response_mask=mask,

@@ -259,7 +259,7 @@ def test_every_flowkit_command_of_the_pages_parses(monkeypatch):
 
 def test_the_command_check_finds_a_wrong_option(monkeypatch):
     good = ["--config", "configs/rlfr_tiny.yaml", "--model.init_args.sampling.temperature", "0.7",
-            "--model.init_args.reward_model.init_args.beta", "0.2", "--trainer.max_steps", "3"]
+            "--model.init_args.reward_model.init_args.scoring.beta", "0.2", "--trainer.max_steps", "3"]
     assert unknown_options("fit", good) == []
     assert unknown_options("fit", ["--config", "configs/rlfr_tiny.yaml", "--model.init_args.sampling.temprature",
                                    "0.7", "--trainer.max_step", "3", "--model.init_args.lr", "1",

@@ -97,10 +97,10 @@ def pretrained_flow(root: Path, steps: int, sigterm_in_step: int | None = None) 
     from flowkit.modules.datamodule import RolloutDataModule
     from flowkit.modules.policy import PolicyModule
     from flowkit.modules.policy_options import FlowPretrainOptions, SamplingOptions
-    from flowkit.rewards import FlowReward
+    from flow_options import flow_reward
 
     L.seed_everything(0, verbose=False)
-    module = PolicyModule(reward_model=FlowReward(percentiles=[0.5], depth=1, seed=0, pretrain_timesteps=1),
+    module = PolicyModule(reward_model=flow_reward(percentiles=[0.5], depth=1, seed=0, pretrain_timesteps=1),
                           sampling=SamplingOptions(max_new_tokens=8),
                           flow_pretrain=FlowPretrainOptions(steps=steps, batch_size=4))
     data = RolloutDataModule(batch_size=4, val_path=None)
@@ -294,10 +294,10 @@ def test_export_refuses_a_non_empty_directory_unless_overwrite_then_replaces_it_
 def flow_policy():
     from flowkit.modules.policy import PolicyModule
     from flowkit.modules.policy_options import SamplingOptions
-    from flowkit.rewards import FlowReward
+    from flow_options import flow_reward
 
     torch.manual_seed(0)
-    return PolicyModule(reward_model=FlowReward(percentiles=[0.5], depth=1, seed=0),
+    return PolicyModule(reward_model=flow_reward(percentiles=[0.5], depth=1, seed=0),
                         sampling=SamplingOptions(max_new_tokens=8))
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from flowkit.errors import ConfigError, check_range
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.policy_options import OptimOptions, SamplingOptions
-from flowkit.rewards import FlowReward
+from flow_options import flow_reward
 from fault_injection import NanLoss
 
 EVERY_STEP = ("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
@@ -46,7 +46,7 @@ def test_a_nan_flow_loss_skips_the_step_and_leaves_the_policy_finite(tmp_path, c
     policy gradient into NaN and the step wrote NaN into all policy weights. Now the step is skipped and counted,
     and the next one trains both groups."""
     L.seed_everything(0, verbose=False)
-    module = PolicyModule(reward_model=FlowReward(depth=1, kappa=2, rejection_metric="entropy"),
+    module = PolicyModule(reward_model=flow_reward(depth=1, kappa=2, rejection_metric="entropy"),
                           outcome_reward="binary", sampling=SamplingOptions(num_samples=4, max_new_tokens=16),
                           optim=OptimOptions(max_grad_norm=1.0, lr=1e-3))
     start = {name: p.detach().clone() for name, p in module.named_parameters()}
@@ -65,7 +65,7 @@ def test_a_nan_flow_loss_skips_the_step_and_leaves_the_policy_finite(tmp_path, c
 
 def test_nan_weights_at_the_start_stop_in_one_line_before_any_step(tmp_path):
     """A flow file or checkpoint holding NaN used to skip step after step until max_consecutive_skips."""
-    module = PolicyModule(reward_model=FlowReward(depth=1), sampling=SamplingOptions(num_samples=2, max_new_tokens=8))
+    module = PolicyModule(reward_model=flow_reward(depth=1), sampling=SamplingOptions(num_samples=2, max_new_tokens=8))
     with torch.no_grad():
         next(module.reward_model.parameters()).view(-1)[0] = float("nan")
     trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=2, logger=False,

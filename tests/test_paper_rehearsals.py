@@ -114,6 +114,9 @@ def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_
 
 # DAPO's controls on (3 draws, truncated rows masked, an overlong buffer of 8 at penalty 0.5) under
 # tests/uneven_groups.py's reward, by which rank 0 keeps 2 groups and rank 1, out of draws, 1 group per step
+# The official preset freezes the flow (its scripts' online loss has no graph, docs/methods/rlfr.md); these rehearsals
+# train it with the official per-micro-batch loss, whose ranks must stay in step.
+OFFICIAL_ONLINE = ("--model.init_args.reward_model.init_args.online.online_update", "true")
 UNEVEN_DAPO = ("--model.init_args.controls.dynamic_sampling_max_draws", "3",
                "--model.init_args.controls.mask_truncated", "true",
                "--model.init_args.controls.overlong_buffer_length", "8",
@@ -125,14 +128,14 @@ UNEVEN_DAPO = ("--model.init_args.controls.dynamic_sampling_max_draws", "3",
 @pytest.mark.parametrize("budget", [[], ["--model.init_args.update.micro_batch_tokens", "64"]],
                          ids=["micro_batch_size_1", "token_budget"])
 def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_path, budget):
-    """rlfr_qwen_official.yaml as shipped (the official per-micro-batch flow update, micro-batches of 1 row, 8
-    minibatches) on 2 ZeRO-3 ranks, with DAPO's controls on and an outcome reward (tests/uneven_groups.py) under
+    """rlfr_qwen_official.yaml with the online update on (the official per-micro-batch flow loss, micro-batches of 1
+    row, 8 minibatches) on 2 ZeRO-3 ranks, with DAPO's controls on and an outcome reward (tests/uneven_groups.py) under
     which rank 0 keeps 2 groups (16 rows) and rank 1, out of draws, 1 group (8 rows) per step: ranks accept
     different numbers of rows and keep different numbers of groups, and still run as many flow pieces, draws,
     minibatches and micro-batches (padding ones: the scoring pass's under a token budget too). 2 RL steps of 8
     optimizer steps."""
     paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 16, "--model.init_args.rollout.engine", "hf",
-                        *UNEVEN_DAPO,
+                        *OFFICIAL_ONLINE, *UNEVEN_DAPO,
                         *budget, *probed(tmp_path))
     assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
@@ -156,12 +159,12 @@ def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(
     flow losses weigh different rows (the grader's verdicts, the correct rows, differ too) in different numbers of
     pieces. RL step 0 is the flow's warm-up (1 optimizer step: the policy must not move, the flow must), step 1
     trains both (8 minibatches): max_steps 9. The ranks end equal, and the options' metrics are logged and finite."""
-    online = {"soft_weight": "0.3", "rejection_metric": "correct+token_entropy", "entropy_quantile": "0.5",
-              "score_power": "2", "flow_warmup_steps": "1"}
+    online = {"online.soft_weight": "0.3", "online.rejection_metric": "correct+token_entropy",
+              "online.entropy_quantile": "0.5", "scoring.score_power": "2", "online.flow_warmup_steps": "1"}
     options = [arg for name, value in online.items()
                for arg in (f"--model.init_args.reward_model.init_args.{name}", value)]
     paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 9, "--model.init_args.rollout.engine", "hf", *options,
-                        *UNEVEN_DAPO,
+                        *OFFICIAL_ONLINE, *UNEVEN_DAPO,
                         *probed(tmp_path), "--trainer.callbacks.every_step", "true")
     weights = assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
@@ -194,7 +197,7 @@ def test_rlfr_qwen_switches_users_flip(tmp_path):
                         "--model.init_args.lora", "{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}",
                         "--model.init_args.update.ppo_epochs", "2", "--model.init_args.update.num_minibatches", "2",
                         "--model.init_args.loss.kl_coef", "0.01",
-                        "--model.init_args.reward_model.init_args.kappa", "10000", *probed(tmp_path))
+                        "--model.init_args.reward_model.init_args.online.kappa", "10000", *probed(tmp_path))
     weights = assert_ranks_equal_and_trained(tmp_path, ("policy.",))
     assert all(torch.equal(weights[k], weights[k.replace("start/", "end/")])
                for k in weights if k.startswith("start/reward_model."))  # κ not reached: the flow never stepped

@@ -19,7 +19,7 @@ import torch
 STEPS, KILL_AFTER = 4, 2
 # About 8 of the 16 rollouts per step pass the entropy criterion: the flow's first update comes at step 2,
 # right after the checkpoint, from rollouts buffered before it.
-KAPPA = ["--model.init_args.reward_model.init_args.kappa", "20"]
+KAPPA = ["--model.init_args.reward_model.init_args.online.kappa", "20"]
 COMPARED = ["train/outcome_reward", "train/policy_loss", "train/entropy", "flow/loss", "flow/buffer_size",
             "flow/deviation_mean", "flow/reward_mean"]
 

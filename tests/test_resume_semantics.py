@@ -136,13 +136,14 @@ def test_the_nothing_left_line_says_what_the_newest_saved_config_validated(tmp_p
     assert _validation_done(tmp_path, 30) == done
 
 REFUSED = {
-    "percentiles": (["--model.init_args.reward_model.init_args.percentiles", "[0.5]"],
+    "percentiles": (["--model.init_args.reward_model.init_args.latents.percentiles", "[0.5]"],
                     "reward_model.percentiles is [0.25] there, [0.5] in this config"),
-    "percentiles-count": (["--model.init_args.reward_model.init_args.percentiles", "[0.25, 0.75]"],
+    "percentiles-count": (["--model.init_args.reward_model.init_args.latents.percentiles", "[0.25, 0.75]"],
                           "reward_model.percentiles is [0.25] there, [0.25, 0.75] in this config"),
-    "depth": (["--model.init_args.reward_model.init_args.depth", "3"], "reward_model.depth is 2 there, 3 in this config"),
+    "depth": (["--model.init_args.reward_model.init_args.network.depth", "3"],
+              "reward_model.depth is 2 there, 3 in this config"),
     "method": (["--model.init_args.reward_model", "null", "--model.init_args.flow_pretrain.steps", "0"],
-               "reward_model is 'flowkit.rewards.flow_reward.FlowReward' there, 'none' in this config"),
+               "reward_model is 'flowkit.rewards.flow.reward.FlowReward' there, 'none' in this config"),
 }
 
 
@@ -293,3 +294,24 @@ def test_zero_resumes_at_another_number_of_ranks(tmp_path, stage):
         assert zero_checkpoint_ranks(last) == ranks
         assert len(list((last / "checkpoint").glob("*optim_states.pt"))) == ranks  # no partitions of other ranks left
     assert not list(last.parent.glob(".*universal"))  # the conversion is removed after the load
+
+
+def test_a_checkpoint_that_recorded_the_flow_reward_under_its_old_module_resumes():
+    """Checkpoints written before FlowReward moved to flowkit.rewards.flow record its class as
+    flowkit.rewards.flow_reward.FlowReward: the same class, so the resume is not refused; another class still is."""
+    from types import SimpleNamespace
+
+    from flowkit.errors import ConfigError
+    from flowkit.modules.policy_checkpoints import REWARD_MODEL_KEY, CheckpointHooks
+    from flowkit.rewards import FlowReward
+
+    class Hooks(CheckpointHooks):
+        def __init__(self):
+            self.reward_model, self.hparams = FlowReward(), SimpleNamespace(backbone="tiny")
+
+    hooks = Hooks()
+    recorded = {**hooks._reward_model_settings(), "class": "flowkit.rewards.flow_reward.FlowReward"}
+    hooks.check_resume({REWARD_MODEL_KEY: recorded, "hyper_parameters": {}}, "last.ckpt")
+    with pytest.raises(ConfigError, match="reward_model is 'flowkit.rewards.ExplanationReward' there"):
+        hooks.check_resume({REWARD_MODEL_KEY: {**recorded, "class": "flowkit.rewards.ExplanationReward"},
+                            "hyper_parameters": {}}, "last.ckpt")

@@ -275,8 +275,8 @@ def test_export_reads_plain_checkpoints_and_names_bad_paths(tmp_path):
 def test_rlfr_zero3_two_processes_with_correctness_rejection(tmp_path):
     """Ranks accept different numbers of correct rollouts; the flow step is still taken by all ranks together
     (the smallest buffer decides), so ZeRO-3's collectives stay in step and the ranks end identical."""
-    rank0, rank1 = run_rlfr(tmp_path, 3, 2, "--model.init_args.reward_model.init_args.rejection_metric", "correct",
-                            "--model.init_args.reward_model.init_args.kappa", "3")
+    rank0, rank1 = run_rlfr(tmp_path, 3, 2, "--model.init_args.reward_model.init_args.online.rejection_metric", "correct",
+                            "--model.init_args.reward_model.init_args.online.kappa", "3")
     assert_policy_and_flow_changed(rank0)
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name

@@ -5,7 +5,7 @@ pickle format: keys under ``model.`` as its RL trainer loads them (``FlowReward.
 ``FlowReward.save_pretrained`` writes them, or under ``flow.model.`` inside a LLaMA-Factory ``pytorch_model.bin``.
 The two sinusoidal embedders also store their frequencies as ``freqs`` buffers; flowkit computes them, so the
 converter checks that they are the standard ones and drops them. The networks are otherwise the same (see
-:class:`~flowkit.flow.VelocityField`): a converted field gives the official module's outputs on the same inputs.
+:class:`~flowkit.rewards.flow.VelocityField`): a converted field gives the official module's outputs on the same inputs.
 The RMSNorm ε is not stored; :meth:`FlowReward.bind` takes it from the backbone's ``rms_norm_eps`` as the
 official code does.
 
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from flowkit.errors import ConfigError
 from flowkit.registry import subcommand
-from flowkit.flow.velocity_field import sinusoidal_frequencies
+from flowkit.rewards.flow.field import sinusoidal_frequencies
 
 # official name (after its prefix) → flowkit VelocityField name; {i} is a residual block's index
 _RENAMES = [

@@ -15,7 +15,7 @@ from flowkit.data.records import load_records
 from flowkit.errors import ConfigError
 from flowkit.llm.packing import encode_pairs
 from flowkit.modules.completions import render_html
-from flowkit.rewards.flow_reward import FlowReward
+from flowkit.rewards.flow.reward import FlowReward
 from flowkit.seeding import flow_noise_seed
 
 

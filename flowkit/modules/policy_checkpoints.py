@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from typing import Any
 
 from flowkit.errors import ConfigError
@@ -11,8 +12,11 @@ log = logging.getLogger(__name__)
 
 REWARD_MODEL_KEY = "reward_model_settings"  # in a checkpoint: CheckpointHooks._reward_model_settings()
 # Reward-model settings that a checkpoint's reward state is only valid for (shapes, which layers are tapped, the field's
-# conditioning); the others (eta, beta, kappa, timesteps, ...) apply on resume as the config gives them.
-RESUME_FIXED_REWARD_SETTINGS = ("percentiles", "depth", "width", "condition")
+# conditioning), by their attribute paths, recorded under their last name; the others (eta, beta, kappa, timesteps,
+# ...) apply on resume as the config gives them.
+RESUME_FIXED_REWARD_SETTINGS = ("percentiles", "network.depth", "network.width", "latents.condition")
+# Reward-model classes recorded by earlier checkpoints under another module: the same class now.
+MOVED_REWARD_CLASSES = {"flowkit.rewards.flow_reward.FlowReward": "flowkit.rewards.flow.reward.FlowReward"}
 
 
 class CheckpointHooks:
@@ -28,10 +32,12 @@ class CheckpointHooks:
         """What a checkpoint's reward-model state means: its class and the settings that shape or place it."""
         model = self.reward_model
         settings: dict[str, Any] = {"class": None if model is None else f"{type(model).__module__}.{type(model).__qualname__}"}
-        for name in RESUME_FIXED_REWARD_SETTINGS:
-            if hasattr(model, name):
-                value = getattr(model, name)
-                settings[name] = list(value) if isinstance(value, tuple) else value
+        for path in RESUME_FIXED_REWARD_SETTINGS:
+            try:
+                value = attrgetter(path)(model)
+            except AttributeError:  # a reward model without the setting
+                continue
+            settings[path.rpartition(".")[2]] = list(value) if isinstance(value, tuple) else value
         return settings
 
     def check_resume(self, checkpoint: dict[str, Any], path: str) -> None:
@@ -51,6 +57,8 @@ class CheckpointHooks:
             refuse("backbone", saved_hparams["backbone"], self.hparams.backbone)
         state = checkpoint.get("state_dict")  # absent from a DeepSpeed checkpoint's client state
         recorded = checkpoint.get(REWARD_MODEL_KEY)
+        if recorded is not None and recorded["class"] in MOVED_REWARD_CLASSES:  # saved before the class moved
+            recorded = {**recorded, "class": MOVED_REWARD_CLASSES[recorded["class"]]}
         if recorded is None and state is not None:  # checkpoints written before the settings were recorded
             recorded = {"class": "a reward model" if any(k.startswith("reward_model.") for k in state) else None}
         current = self._reward_model_settings()
@@ -58,7 +66,7 @@ class CheckpointHooks:
             if (recorded["class"] is None) != (current["class"] is None) or (
                     recorded["class"] != "a reward model" and recorded["class"] != current["class"]):
                 refuse("reward_model", recorded["class"] or "none", current["class"] or "none")
-            for name in RESUME_FIXED_REWARD_SETTINGS:
+            for name in (path.rpartition(".")[2] for path in RESUME_FIXED_REWARD_SETTINGS):
                 if name in recorded and recorded[name] != current.get(name):
                     refuse(f"reward_model.{name}", recorded[name], current.get(name))
         if state is not None:

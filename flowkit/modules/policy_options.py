@@ -15,8 +15,11 @@ from flowkit.errors import ConfigError, check_range
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
 from flowkit.llm.lora import LoraSettings
 from flowkit.modules.optim import LrDecay
-from flowkit.options import OptionGroup, bounded, literal_values, markdown, options_table, registry_entry
+from flowkit.options import (
+    OptionGroup, bounded, literal_values, markdown, moved_options, options_table, registry_entry,
+)
 from flowkit.rewards.base import PretrainsOnLatents, TokenRewardModel
+from flowkit.rewards.flow.options import reference_tables
 from flowkit.rewards.functions import OutcomeReward
 
 __all__ = ["AdvantageOptions", "FlowPretrainOptions", "GROUPS", "LossOptions", "MOVED_OPTIONS", "OptimOptions",
@@ -139,21 +142,13 @@ _RENAMED = {
 }
 
 
-def _moved_options() -> dict[str, str]:
-    """Each option of the old flat form (``model.init_args.temperature``) → its key now (``sampling.temperature``):
-    a group's field of the same name (the first group's: ``lr`` is ``optim.lr``), or its new name."""
-    moved: dict[str, str] = {}
-    for key, group in GROUPS.items():
-        for name, declared in group.__dataclass_fields__.items():
-            if declared.init:
-                moved.setdefault(name, f"{key}.{name}")
-    return {**moved, **_RENAMED}
-
-
-MOVED_OPTIONS: dict[str, str] = _moved_options()
+# Each option of the old flat form (``model.init_args.temperature``) → its key now (``sampling.temperature``): a
+# group's field of the same name (the first group's: ``lr`` is ``optim.lr``), or its new name.
+MOVED_OPTIONS: dict[str, str] = {**moved_options(GROUPS), **_RENAMED}
 
 
 def readme_tables() -> str:
-    """The README's option tables: one per group, generated from the declarations."""
-    return "\n\n".join(f"**`{key}`** — {markdown(' '.join((group.__doc__ or '').split()))}\n\n"
-                       f"{options_table(group, key)}" for key, group in GROUPS.items())
+    """The README's option tables: one per group, generated from the declarations; then the FlowReward's
+    (:func:`~flowkit.rewards.flow.options.reference_tables`)."""
+    return "\n\n".join([*(f"**`{key}`** — {markdown(' '.join((group.__doc__ or '').split()))}\n\n"
+                          f"{options_table(group, key)}" for key, group in GROUPS.items()), reference_tables()])

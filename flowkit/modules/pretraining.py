@@ -1,7 +1,7 @@
 """RLFR's offline start (§3.2): the velocity field pretrained on expert-solution latents with the policy frozen —
 alone (:class:`FlowRewardModule`, ``rlfr_qwen_offline.yaml``) or inside an RL run before its first step
 (:func:`pretrain_flow_reward`, ``PolicyModule.flow_pretrain.steps``, resumable and stoppable by SIGTERM). Both
-backpropagate the loss in row-bounded pieces (``FlowReward.max_rows_per_piece``)."""
+backpropagate the loss in row-bounded pieces (``FlowReward.network.max_rows_per_piece``)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from flowkit.checkpointing.preemption import PreemptionCheckpoint, PretrainingPr
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.expert_latents import ExpertLatentCache, expert_latents
+from flowkit.rewards.flow.expert_latents import ExpertLatentCache, expert_latents
 from flowkit.modules.optim import LR_DECAYS, LrDecay, flow_pretraining_schedule
 from flowkit.modules.progress import LoopProgress
-from flowkit.rewards.flow_reward import FlowReward
+from flowkit.rewards.flow.reward import FlowReward
 from flowkit.strategies import accumulate_until_step, average_gradients, manual_backward
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class FlowRewardModule(L.LightningModule):
     """Pretrain a :class:`FlowReward`'s velocity field on latents of expert (prompt, solution) pairs.
 
     The frozen backbone runs in inference mode with a :class:`LatentTap`; only the field trains (eq. 4,
-    logit-normal t), one backward per piece of at most ``reward_model.max_rows_per_piece`` field rows, then one
+    logit-normal t), one backward per piece of at most ``reward_model.network.max_rows_per_piece`` field rows, then one
     optimizer step, so memory does not grow with the solutions' length. ``export_artifacts`` writes the field as
     safetensors for ``FlowReward(weights=...)``.
 

@@ -8,7 +8,7 @@ from flowkit.rewards.base import (
     EvaluatesPolicy, ExportsWeights, LearnsOnline, PadsScoring, PretrainsOnLatents, ReportsMetrics, StepScorer,
     TokenRewardModel,
 )
-from flowkit.rewards.flow_reward import FlowReward
+from flowkit.rewards.flow import FlowReward
 
 __all__ = ["EvaluatesPolicy", "ExplanationReward", "ExportsWeights", "FlowReward", "LearnsOnline",
            "PadsScoring", "PretrainsOnLatents", "ReportsMetrics", "StepScorer", "TokenRewardModel"]

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from flowkit.cli import main
 from flowkit.commands.convert_flow import convert_official_flow, convert_official_state_dict
-from flowkit.flow import VelocityField
-from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import VelocityField
+from flow_options import flow_reward
 from backbone_stub import backbone_stub
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_converted_field_gives_the_official_outputs(tmp_path, layout):
 
     architecture = convert_official_flow(source, tmp_path / "flow.safetensors")
     assert architecture == {"hidden_size": hidden, "width": width, "depth": depth}
-    reward = FlowReward(depth=depth, width=width, condition="previous", weights=str(tmp_path / "flow.safetensors"))
+    reward = flow_reward(depth=depth, width=width, condition="previous", weights=str(tmp_path / "flow.safetensors"))
     reward.bind(backbone_stub(hidden, eps), [0.25, 0.5, 0.75])
 
     g = torch.Generator().manual_seed(1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowkit import kernels
-from flowkit.flow import (
+from flowkit.rewards.flow import (
     VelocityField,
     flow_matching_loss_pieces,
     pretraining_loss_pieces,
@@ -12,7 +12,7 @@ from flowkit.flow import (
     scored_token_mask,
     velocity_deviation_scores,
 )
-from flowkit.flow.velocity_field import sinusoidal_embedding
+from flowkit.rewards.flow.field import sinusoidal_embedding
 
 
 def flow_matching_loss(field, latents, response_mask, layer_positions, timesteps, seed, condition="next"):
@@ -143,10 +143,10 @@ def test_flow_loss_decreases_on_synthetic_latents():
 
 
 def test_rewarding_timestep_must_be_inside_unit_interval():
-    from flowkit.rewards import FlowReward
+    from flow_options import flow_reward
 
     with pytest.raises(ValueError, match="timesteps"):
-        FlowReward(timesteps=[1.0])
+        flow_reward(timesteps=[1.0])
 
 
 @pytest.mark.parametrize("logit_mean", [0.0, 1.5])

@@ -4,7 +4,7 @@ token) layout of the reward path bit for bit, and the in-place forward it takes 
 import pytest
 import torch
 
-from flowkit.flow import VelocityField
+from flowkit.rewards.flow import VelocityField
 
 
 def random_field(conditioned: bool) -> VelocityField:

@@ -128,7 +128,7 @@ def test_cached_expert_latents_equal_a_fresh_encoding():
     every real token, in the same layout, with the same response mask."""
     from flowkit.llm.backbone import load_backbone
     from flowkit.llm.latent_tap import LatentTap
-    from flowkit.llm.expert_latents import ExpertLatentCache, expert_latents
+    from flowkit.rewards.flow.expert_latents import ExpertLatentCache, expert_latents
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)
     tap = LatentTap(model, [0.25, 0.75])
@@ -151,7 +151,7 @@ def test_expert_latents_run_the_decoder_only_as_far_as_the_deepest_tap(zero3):
     ``ds_id``), where every forward must visit every module; the latents are the same either way."""
     from flowkit.llm.backbone import load_backbone
     from flowkit.llm.latent_tap import LatentTap
-    from flowkit.llm.expert_latents import expert_latents
+    from flowkit.rewards.flow.expert_latents import expert_latents
     from flowkit.llm.packing import encode_pairs
 
     model, tokenizer = load_backbone("bundled:tiny_adder", "float32", False)

@@ -54,7 +54,7 @@ def fit(tmp_path: Path, *extra: str, callbacks=()) -> FlowkitCLI:
     args = ["--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "3",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
             "--trainer.default_root_dir", str(tmp_path / "run"), "--model.init_args.flow_pretrain.steps", "0",
-            "--model.init_args.reward_model.init_args.kappa", "1", "--data.init_args.batch_size", "4",
+            "--model.init_args.reward_model.init_args.online.kappa", "1", "--data.init_args.batch_size", "4",
             "--model.init_args.sampling.max_new_tokens", "24", "--model.init_args.optim.lr", "1e-3", *extra]
     cli = FlowkitCLI(args=args, run=False)
     for callback in callbacks:
@@ -406,7 +406,7 @@ def test_an_async_run_resumes_from_last_without_losing_or_repeating_a_steps_prom
     cli = FlowkitCLI(args=["--config", str(ROOT / "configs" / "rlfr_tiny.yaml"), "--trainer.max_steps", "4",
                            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
                            str(tmp_path / "run"), "--model.init_args.flow_pretrain.steps", "0",
-                           "--model.init_args.reward_model.init_args.kappa", "1", "--data.init_args.batch_size", "4",
+                           "--model.init_args.reward_model.init_args.online.kappa", "1", "--data.init_args.batch_size", "4",
                            "--model.init_args.sampling.max_new_tokens", "24", *options], run=False)
     cli.trainer.callbacks.append(resumed)
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(tmp_path / "run" / "checkpoints" / "last.ckpt"))

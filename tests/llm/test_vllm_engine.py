@@ -183,7 +183,7 @@ def test_tiny_rlfr_job_runs_end_to_end_with_vllm_and_syncs_full_weights(tmp_path
         "fit", "--config", CONFIG, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
         "--trainer.enable_progress_bar", "false", "--model.init_args.rollout.engine", "vllm",
         "--model.init_args.loss.rollout_correction.mode", "token_tis", "--model.init_args.optim.lr", "1e-3",
-        "--model.init_args.flow_pretrain.steps", "3", "--model.init_args.reward_model.init_args.kappa", "4",
+        "--model.init_args.flow_pretrain.steps", "3", "--model.init_args.reward_model.init_args.online.kappa", "4",
         "--data.init_args.batch_size", "4", "--model.init_args.sampling.num_samples", "4",
         "--data.init_args.max_val_examples", "16",
     ])

@@ -11,12 +11,12 @@ from lightning.pytorch.loggers import CSVLogger
 
 from flowkit.modules import CompletionLogs, PolicyModule, RolloutDataModule
 from flowkit.modules.policy_options import SamplingOptions
-from flowkit.rewards import FlowReward
+from flow_options import flow_reward
 
 
 def fit_logging_completions(tmp_path, logger, steps: int = 2) -> PolicyModule:
     L.seed_everything(0, verbose=False)
-    module = PolicyModule(reward_model=FlowReward(depth=1, kappa=2, rejection_metric="entropy"),
+    module = PolicyModule(reward_model=flow_reward(depth=1, kappa=2, rejection_metric="entropy"),
                           sampling=SamplingOptions(num_samples=2, max_new_tokens=16))
     trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=logger, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,

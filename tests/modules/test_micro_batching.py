@@ -18,7 +18,7 @@ from flowkit.engine import Actor, RLStep
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.optim import step_groups
 from flowkit.modules.policy_options import AdvantageOptions, LossOptions, OptimOptions, SamplingOptions, UpdateOptions
-from flowkit.rewards import FlowReward
+from flow_options import flow_reward
 
 
 def fit_recording_gradients(tmp_path, monkeypatch, steps: int = 3, **options) -> tuple[list[dict], dict, PolicyModule]:
@@ -31,7 +31,7 @@ def fit_recording_gradients(tmp_path, monkeypatch, steps: int = 3, **options) ->
 
     monkeypatch.setattr(policy_guard, "step_groups", recording_step_groups)
     L.seed_everything(0, verbose=False)
-    reward = FlowReward(depth=1, kappa=1, rejection_metric="entropy", seed=3)
+    reward = flow_reward(depth=1, kappa=1, rejection_metric="entropy", seed=3)
     settings = dict(reward_model=reward, sampling=SamplingOptions(num_samples=4, max_new_tokens=16),
                     outcome_reward="binary", optim=OptimOptions(lr=5e-5, flow_lr=1e-3))
     module = PolicyModule(**(settings | options))

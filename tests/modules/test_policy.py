@@ -35,7 +35,7 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
 def test_short_run_logs_every_metric_and_writes_artifacts(tmp_path, monkeypatch):
     rows = run_fit(tmp_path, monkeypatch, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
                    "--model.init_args.flow_pretrain.steps", "3", "--data.init_args.max_val_examples", "16",
-                   "--model.init_args.reward_model.init_args.kappa", "4")
+                   "--model.init_args.reward_model.init_args.online.kappa", "4")
     logged = {k for r in rows for k, v in r.items() if v}
     for key in ["train/outcome_reward", "train/accuracy", "flow/reward_mean", "flow/reward_nonzero_frac", "flow/loss",
                 "train/policy_loss", "train/clip_fraction", "train/entropy", "train/response_length",

@@ -13,7 +13,7 @@ from rlfr_run import metrics, run, version_dirs
 
 from flowkit.modules import (ExplanationDataModule, ExplanationRewardModule, ExportArtifacts, FlowRewardModule,
                              RolloutDataModule, RunSummary)
-from flowkit.rewards import FlowReward
+from flow_options import flow_reward
 
 STEPS = 4
 EXTRA = ["--trainer.val_check_interval", str(STEPS), "--data.init_args.max_val_examples", "8",
@@ -83,7 +83,7 @@ def _fit_with_summary(module, data, tmp_path, *callbacks, **trainer_args):
 
 def test_summary_of_a_flow_pretraining_run_has_no_reward_or_heldout_lines(tmp_path, capsys, single_thread):
     torch.manual_seed(0)
-    module = FlowRewardModule(reward_model=FlowReward(percentiles=[0.5], depth=1))
+    module = FlowRewardModule(reward_model=flow_reward(percentiles=[0.5], depth=1))
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=0)
     _fit_with_summary(module, RolloutDataModule(batch_size=4, val_path=None), tmp_path, checkpoint, ExportArtifacts(),
                       max_steps=2, log_every_n_steps=1)  # as the CLI logs: metrics.csv then exists

@@ -7,9 +7,9 @@ from flowkit.data.records import load_records
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
-from flowkit.llm.expert_latents import expert_latents
+from flowkit.rewards.flow.expert_latents import expert_latents
 from flowkit.modules.datamodule import RolloutDataModule, resolve_data_path
-from flowkit.rewards import FlowReward
+from flow_options import flow_reward
 from backbone_stub import backbone_stub
 
 
@@ -19,7 +19,7 @@ def test_pretrained_flow_scores_expert_latents_below_shuffled():
     model.eval()
     data = RolloutDataModule(val_path=None)
     data.setup("fit")
-    reward = FlowReward(depth=2, seed=0, pretrain_timesteps=2)
+    reward = flow_reward(depth=2, seed=0, pretrain_timesteps=2)
     tap = LatentTap(model, reward.percentiles)
     reward.bind(model, tap.layer_positions)
     optimizer = torch.optim.AdamW(reward.parameters(), lr=1e-3)
@@ -54,11 +54,11 @@ def test_bind_leaves_the_global_rng_alone_and_uses_the_backbone_eps():
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    reward = FlowReward(depth=1, seed=7)
+    reward = flow_reward(depth=1, seed=7)
     reward.bind(backbone_stub(16, 1e-5), [0.25, 0.5, 0.75])
     torch.testing.assert_close(torch.rand(3), expected)
     assert {m.eps for m in reward.field.modules() if isinstance(m, torch.nn.RMSNorm)} == {1e-5}
-    again = FlowReward(depth=1, seed=7)
+    again = flow_reward(depth=1, seed=7)
     again.bind(backbone_stub(16, 1e-5), [0.25, 0.5, 0.75])
     for a, b in zip(reward.field.parameters(), again.field.parameters()):
         assert torch.equal(a, b)  # the field's seed alone decides its initialisation
@@ -66,4 +66,4 @@ def test_bind_leaves_the_global_rng_alone_and_uses_the_backbone_eps():
 
 def test_unknown_normalization_is_a_config_error():
     with pytest.raises(ConfigError, match="normalization"):
-        FlowReward(normalization="zscore")
+        flow_reward(normalization="zscore")

@@ -28,13 +28,15 @@ from safetensors.torch import load_file
 from flowkit import kernels
 from flowkit.batch import RolloutBatch
 from flowkit.errors import ConfigError
-from flowkit.flow.matching import scored_token_mask
-from flowkit.rewards import FlowReward, flow_step
-from flowkit.rewards.flow_step import FlowStep
-from flowkit.rl.rejection import entropy_quantile_weights
-from flowkit.rl.rewards import flow_token_rewards
+from flowkit.rewards import FlowReward
+from flowkit.rewards.flow import reward as reward_module
+from flowkit.rewards.flow.matching import scored_token_mask
+from flowkit.rewards.flow.online import FlowStep
+from flowkit.rewards.flow.rejection import entropy_quantile_weights
+from flowkit.rewards.flow.scoring import flow_token_rewards
 from flowkit.seeding import flow_noise_seed
 from backbone_stub import backbone_stub
+from flow_options import flow_reward
 from test_flow_reward_steps import D, P
 from test_flow_reward_steps import scored_batch as step_batch
 
@@ -51,7 +53,7 @@ def scored_batch(rows: int, generator: torch.Generator) -> RolloutBatch:
 def bound_reward(**options) -> FlowReward:
     """A fresh field: its output projection is zero-initialised, so v = 0 and a token's flow loss is
     mean_{ℓ,t,d} (x1 − ε)², computable by hand from the seeded noise."""
-    reward = FlowReward(percentiles=(0.25, 0.5), depth=1, seed=SEED, **options)
+    reward = flow_reward(percentiles=(0.25, 0.5), depth=1, seed=SEED, **options)
     reward.bind(backbone_stub(D), [0.25, 0.5])
     return reward
 
@@ -176,12 +178,12 @@ def test_soft_weight_and_token_entropy_weights_by_hand(metric, monkeypatch):
     """The token weights the micro_batch update hands the flow loss, against the literal values of HAND_WEIGHTS;
     the loss is their sum over the tokens' flow losses."""
     seen = {}
-    original = flow_step.flow_matching_loss_pieces
+    original = reward_module.flow_matching_loss_pieces
 
     def recording(*args, token_weights=None, **kwargs):
         seen["weights"] = token_weights
         return original(*args, token_weights=token_weights, **kwargs)
-    monkeypatch.setattr(flow_step, "flow_matching_loss_pieces", recording)
+    monkeypatch.setattr(reward_module, "flow_matching_loss_pieces", recording)
     batch = hand_batch()
     reward = bound_reward(flow_update="micro_batch", rejection_metric=metric, soft_weight=0.25,
                           entropy_quantile=0.5 if metric.endswith("token_entropy") else None)
@@ -248,7 +250,7 @@ def test_score_power_reaches_the_rewards():
 ])
 def test_online_protocol_options_are_checked(options, message):
     with pytest.raises(ConfigError, match=message):
-        FlowReward(**options)
+        flow_reward(**options)
 
 
 def test_reward_loop_host_syncs_do_not_grow_with_rows(monkeypatch):
@@ -317,9 +319,9 @@ def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatc
     FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", str(2 + minibatches),
                      "--model.init_args.flow_pretrain.steps", "0",
                      "--model.init_args.update.num_minibatches", str(minibatches),
-                     "--model.init_args.reward_model.init_args.flow_update", "micro_batch",
-                     "--model.init_args.reward_model.init_args.kappa", "1",
-                     "--model.init_args.reward_model.init_args.flow_warmup_steps", "2"])
+                     "--model.init_args.reward_model.init_args.online.flow_update", "micro_batch",
+                     "--model.init_args.reward_model.init_args.online.kappa", "1",
+                     "--model.init_args.reward_model.init_args.online.flow_warmup_steps", "2"])
     assert [s for s, _ in optimizer_steps] == [0, 1] + [2] * minibatches
     assert [groups for s, groups in optimizer_steps if s < 2] == [["reward"], ["reward"]]
     assert "policy" in optimizer_steps[2][1]
@@ -336,7 +338,7 @@ def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatc
     with open(run_dir / "metrics.csv") as f:
         losses = [float(r["flow/loss"]) for r in csv.DictReader(f) if r.get("flow/loss")]
     assert len(losses) == 3 and all(loss > 0 for loss in losses)  # a flow loss backpropagated in every step
-    reward = FlowReward(percentiles=(0.25,), depth=2, timesteps=(0.9,), seed=0)
+    reward = flow_reward(percentiles=(0.25,), depth=2, timesteps=(0.9,), seed=0)
     reward.bind(initial, [0.25])
     flow = load_file(str(run_dir / "export" / "flow.safetensors"))
     assert any(not torch.equal(value, flow[name]) for name, value in reward.field.state_dict().items())

@@ -7,7 +7,8 @@ import torch
 
 from flowkit.batch import RolloutBatch
 from flowkit.rewards import FlowReward
-from flowkit.rewards.flow_step import FlowStep
+from flow_options import flow_reward
+from flowkit.rewards.flow.online import FlowStep
 from backbone_stub import backbone_stub
 
 P, D = 2, 8
@@ -28,7 +29,7 @@ def scored_batch(rows: int, generator: torch.Generator) -> RolloutBatch:
 
 
 def bound_reward(**options) -> FlowReward:
-    reward = FlowReward(percentiles=(0.25, 0.5), depth=1, seed=5, **options)
+    reward = flow_reward(percentiles=(0.25, 0.5), depth=1, seed=5, **options)
     reward.bind(backbone_stub(D), [0.25, 0.5])
     return reward
 
@@ -75,7 +76,7 @@ def test_rewards_and_flow_loss_do_not_depend_on_micro_batches_or_pieces(metric):
 
 
 def accept(metric: str, batch: RolloutBatch) -> torch.Tensor:
-    from flowkit.rl.rejection import accept_rollouts
+    from flowkit.rewards.flow.rejection import accept_rollouts
 
     return accept_rollouts(metric, batch.correct, batch.entropy)
 

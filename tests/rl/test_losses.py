@@ -8,7 +8,7 @@ from flowkit.rl.losses import (
     kl_penalty,
 )
 from flowkit.rl.metrics import pass_at_k
-from flowkit.rl.rejection import RolloutLatentBuffer, accept_rollouts
+from flowkit.rewards.flow.rejection import RolloutLatentBuffer, accept_rollouts
 
 
 def test_clipped_policy_loss_by_hand():

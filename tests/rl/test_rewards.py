@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flowkit.rl.rewards import flow_token_rewards, keep_substantial, minmax_normalize, normalize_scores
+from flowkit.rewards.flow.scoring import flow_token_rewards, keep_substantial, minmax_normalize, normalize_scores
 
 
 def test_minmax_by_hand():

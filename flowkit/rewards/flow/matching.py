@@ -20,7 +20,7 @@ from torch import Tensor
 
 from flowkit import kernels
 from flowkit.distributed import agreed_call_count
-from flowkit.flow.velocity_field import VelocityField
+from flowkit.rewards.flow.field import VelocityField
 
 Condition = Literal["next", "previous", "none"]
 

@@ -46,6 +46,18 @@ def entropy_quantile_weights(entropy: Tensor, scored: Tensor, quantile: float, s
     return torch.where(entropy >= threshold, 1.0, soft_weight) * scored.float()
 
 
+def next_token_entropy(entropy: Tensor, response_mask: Tensor) -> Tensor:
+    """B×S: each response token's entropy replaced by the next response token's. The official
+    ``trajectory_entropy`` reads ``entropy_from_logits(logits[:, -num_actions:])`` (``ppo_trainer.py``): at a sampled
+    token's position, the distribution of the token after it, one position later than the distribution the token
+    was sampled from (``entropy``). The step does not compute the distribution after a row's last response token;
+    that token keeps its own."""
+    following = torch.cat([entropy[:, 1:], entropy[:, -1:]], dim=-1)
+    has_next = torch.zeros_like(response_mask, dtype=torch.bool)
+    has_next[:, :-1] = response_mask[:, 1:].bool()
+    return torch.where(has_next & response_mask.bool(), following, entropy)
+
+
 class RolloutLatentBuffer:
     """Accepted rollouts' latents (P×S_i×d) and response masks, kept on CPU until κ are available."""
 

@@ -1,13 +1,14 @@
 """One RL step of the flow reward: its token rewards and its online flow loss (RLFR §3.3, Alg. 1).
 
-:meth:`FlowReward.begin_step <flowkit.rewards.flow_reward.FlowReward.begin_step>` hands out a :class:`FlowStep`, which
+:meth:`FlowReward.begin_step <flowkit.rewards.flow.reward.FlowReward.begin_step>` hands out a :class:`FlowStep`, which
 owns everything of that step — the noise slots of its rows, the latents kept for the online update, the logged sums —
-so nothing of one step reaches the next except through the reward model's buffer of accepted rollouts.
+so nothing of one step reaches the next except through the reward model's buffer of accepted rollouts. What a step
+reads of its reward model is :class:`StepReward`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -15,23 +16,40 @@ from torch.distributed import ReduceOp
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int
-from flowkit.flow import flow_matching_loss_pieces
-from flowkit.flow.matching import LossPiece, scored_token_mask
-from flowkit.rl.rejection import TOKEN_METRICS, RolloutLatentBuffer, accept_rollouts, entropy_quantile_weights
-from flowkit.seeding import flow_noise_seed
+from flowkit.rewards.flow.matching import LossPiece, scored_token_mask
+from flowkit.rewards.flow.options import LatentOptions, OnlineOptions
+from flowkit.rewards.flow.rejection import (
+    TOKEN_METRICS, RolloutLatentBuffer, accept_rollouts, entropy_quantile_weights, next_token_entropy,
+)
 
-if TYPE_CHECKING:
-    from flowkit.rewards.flow_reward import FlowReward
+
+class StepReward(Protocol):
+    """What a :class:`FlowStep` reads of its reward model (:class:`~flowkit.rewards.flow.reward.FlowReward`)."""
+
+    latents: LatentOptions
+    online: OnlineOptions
+    buffer: RolloutLatentBuffer
+
+    def scored_token_counts(self, response_mask: Tensor) -> Tensor: ...
+
+    def token_rewards(self, batch: RolloutBatch, step: int, token_offset: int = 0,
+                      sums: dict[str, Tensor] | None = None) -> Tensor: ...
+
+    def online_losses(self, latents: Tensor, mask: Tensor, step: int,
+                      token_weights: Tensor | None = None) -> list[LossPiece]: ...
+
+    def agreed_over_ranks(self, pieces: list[LossPiece]) -> list[LossPiece]: ...
 
 
 class FlowStep:
-    """The step scorer of :class:`~flowkit.rewards.flow_reward.FlowReward` for RL step ``step`` over ``batch``.
+    """The step scorer of a :class:`StepReward` (a :class:`~flowkit.rewards.flow.reward.FlowReward`) for RL step
+    ``step`` over ``batch``.
 
     Row r's first noise slot is the number of scored tokens in rows < r, so rewards do not depend on the
     micro-batches (:meth:`score`); :meth:`end_step` forms the online loss of the reward's ``flow_update``.
     """
 
-    def __init__(self, reward: FlowReward, step: int, batch: RolloutBatch):
+    def __init__(self, reward: StepReward, step: int, batch: RolloutBatch):
         self.reward, self.step = reward, step
         counts = reward.scored_token_counts(batch.response_mask).long().cpu()
         self.token_offsets = [0, *torch.cumsum(counts, 0).tolist()]
@@ -64,8 +82,8 @@ class FlowStep:
         """B bool: the rows the online update may weigh — the correct ones when only correct rows can (``correct``,
         ``both``, ``correct+token_entropy`` with ``soft_weight`` 0), else every row (an entropy metric's batch
         median is known only after the last micro-batch; a soft weight weighs rejected rows too)."""
-        reward = self.reward
-        if reward.rejection_metric in ("correct", "both", "correct+token_entropy") and reward.soft_weight == 0:
+        online = self.reward.online
+        if online.rejection_metric in ("correct", "both", "correct+token_entropy") and online.soft_weight == 0:
             return batch.correct.bool()
         return torch.ones_like(batch.correct, dtype=torch.bool)
 
@@ -74,7 +92,8 @@ class FlowStep:
         (:meth:`_candidate_rows`); everything else is dropped with the micro-batch. A fixed number of host syncs per
         micro-batch whatever its rows: one for the rows and lengths, then one copy each of their latents, masks (and
         token entropies); the per-row cuts happen on the CPU."""
-        if not self.reward.online_update:
+        online = self.reward.online
+        if not online.online_update:
             return
         mask = batch.response_mask
         positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
@@ -88,40 +107,44 @@ class FlowStep:
         latents = batch.latents[:, on_device].cpu()
         masks = mask[on_device].cpu()
         entropies = None
-        metric = self.reward.rejection_metric
+        metric = online.rejection_metric
         if metric in TOKEN_METRICS:
             if batch.token_entropy is None:
-                raise ValueError(f"FlowReward.rejection_metric {metric!r} needs the rows' token entropies "
+                raise ValueError(f"FlowReward.online.rejection_metric {metric!r} needs the rows' token entropies "
                                  "(RolloutBatch.token_entropy)")
-            entropies = batch.token_entropy[on_device].float().cpu()
+            entropy = batch.token_entropy
+            if online.entropy_of == "next":
+                entropy = next_token_entropy(entropy, mask)
+            entropies = entropy[on_device].float().cpu()
         for i, (row, length) in enumerate(zip(index.tolist(), lengths_host[index].tolist())):
             self.candidates.append(_Candidate(
                 first_row + row, micro_batch, latents[:, i, :length].clone(), masks[i, :length].clone(),
                 None if entropies is None else entropies[i, :length].clone()))
 
     def end_step(self, batch: RolloutBatch) -> list[LossPiece]:
-        """The online flow loss of ``flow_update`` (see :class:`~flowkit.rewards.flow_reward.FlowReward`) as pieces of
-        at most ``max_rows_per_piece`` field rows that sum to it; as many on every rank
-        (:meth:`~flowkit.rewards.flow_reward.FlowReward.agreed_over_ranks`)."""
+        """The online flow loss of ``online.flow_update`` (:class:`~flowkit.rewards.flow.options.OnlineOptions`) as
+        pieces of at most ``network.max_rows_per_piece`` field rows that sum to it; as many on every rank
+        (:meth:`~flowkit.rewards.flow.reward.FlowReward.agreed_over_ranks`)."""
         candidates, self.candidates = self.candidates, []
-        if not self.reward.online_update:
+        online = self.reward.online
+        if not online.online_update:
             return []
-        if self.reward.flow_update == "micro_batch":
+        if online.flow_update == "micro_batch":
             return self._micro_batch_loss(batch, candidates)
         return self._buffer_loss(batch, candidates)
 
     def _buffer_loss(self, batch: RolloutBatch, candidates: list[_Candidate]) -> list[LossPiece]:
         """Alg. 1: the accepted rollouts join the reward's buffer; once κ are there (on every rank), eq. 4 is the
         plain mean over all their scored tokens and the buffer empties."""
-        reward, buffer = self.reward, self.reward.buffer
-        accepted = accept_rollouts(reward.rejection_metric, batch.correct, batch.entropy).tolist()
+        online, buffer = self.reward.online, self.reward.buffer
+        accepted = accept_rollouts(online.rejection_metric, batch.correct, batch.entropy).tolist()
         for candidate in candidates:
             if accepted[candidate.row]:
                 buffer.add_one(candidate.latents, candidate.mask)
         self.logged["flow/accepted_frac"] = sum(accepted) / max(1, len(accepted))
         # Under DDP / ZeRO the flow step runs collectives and ranks accept different numbers of rollouts (e.g. by
         # correctness): the smallest buffer over all ranks decides, so every rank takes or skips the step together.
-        needed = 1 if reward.update_every_step else reward.kappa
+        needed = 1 if online.update_every_step else online.kappa
         if all_reduce_int(len(buffer), ReduceOp.MIN) < needed:
             self.logged["flow/buffer_size"] = float(len(buffer))
             return []
@@ -133,9 +156,9 @@ class FlowStep:
         """The official per-micro-batch masked mean (``ppo_trainer.py`` L491-505), summed over the step's micro-batches
         and divided by their number: token j of row r in micro-batch m weighs
         a_rj / Σ_j a_rj · b_r / Σ_{r∈m} b_r / M (each 0/0 read as 0)."""
-        reward = self.reward
-        accepted = accept_rollouts(reward.rejection_metric, batch.correct, batch.entropy)
-        row_weights = torch.where(accepted, 1.0, reward.soft_weight).float().cpu()
+        online, condition = self.reward.online, self.reward.latents.condition
+        accepted = accept_rollouts(online.rejection_metric, batch.correct, batch.entropy)
+        row_weights = torch.where(accepted, 1.0, online.soft_weight).float().cpu()
         self.logged["flow/accepted_frac"] = float(accepted.float().mean()) if len(accepted) else 0.0
         weighted = [c for c in candidates if row_weights[c.row] > 0]
         if all_reduce_int(len(weighted), ReduceOp.MAX) == 0:  # no rank has a weighted row: no flow step
@@ -147,12 +170,12 @@ class FlowStep:
         token_weights, kept_fracs = [], []
         for candidate in weighted:
             packing.add_one(candidate.latents, candidate.mask)
-            scored = scored_token_mask(candidate.mask[None], reward.condition)[0]
+            scored = scored_token_mask(candidate.mask[None], condition)[0]
             if candidate.entropy is None:
                 tokens = scored.float()
             else:
-                tokens = entropy_quantile_weights(candidate.entropy, scored, reward.entropy_quantile,
-                                                  reward.soft_weight)
+                tokens = entropy_quantile_weights(candidate.entropy, scored, online.entropy_quantile,
+                                                  online.soft_weight)
                 kept_fracs.append(float(tokens.sum() / scored.sum().clamp(min=1)))
             share = float(row_weights[candidate.row]) / micro_totals[candidate.micro_batch] / len(self.micro_batches)
             token_weights.append(tokens * (share / float(tokens.sum())) if tokens.sum() > 0 else tokens)
@@ -167,13 +190,9 @@ class FlowStep:
     def _pieces(self, latents: Tensor | None, mask: Tensor | None, weights: Tensor | None = None) -> list[LossPiece]:
         """Eq. 4 on ``latents`` (None: this rank has no row but others do) in logged pieces, padded to as many as
         on every rank."""
-        reward = self.reward
-        pieces = [] if latents is None else flow_matching_loss_pieces(
-            reward.field, latents, mask, reward.layer_positions, torch.tensor(reward.timesteps),
-            flow_noise_seed(reward.seed, self.step, online_loss=True), reward.condition, reward.max_rows_per_piece,
-            token_weights=weights)
+        pieces = [] if latents is None else self.reward.online_losses(latents, mask, self.step, weights)
         self.logged["flow/loss"] = 0.0
-        return reward.agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
+        return self.reward.agreed_over_ranks([self._logged(piece, "flow/loss") for piece in pieces])
 
     def _logged(self, piece: LossPiece, name: str) -> LossPiece:
         def loss() -> Tensor:
