@@ -16,10 +16,14 @@ the pushes run in parallel over ranks; a rank that pushes several servers sends 
 pass over the weights, and under ZeRO-3 every rank makes that one pass per push, pushing a server or not (each
 weight's gather is a collective). The servers must serve the trainer's model (each one's identity is checked at build).
 
-Every wait has a bound (``rollout.server_timeout``): a server that is down, does not answer, restarted (its
-instance id changed, so its weights are no longer the trainer's) or serves another model (compared at connect:
-architecture, hidden size, layers, vocabulary) is one line naming its address, a :class:`ConfigError` at build
-time and a :class:`RuntimeError` later — on every rank, the others learning of it through the agreed failure.
+Every request has a bound (``rollout.server_timeout``) on the whole of it, not on each read, and on its reply's
+size; a server that is down, does not answer in time, restarted (its instance id changed, so its weights are no
+longer the trainer's) or serves another model (compared at connect: every config field that may change the logits,
+:func:`model_identity`) is one line naming its address, a :class:`ConfigError` at build time and a
+:class:`ServerError` (a :class:`~flowkit.errors.RunError`, which the CLI prints as its one line) later — on every
+rank, the others learning of it through the agreed failure. So is a reply the trainer cannot have asked for
+(:meth:`ServerRolloutEngine._check_reply`): a policy version it never pushed, rows longer than ``max_new_tokens``,
+token ids outside the vocabulary.
 
 With ``rollout.max_staleness`` k ≥ 1 the module keeps the next k batches' prompts prefetched
 (:meth:`ServerRolloutEngine.prefetch`, :func:`flowkit.llm.engines.prefetch_ahead`, split over the rank's servers as
@@ -39,6 +43,7 @@ server merges them into its copy of the base (:class:`flowkit.llm.server_backend
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import socket
 import threading
@@ -60,18 +65,31 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
-from flowkit.errors import ConfigError
+from flowkit.errors import ConfigError, RunError
+from flowkit.llm.bounded_http import ReplyTooLarge, open_before, read_at_most
 from flowkit.llm.packing import pack_response_rows
 from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
 
 if TYPE_CHECKING:
     from flowkit.llm.engines import EngineSetup
 
-IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
-"""The config fields that must agree between the trainer's policy and the server's model."""
+NOT_IDENTITY = frozenset({
+    "_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache",
+    "_attn_implementation", "_attn_implementation_autoset", "output_attentions", "output_hidden_states",
+    "return_dict", "torchscript", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
+    "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id"})
+"""The config fields that need not agree between the trainer's policy and the server's model: where it was loaded
+from, in which dtype and library version, how it runs (cache, attention kernel, outputs), how it was initialised
+and its special tokens' ids. Every other field (sizes, heads, layers, activation, norm eps, rope settings,
+tie_word_embeddings, attention biases, sliding windows, ...) may change the logits, so it must agree."""
 
 _ALIGN = 64  # byte offset of every tensor in a bucket, so each is viewed in place as its own dtype
 _CANCEL_POLL_S = 0.005  # how often a cancellable channel's wait looks for a cancellation
+SMALL_REPLY_BYTES = 1 << 20
+"""Bound of a reply other than rollouts (``/info``, ``/weights``, an error): a server's ``/info`` is a few KB."""
+REPLY_BYTES_PER_TOKEN = 64
+"""Bound of a ``/generate`` reply per token it may carry: a token id and its log-prob take under 32 bytes of JSON."""
+_DETAIL_CHARS = 200  # of a server's own words quoted in an error
 
 LoraPush = Literal["merged", "adapter"]
 """How a LoRA policy's weights reach the servers (``rollout.server_lora_push``)."""
@@ -87,8 +105,29 @@ class PushReceipt(NamedTuple):
 
 
 def model_identity(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-    """What identifies a model for the weight push: its config's :data:`IDENTITY_FIELDS` and the tokenizer's size."""
-    return {**{field: getattr(config, field, None) for field in IDENTITY_FIELDS}, "tokenizer_size": len(tokenizer)}
+    """What identifies a model for the weight push: its config's fields but those of :data:`NOT_IDENTITY`, a
+    sub-config's or a dict's under dotted names (``rope_parameters.rope_theta``), as JSON carries them; and the
+    tokenizer's size."""
+    identity: dict[str, Any] = {}
+
+    def flatten(fields: dict, prefix: str) -> None:
+        for key, value in fields.items():
+            if key in NOT_IDENTITY:
+                continue
+            if isinstance(value, dict) and value:
+                flatten(value, f"{prefix}{key}.")
+            else:
+                identity[f"{prefix}{key}"] = value
+
+    flatten(config.to_dict(), "")
+    return json.loads(json.dumps({**identity, "tokenizer_size": len(tokenizer)}))
+
+
+def identity_differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """``key theirs (trainer: ours)`` for each field both identities have and disagree on; a field only one side
+    has is left out (another ``transformers`` version may name a field differently, or add one with its default)."""
+    return [f"{key} {theirs[key]} (trainer: {value})" for key, value in ours.items()
+            if key in theirs and theirs[key] != value]
 
 
 class WeightChannel:
@@ -279,9 +318,9 @@ def _is_address(entry: Any) -> bool:
             and not parsed.query and not parsed.fragment)
 
 
-class ServerError(RuntimeError):
-    """A failure concerning one server (its message names the address); ``index`` into ``rollout.server_url``, so
-    that the other ranks name it too."""
+class ServerError(RunError):
+    """A failure concerning one server (its message names the address), which the ``flowkit`` CLI prints as its one
+    line; ``index`` into ``rollout.server_url``, so that the other ranks name it too."""
 
     def __init__(self, message: str, index: int):
         super().__init__(message)
@@ -314,33 +353,33 @@ class ServerLink:
         except (RuntimeError, OSError) as err:
             raise self.error(f": {what} failed ({_first_line(err)})") from None
 
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON request, each socket operation bounded by the timeout; any failure is one line naming the
+    def request(self, method: str, path: str, body: dict | None = None, reply_bytes: int = SMALL_REPLY_BYTES) -> dict:
+        """One JSON request, the whole of it bounded by the timeout (a reply dripped a byte at a time fails at the
+        bound, not each byte) and its reply read up to ``reply_bytes``; any failure is one line naming the
         address."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method,
                                          headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                reply = json.loads(response.read())
+            with open_before(request, time.monotonic() + self.timeout_s) as response:
+                reply = json.loads(read_at_most(response, reply_bytes))
         except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")
-            try:
-                detail = json.loads(detail)["error"]
-            except (ValueError, KeyError, TypeError):
-                pass
-            raise self.error(f": {path} failed ({err.code}: {detail})") from None
+            raise self.error(f": {path} failed ({err.code}: {_error_detail(err)})") from None
         except (TimeoutError, socket.timeout):
             raise self.error(f": no answer to {path} within {self.timeout_s:g} s") from None
         except urllib.error.URLError as err:
             if isinstance(err.reason, (TimeoutError, socket.timeout)):
                 raise self.error(f": no answer to {path} within {self.timeout_s:g} s") from None
             raise self.error(f": unreachable ({err.reason})") from None
-        except (OSError, ValueError) as err:  # reset mid-answer, or an answer that is not JSON
-            raise self.error(f": {path} failed ({type(err).__name__}: {err})") from None
+        except ReplyTooLarge as err:
+            raise self.error(f": {path} sent {err}") from None
+        except (OSError, ValueError, http.client.HTTPException) as err:  # reset mid-answer, or not JSON
+            raise self.error(f": {path} failed ({type(err).__name__}: {_one_line(str(err))})") from None
+        if not isinstance(reply, dict):
+            raise self.error(f": {path} answered {type(reply).__name__}, not a JSON object")
         if self.instance is not None and reply.get("instance") != self.instance:
-            raise self.error(f" restarted (instance {reply.get('instance')}, was {self.instance}): it no longer "
-                             "holds the trainer's weights; resume the run from its last checkpoint")
+            raise self.error(f" restarted (instance {_one_line(repr(reply.get('instance')))}, was {self.instance}): "
+                             "it no longer holds the trainer's weights; resume the run from its last checkpoint")
         return reply
 
     def connect(self, device: torch.device) -> None:
@@ -360,11 +399,14 @@ class ServerLink:
 
 @dataclass
 class _Share:
-    """One server's share of a batch, ``prompts[start:stop]``, and its reply (to come)."""
+    """One server's share of a batch, ``prompts[start:stop]``: the oldest version its request accepts, the rows asked
+    for and its reply (to come)."""
 
     server: ServerLink
     start: int
     stop: int
+    min_version: int
+    rows: int
     reply: Future
 
 
@@ -412,6 +454,8 @@ class ServerRolloutEngine:
         self.policy_version = 0
         self.regenerated_rows = 0  # prefetched rows dropped as more than max_staleness versions old, then regenerated
         self.pushed_version: int | None = None  # the version the servers hold (None: the backbone's, never pushed)
+        self.pushed_versions: set[int] = set()  # those a reply still awaited may carry (older ones dropped)
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # token ids a reply may carry: [0, vocab_size)
         self.served_layout: dict | None = None  # adapter pushes: the LoRA layout the servers hold our base weights for
         self.last_push: PushReceipt | None = None  # this rank's latest push, as sent (None: it pushes no server)
         self.servers = [ServerLink(index, url.rstrip("/"), timeout_s, prefetching=max_staleness > 0)
@@ -425,12 +469,11 @@ class ServerRolloutEngine:
                 info = server.request("GET", "/info")
             except RuntimeError as err:
                 raise ConfigError(str(err)) from None
-            server.instance = info["instance"]
-            differing = [f"{key} {info['identity'].get(key)} (trainer: {value})"
-                         for key, value in identity.items() if info["identity"].get(key) != value]
+            server.instance, theirs = info.get("instance"), info.get("identity")
+            differing = identity_differences(identity, theirs) if isinstance(theirs, dict) else ["no identity"]
             if differing:
-                raise ConfigError(f"rollout server at {server.url} serves another model ({info['model']}: "
-                                  f"{', '.join(differing)})")
+                raise ConfigError(f"rollout server at {server.url} serves another model "
+                                  f"({_one_line(str(info.get('model')))}: {_one_line(', '.join(differing))})")
             if server.instance in first_at:
                 raise ConfigError(f"rollout server at {server.url} is the one at {first_at[server.instance]} (the "
                                   "same process): list each server once in rollout.server_url")
@@ -473,7 +516,7 @@ class ServerRolloutEngine:
             urls = [server.url for server in self.servers]
             where = f"rollout server at {urls[failed - 1]}" if failed <= len(urls) else \
                 f"rollout servers at {', '.join(urls)}"
-            raise RuntimeError(f"{where}: {what} failed on another rank")
+            raise ServerError(f"{where}: {what} failed on another rank", failed - 1)
         return result
 
     def _push(self) -> None:
@@ -499,6 +542,8 @@ class ServerRolloutEngine:
                 for _ in weights:  # the gathers of the weights not sent (all of them on a rank that pushes none)
                     pass
         self.pushed_version, self.served_layout = version, layout
+        awaited = min((share.min_version for pending in self._pending for share in pending.shares), default=version)
+        self.pushed_versions = {pushed for pushed in self.pushed_versions if pushed >= awaited} | {version}
 
     def _send(self, servers: list[ServerLink], weights: Iterator[tuple[str, Tensor]], body: dict) -> PushReceipt:
         """Announce the push (``body``: its version, and the LoRA layout of an adapter push) to each of ``servers``,
@@ -559,9 +604,19 @@ class ServerRolloutEngine:
              slices: list[tuple[ServerLink, int, int]] | None = None) -> list[_Share]:
         """Send each server its slice of the prompts (``slices``, by default :meth:`_split`'s) through
         ``worker(server)``."""
-        return [_Share(server, start, stop, worker(server).submit(
-                    server.request, "POST", "/generate", self._generation_request(prompts[start:stop], n, temperature)))
-                for server, start, stop in (self._split(len(prompts)) if slices is None else slices)]
+        shares = []
+        for server, start, stop in (self._split(len(prompts)) if slices is None else slices):
+            request = self._generation_request(prompts[start:stop], n, temperature)
+            reply = worker(server).submit(server.request, "POST", "/generate", request, self._reply_bytes(request))
+            shares.append(_Share(server, start, stop, request["min_version"], (stop - start) * n, reply))
+        return shares
+
+    def _reply_bytes(self, request: dict) -> int:
+        """The bound of a ``/generate`` reply to ``request``: every row the longest prompt and ``max_new_tokens``
+        long, :data:`REPLY_BYTES_PER_TOKEN` each (a reply padded past it is refused before it is read whole)."""
+        longest = max(len(ids) for ids in self.tokenizer(request["prompts"])["input_ids"])
+        rows = len(request["prompts"]) * request["n"]
+        return SMALL_REPLY_BYTES + rows * (longest + self.max_new_tokens) * REPLY_BYTES_PER_TOKEN
 
     def _split(self, count: int) -> list[tuple[ServerLink, int, int]]:
         """This rank's servers (:func:`generation_servers`), each with its contiguous slice of ``count`` prompts:
@@ -602,11 +657,37 @@ class ServerRolloutEngine:
         replies = []
         for share in shares:
             try:
-                replies.append((share, share.reply.result(
-                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))))
+                reply = share.reply.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 raise share.server.error(f": prefetched rollouts not back within {within:g} s") from None
+            self._check_reply(share, reply)
+            replies.append((share, reply))
         return replies
+
+    def _check_reply(self, share: _Share, reply: dict) -> None:
+        """Refuse (one line naming the server) a reply the trainer cannot have asked for: a policy version it never
+        pushed or older than the request accepted, a row count other than the share's, a row longer than
+        ``max_new_tokens``, a token id outside the vocabulary, log-probs that are not one number per token."""
+        server, version, rows = share.server, reply.get("version"), reply.get("tokens")
+        if type(version) is not int or version not in self.pushed_versions or version < share.min_version:
+            raise server.error(f": /generate answered policy version {_one_line(repr(version))}, not one the trainer "
+                               f"pushed from version {share.min_version} (asked for) to {self.pushed_version}")
+        logprobs = reply.get("logprobs")
+        if not (isinstance(rows, list) and isinstance(logprobs, list) and len(rows) == len(logprobs) == share.rows
+                and type(reply.get("nonfinite")) is bool):
+            raise server.error(f": /generate answered no {share.rows} rows of tokens and log-probs with a nonfinite "
+                               "flag")
+        for row, (tokens, numbers) in enumerate(zip(rows, logprobs)):
+            if not (isinstance(tokens, list) and isinstance(numbers, list) and len(tokens) == len(numbers)
+                    and all(type(number) in (float, int) for number in numbers)):
+                raise server.error(f": /generate row {row} is not a list of token ids and one log-prob per token")
+            if len(tokens) > self.max_new_tokens:
+                raise server.error(f": /generate row {row} has {len(tokens)} response tokens, more than "
+                                   f"max_new_tokens {self.max_new_tokens}")
+            outside = [token for token in tokens if type(token) is not int or not 0 <= token < self.vocab_size]
+            if outside:
+                raise server.error(f": /generate row {row} has token id {_one_line(repr(outside[0]))}, outside the "
+                                   f"vocabulary (0 … {self.vocab_size - 1})")
 
     def _generation_request(self, prompts: list[str], n: int, temperature: float) -> dict:
         """The request; the server waits (bounded) until it holds at least the weights last pushed (``min_version``:
@@ -662,6 +743,25 @@ def _local_address_towards(url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((parsed.hostname, parsed.port or 80))
         return probe.getsockname()[0]
+
+
+def _error_detail(reply: urllib.error.HTTPError) -> str:
+    """The ``error`` of a server's error reply (JSON), else its text: one line, clipped."""
+    try:
+        text = read_at_most(reply, SMALL_REPLY_BYTES).decode(errors="replace")
+    except (OSError, ValueError) as err:  # ReplyTooLarge is a ValueError
+        return f"unreadable ({err})"
+    try:
+        text = json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return _one_line(str(text))
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line, clipped: a server's words go into the trainer's one-line error."""
+    text = " ".join(text.split())
+    return text if len(text) <= _DETAIL_CHARS else text[:_DETAIL_CHARS] + "…"
 
 
 def _first_line(err: BaseException) -> str:
