@@ -22,7 +22,7 @@ longer the trainer's) or serves another model (compared at connect: every config
 :func:`model_identity`) is one line naming its address, a :class:`ConfigError` at build time and a
 :class:`ServerError` (a :class:`~flowkit.errors.RunError`, which the CLI prints as its one line) later — on every
 rank, the others learning of it through the agreed failure. So is a reply the trainer cannot have asked for
-(:meth:`ServerRolloutEngine._check_reply`): a policy version it never pushed, rows longer than ``max_new_tokens``,
+(:class:`ReplyCheck`): a policy version it never pushed, rows longer than ``max_new_tokens``,
 token ids outside the vocabulary.
 
 With ``rollout.max_staleness`` k ≥ 1 the module keeps the next k batches' prompts prefetched
@@ -418,6 +418,52 @@ class _Pending:
     shares: list[_Share]
 
 
+class ReplyCheck:
+    """What a ``/generate`` reply may hold, checked before any of it is trained on: a policy version the trainer
+    pushed, not older than its request accepted; the rows asked for, each at most ``max_new_tokens`` token ids in
+    ``[0, vocab_size)`` with one log-prob each; at most :meth:`bytes_for` its request of JSON."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, vocab_size: int):
+        self.tokenizer, self.max_new_tokens, self.vocab_size = tokenizer, max_new_tokens, vocab_size
+        self.versions: set[int] = set()  # the pushed versions a reply still awaited may carry
+        self.latest: int | None = None
+
+    def pushed(self, version: int, awaited: list[int]) -> None:
+        """``version`` was pushed; the requests still ``awaited`` accept their ``min_version`` or later."""
+        oldest = min(awaited, default=version)
+        self.versions = {pushed for pushed in self.versions if pushed >= oldest} | {version}
+        self.latest = version
+
+    def bytes_for(self, request: dict) -> int:
+        """The bound of a reply to ``request``: every row the longest prompt and ``max_new_tokens`` long,
+        :data:`REPLY_BYTES_PER_TOKEN` each (a reply padded past it is refused before it is read whole)."""
+        longest = max(len(ids) for ids in self.tokenizer(request["prompts"])["input_ids"])
+        rows = len(request["prompts"]) * request["n"]
+        return SMALL_REPLY_BYTES + rows * (longest + self.max_new_tokens) * REPLY_BYTES_PER_TOKEN
+
+    def check(self, share: _Share, reply: dict) -> None:
+        """Refuse (one line naming the server) a reply the trainer cannot have asked for."""
+        server, version, rows, logprobs = share.server, reply.get("version"), reply.get("tokens"), reply.get("logprobs")
+        if type(version) is not int or version not in self.versions or version < share.min_version:
+            raise server.error(f": /generate answered policy version {_one_line(repr(version))}, not one the trainer "
+                               f"pushed from version {share.min_version} (asked for) to {self.latest}")
+        if not (isinstance(rows, list) and isinstance(logprobs, list) and len(rows) == len(logprobs) == share.rows
+                and type(reply.get("nonfinite")) is bool):
+            raise server.error(f": /generate answered no {share.rows} rows of tokens and log-probs with a nonfinite "
+                               "flag")
+        for row, (tokens, numbers) in enumerate(zip(rows, logprobs)):
+            if not (isinstance(tokens, list) and isinstance(numbers, list) and len(tokens) == len(numbers)
+                    and all(type(number) in (float, int) for number in numbers)):
+                raise server.error(f": /generate row {row} is not a list of token ids and one log-prob per token")
+            if len(tokens) > self.max_new_tokens:
+                raise server.error(f": /generate row {row} has {len(tokens)} response tokens, more than "
+                                   f"max_new_tokens {self.max_new_tokens}")
+            outside = [token for token in tokens if type(token) is not int or not 0 <= token < self.vocab_size]
+            if outside:
+                raise server.error(f": /generate row {row} has token id {_one_line(repr(outside[0]))}, outside the "
+                                   f"vocabulary (0 … {self.vocab_size - 1})")
+
+
 class ServerRolloutEngine:
     """Samples ``n`` responses per prompt on rollout servers (``flowkit rollout-server``), in the HF engine's layout.
 
@@ -454,8 +500,7 @@ class ServerRolloutEngine:
         self.policy_version = 0
         self.regenerated_rows = 0  # prefetched rows dropped as more than max_staleness versions old, then regenerated
         self.pushed_version: int | None = None  # the version the servers hold (None: the backbone's, never pushed)
-        self.pushed_versions: set[int] = set()  # those a reply still awaited may carry (older ones dropped)
-        self.vocab_size = model.get_input_embeddings().num_embeddings  # token ids a reply may carry: [0, vocab_size)
+        self.replies = ReplyCheck(tokenizer, max_new_tokens, model.get_input_embeddings().num_embeddings)
         self.served_layout: dict | None = None  # adapter pushes: the LoRA layout the servers hold our base weights for
         self.last_push: PushReceipt | None = None  # this rank's latest push, as sent (None: it pushes no server)
         self.servers = [ServerLink(index, url.rstrip("/"), timeout_s, prefetching=max_staleness > 0)
@@ -542,8 +587,7 @@ class ServerRolloutEngine:
                 for _ in weights:  # the gathers of the weights not sent (all of them on a rank that pushes none)
                     pass
         self.pushed_version, self.served_layout = version, layout
-        awaited = min((share.min_version for pending in self._pending for share in pending.shares), default=version)
-        self.pushed_versions = {pushed for pushed in self.pushed_versions if pushed >= awaited} | {version}
+        self.replies.pushed(version, [share.min_version for pending in self._pending for share in pending.shares])
 
     def _send(self, servers: list[ServerLink], weights: Iterator[tuple[str, Tensor]], body: dict) -> PushReceipt:
         """Announce the push (``body``: its version, and the LoRA layout of an adapter push) to each of ``servers``,
@@ -607,16 +651,9 @@ class ServerRolloutEngine:
         shares = []
         for server, start, stop in (self._split(len(prompts)) if slices is None else slices):
             request = self._generation_request(prompts[start:stop], n, temperature)
-            reply = worker(server).submit(server.request, "POST", "/generate", request, self._reply_bytes(request))
+            reply = worker(server).submit(server.request, "POST", "/generate", request, self.replies.bytes_for(request))
             shares.append(_Share(server, start, stop, request["min_version"], (stop - start) * n, reply))
         return shares
-
-    def _reply_bytes(self, request: dict) -> int:
-        """The bound of a ``/generate`` reply to ``request``: every row the longest prompt and ``max_new_tokens``
-        long, :data:`REPLY_BYTES_PER_TOKEN` each (a reply padded past it is refused before it is read whole)."""
-        longest = max(len(ids) for ids in self.tokenizer(request["prompts"])["input_ids"])
-        rows = len(request["prompts"]) * request["n"]
-        return SMALL_REPLY_BYTES + rows * (longest + self.max_new_tokens) * REPLY_BYTES_PER_TOKEN
 
     def _split(self, count: int) -> list[tuple[ServerLink, int, int]]:
         """This rank's servers (:func:`generation_servers`), each with its contiguous slice of ``count`` prompts:
@@ -660,34 +697,9 @@ class ServerRolloutEngine:
                 reply = share.reply.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 raise share.server.error(f": prefetched rollouts not back within {within:g} s") from None
-            self._check_reply(share, reply)
+            self.replies.check(share, reply)
             replies.append((share, reply))
         return replies
-
-    def _check_reply(self, share: _Share, reply: dict) -> None:
-        """Refuse (one line naming the server) a reply the trainer cannot have asked for: a policy version it never
-        pushed or older than the request accepted, a row count other than the share's, a row longer than
-        ``max_new_tokens``, a token id outside the vocabulary, log-probs that are not one number per token."""
-        server, version, rows = share.server, reply.get("version"), reply.get("tokens")
-        if type(version) is not int or version not in self.pushed_versions or version < share.min_version:
-            raise server.error(f": /generate answered policy version {_one_line(repr(version))}, not one the trainer "
-                               f"pushed from version {share.min_version} (asked for) to {self.pushed_version}")
-        logprobs = reply.get("logprobs")
-        if not (isinstance(rows, list) and isinstance(logprobs, list) and len(rows) == len(logprobs) == share.rows
-                and type(reply.get("nonfinite")) is bool):
-            raise server.error(f": /generate answered no {share.rows} rows of tokens and log-probs with a nonfinite "
-                               "flag")
-        for row, (tokens, numbers) in enumerate(zip(rows, logprobs)):
-            if not (isinstance(tokens, list) and isinstance(numbers, list) and len(tokens) == len(numbers)
-                    and all(type(number) in (float, int) for number in numbers)):
-                raise server.error(f": /generate row {row} is not a list of token ids and one log-prob per token")
-            if len(tokens) > self.max_new_tokens:
-                raise server.error(f": /generate row {row} has {len(tokens)} response tokens, more than "
-                                   f"max_new_tokens {self.max_new_tokens}")
-            outside = [token for token in tokens if type(token) is not int or not 0 <= token < self.vocab_size]
-            if outside:
-                raise server.error(f": /generate row {row} has token id {_one_line(repr(outside[0]))}, outside the "
-                                   f"vocabulary (0 … {self.vocab_size - 1})")
 
     def _generation_request(self, prompts: list[str], n: int, temperature: float) -> dict:
         """The request; the server waits (bounded) until it holds at least the weights last pushed (``min_version``:
