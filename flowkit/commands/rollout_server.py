@@ -127,7 +127,7 @@ class RolloutService:
             channel, failed = self.channel, False
             with self.ready:
                 try:
-                    received, loaded = channel.receive(self._loader(channel, version, lora))
+                    received, loaded = channel.receive(self._loader(channel, version, lora), self.backend.held)
                 except RuntimeError as err:  # the trainer gone, past the timeout, or superseded by another one
                     log.error("push of version %d failed: %s", version, err)
                     self.version, self.adapter, failed = TORN, None, True

@@ -43,6 +43,7 @@ server merges them into its copy of the base (:class:`flowkit.llm.server_backend
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.client
 import json
 import socket
@@ -193,16 +194,18 @@ class WeightChannel:
             except RuntimeError:  # its peer is gone or past the timeout: what a cancelled push expects
                 pass
 
-    def _send_json(self, value: dict) -> None:
+    def _send_json(self, value: dict, root: int = 0) -> None:
         data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(self.device)
-        self._broadcast(torch.tensor([len(data)], device=self.device), 0)
-        self._broadcast(data, 0)
+        self._broadcast(torch.tensor([len(data)], device=self.device), root)
+        self._broadcast(data, root)
 
-    def _receive_json(self) -> dict:
+    def _receive_json(self, root: int = 0, limit: int | None = None) -> dict:
         length = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._broadcast(length, 0)
+        self._broadcast(length, root)
+        if limit is not None and not 0 <= int(length) <= limit:
+            raise RuntimeError(f"a message of {int(length)} bytes, over its bound of {limit}")
         data = torch.empty(int(length), dtype=torch.uint8, device=self.device)
-        self._broadcast(data, 0)
+        self._broadcast(data, root)
         return json.loads(data.cpu().numpy().tobytes().decode())
 
     def send_bucket(self, bucket: list[tuple[str, Tensor]], version: int, last: bool) -> int:
@@ -220,17 +223,33 @@ class WeightChannel:
         self._broadcast(payload, 0)
         return offset
 
-    def acknowledgement(self, version: int) -> int:
-        """After a push's last bucket (member 0): how many tensors the server loaded."""
-        ack = torch.zeros(2, dtype=torch.long, device=self.device)
-        self._broadcast(ack, 1)
-        if int(ack[0]) != version:
-            raise RuntimeError(f"the server acknowledged version {int(ack[0])}, not {version}")
-        return int(ack[1])
+    def acknowledgement(self, version: int, sampled: dict[str, Tensor] | None = None) -> int:
+        """After a push's last bucket (member 0): how many tensors the server loaded. It reports the
+        :func:`weight_digest` of each ``sampled`` weight (a few of those pushed, host copies) as it now holds them,
+        in the dtype it holds them in, and each must be that of the weight pushed: a server that does not hold what
+        it acknowledged is refused (one that cannot read a weight back under its pushed name leaves it out)."""
+        sampled = sampled or {}
+        self._send_json({"digests": sorted(sampled)})
+        try:
+            ack = self._receive_json(1, SMALL_REPLY_BYTES)
+            acknowledged, loaded, digests = ack["version"], ack["loaded"], ack["digests"]
+            differing = [name for name, (dtype, digest) in digests.items()
+                         if weight_digest(sampled[name].to(getattr(torch, dtype))) != digest]
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise RuntimeError(f"the server's acknowledgement is malformed ({type(err).__name__}: {err})") from None
+        if acknowledged != version:
+            raise RuntimeError(f"the server acknowledged version {acknowledged!r:.40}, not {version}")
+        if differing:
+            raise RuntimeError(f"the server holds other values for {differing[0]} than version {version} pushed "
+                               f"(weight digests differ after the push)")
+        return loaded
 
-    def receive(self, load: Callable[[Iterator[tuple[str, Tensor]]], int]) -> tuple[int, int]:
+    def receive(self, load: Callable[[Iterator[tuple[str, Tensor]]], int],
+                held: Callable[[str], Tensor | None] = lambda name: None) -> tuple[int, int]:
         """Receive one push (the server): ``load`` consumes its ``(name, tensor)`` stream as the buckets arrive and
-        returns how many tensors it loaded; then the push is acknowledged. Returns (version, tensors loaded)."""
+        returns how many tensors it loaded; then the push is acknowledged with the :func:`weight_digest` of the
+        weights the trainer asks for as ``held(name)`` gives them (what the model now holds under that name; None:
+        not readable so). Returns (version, tensors loaded)."""
         header: dict = {}
 
         def tensors() -> Iterator[tuple[str, Tensor]]:
@@ -245,8 +264,33 @@ class WeightChannel:
         loaded = load(stream)
         for _ in stream:  # a loader that stopped early: the rest of the push still comes off the channel
             pass
-        self._broadcast(torch.tensor([header["version"], loaded], device=self.device), 1)
+        digests = {}
+        for name in self._receive_json()["digests"]:
+            tensor = held(name)
+            if tensor is not None:
+                digests[name] = [str(tensor.dtype).removeprefix("torch."), weight_digest(tensor)]
+        self._send_json({"version": header["version"], "loaded": loaded, "digests": digests}, 1)
         return header["version"], loaded
+
+
+def weight_digest(tensor: Tensor) -> str:
+    """SHA-256 of a tensor's bytes (on the host)."""
+    return hashlib.sha256(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def sampled_on_the_way(weights: Iterable[tuple[str, Tensor]], sampled: dict[str, Tensor]
+                       ) -> Iterator[tuple[str, Tensor]]:
+    """``weights``, keeping in ``sampled`` host copies of the first and the last 1-D one (a norm or a bias: small;
+    copied as they go by, as a ZeRO-3 weight is gathered for its turn only), whose digests the servers report after
+    the push (:meth:`WeightChannel.acknowledgement`)."""
+    first: tuple[str, Tensor] | None = None
+    for name, tensor in weights:
+        if tensor.dim() == 1:
+            latest = (name, tensor.detach().to("cpu", copy=True))
+            first = first or latest
+            sampled.clear()
+            sampled.update([first, latest])
+        yield name, tensor
 
 
 def weight_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int
@@ -602,7 +646,8 @@ class ServerRolloutEngine:
                         server.connect(next(self.model.parameters()).device)
                     server.request("POST", "/weights", body)
             sent = payload_bytes = 0
-            for bucket, last in weight_buckets(weights, self.bucket_bytes):
+            sampled: dict[str, Tensor] = {}
+            for bucket, last in weight_buckets(sampled_on_the_way(weights, sampled), self.bucket_bytes):
                 sent += len(bucket)
                 for server in servers:
                     with server.concerned(what):
@@ -610,7 +655,7 @@ class ServerRolloutEngine:
                 payload_bytes += nbytes
             for server in servers:
                 with server.concerned(what):
-                    loaded = server.channel.acknowledgement(version)
+                    loaded = server.channel.acknowledgement(version, sampled)
                 if loaded != sent:
                     raise server.error(f": loaded {loaded} of the {sent} weights of version {version} (see its log "
                                        "for the names it does not have)")

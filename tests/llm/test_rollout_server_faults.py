@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
@@ -291,3 +292,42 @@ def test_a_version_the_server_invents_ends_flowkit_fit_with_one_line(server, tmp
     assert errors == [f"error: rollout server at {proxy.url}: /generate answered policy version 1000000000, not one "
                       "the trainer pushed from version 0 (asked for) to 0"], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("holds", ["what was pushed", "it in bfloat16", "another bias"])
+def test_a_server_that_does_not_hold_what_it_acknowledged_is_refused_by_weight_digests(holds):
+    """Trainer and server ends of a gloo channel in two threads: after the push the server reports the digests of
+    the first and the last 1-D weight as its model holds them (here: a copy of what arrived, cast to its dtype, or
+    with the bias changed), and the trainer compares them with what it pushed."""
+    from flowkit.llm.server_engine import WeightChannel, sampled_on_the_way, weight_buckets
+
+    torch.manual_seed(0)
+    weights = [("norm", torch.randn(8)), ("proj", torch.randn(8, 8)), ("bias", torch.randn(8))]
+    store = WeightChannel.host_store("127.0.0.1", TIMEOUT_S)
+    model: dict[str, torch.Tensor] = {}
+
+    def held(name):
+        tensor = model[name].to(torch.bfloat16) if holds == "it in bfloat16" else model[name]
+        return tensor + 1 if holds == "another bias" and name == "bias" else tensor
+
+    def server_end():
+        channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, TIMEOUT_S,
+                                torch.device("cpu"))
+        channel.receive(lambda stream: sum(model.setdefault(name, tensor.clone()) is not None
+                                           for name, tensor in stream), held)
+
+    thread = threading.Thread(target=server_end)
+    thread.start()
+    trainer_end = WeightChannel(store, 0, TIMEOUT_S, torch.device("cpu"))
+    sampled: dict[str, torch.Tensor] = {}
+    for bucket, last in weight_buckets(sampled_on_the_way(iter(weights), sampled), 1 << 20):
+        trainer_end.send_bucket(bucket, 3, last)
+    try:
+        if holds == "another bias":
+            with pytest.raises(RuntimeError, match=r"^the server holds other values for bias than version 3 pushed"):
+                trainer_end.acknowledgement(3, sampled)
+        else:
+            assert trainer_end.acknowledgement(3, sampled) == 3
+    finally:
+        thread.join(timeout=TIMEOUT_S)
+    assert sorted(sampled) == ["bias", "norm"]
