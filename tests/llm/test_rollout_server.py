@@ -125,10 +125,10 @@ class StepTimes(Callback):
         engine.generate = recorded_generate
 
     def recorded(self, request):
-        def recorded_request(method, path, body=None):
+        def recorded_request(method, path, body=None, *bounds):
             if path == "/generate":
                 self.asked.append((tuple(body["prompts"]), time.time()))
-            reply = request(method, path, body)
+            reply = request(method, path, body, *bounds)
             if path == "/generate":
                 self.generations.append((tuple(body["prompts"]), reply["started"], reply["finished"]))
             return reply
@@ -559,8 +559,8 @@ class ServedShares(Callback):
             server.request = self.recorded(server.url, server.request)
 
     def recorded(self, url, request):
-        def recorded_request(method, path, body=None):
-            reply = request(method, path, body)
+        def recorded_request(method, path, body=None, *bounds):
+            reply = request(method, path, body, *bounds)
             if path == "/generate":
                 self.requests.append((url, tuple(body["prompts"]), reply["instance"]))
             return reply
