@@ -483,8 +483,8 @@ def test_a_trainer_killed_mid_push_resumes_from_last_against_the_same_server(sig
 @pytest.mark.slow
 @pytest.mark.parametrize("servers, doomed_index", [(1, 0), (2, 1)])
 def test_killing_a_server_under_two_zero3_ranks_stops_both_within_the_timeout(servers, doomed_index, tmp_path):
-    """Both ranks stop with one line naming the killed server, instead of a rank waiting in the next collective until
-    the process group's timeout. One server: rank 1, which pushes nothing, learns of rank 0's failed push through the
+    """Both ranks stop with one line naming the killed server (the CLI's ``error:`` line), instead of a rank waiting in
+    the next collective until the process group's timeout. One server: rank 1, which pushes nothing, learns of rank 0's failed push through the
     agreed failure. Two servers: server 1 is rank 1's (its pushes and generations), and rank 0, whose own server
     lives on, names server 1 all the same."""
     import rlfr_run
@@ -515,9 +515,8 @@ def test_killing_a_server_under_two_zero3_ranks_stops_both_within_the_timeout(se
             trainer.wait(timeout=30)
     assert trainer.returncode != 0
     assert time.monotonic() - killed < TIMEOUT_S + 30
-    lines = [line for line in output.splitlines() if f"rollout server at {doomed.url}" in line]
-    assert any(line.startswith("[rank0]") for line in lines), output[-3000:]
-    assert any(line.startswith("[rank1]") for line in lines), output[-3000:]
+    # one line from each rank (counted, not split: the two processes' writes to one pipe may interleave)
+    assert output.count(f"error: rollout server at {doomed.url}: ") == 2 and "Traceback" not in output, output[-3000:]
 
 
 def url_list(servers: list[RolloutServer]) -> str:
