@@ -219,7 +219,7 @@ class RolloutService:
             channel, failed = self.channel, False
             with self.ready:
                 try:
-                    received, loaded = channel.receive(self._loader(channel, version, lora))
+                    received, loaded = channel.receive(self._loader(channel, version, lora), self.backend.held)
                 except Exception as err:  # the trainer gone or superseded, past the timeout, or a malformed push
                     log.error("push of version %d failed: %s: %s", version, type(err).__name__, err)
                     self.version, self.adapter, failed = TORN, None, True

@@ -3,10 +3,11 @@ interface, flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process
 
 A backend has the model's ``config`` and ``tokenizer`` (the trainer compares them with its own at connect), the
 ``device`` its weights live on (NCCL pushes when both sides are on GPUs), the HF model's parameter ``shapes`` by name,
-and two methods: :meth:`generate` (each row's response token ids and sampler log-probs, prompt-major) and
-:meth:`load` (a pushed weight stream into the model). Both check every pushed weight against those names and shapes;
-one that is not there is logged and not loaded, and the trainer, told how many were, reports it. Sampling draws from
-the process's global generators, which the server seeds per request.
+and three methods: :meth:`generate` (each row's response token ids and sampler log-probs, prompt-major),
+:meth:`load` (a pushed weight stream into the model) and :meth:`held` (a weight as the model holds it, by its pushed
+name, whose digest the trainer compares with what it pushed). Both backends check every pushed weight against those
+names and shapes; one that is not there is logged and not loaded, and the trainer, told how many were, reports it.
+Sampling draws from the process's global generators, which the server seeds per request.
 
 A LoRA policy pushed as an adapter (``rollout.server_lora_push: adapter``) goes through :class:`ServedAdapter`, the
 same for both backends: it keeps the base weights of the channel's first push and merges each push's adapters into
@@ -77,6 +78,10 @@ class HFServerBackend:
                 self.parameters[name].copy_(tensor)
         return known.count
 
+    def held(self, name: str) -> Tensor | None:
+        """The weight the model holds under a pushed name (its digest goes back to the trainer after a push)."""
+        return self.parameters.get(name)
+
 
 class VllmServerBackend:
     """vLLM's in-process engine (:func:`flowkit.llm.vllm_engine.build_llm`, as the colocated engine builds it) on the
@@ -122,6 +127,11 @@ class VllmServerBackend:
         known = _Known(weights, self.shapes, self.backbone)
         load_weights_one_by_one(self.llm, known)
         return known.count
+
+    def held(self, name: str) -> Tensor | None:
+        """None: vLLM's loader fuses and shards the HF weights into its own (``qkv_proj``, ...), so none is read back
+        under its pushed name, and the trainer checks no digest of this backend's weights."""
+        return None
 
 
 class ServedAdapter:

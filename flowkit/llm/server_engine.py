@@ -20,10 +20,14 @@ Every request carries the servers' secret (``rollout.server_token_file``, else `
 the run's first push, its run id (one for all ranks, :mod:`flowkit.llm.server_protocol`): a server leases its weight
 channel to the run that connected, and a reply saying another run holds it is one line (docs/security.md).
 
-Every wait has a bound (``rollout.server_timeout``): a server that is down, does not answer, restarted (its
-instance id changed, so its weights are no longer the trainer's) or serves another model (compared at connect:
-architecture, hidden size, layers, vocabulary) is one line naming its address, a :class:`ConfigError` at build
-time and a :class:`RuntimeError` later — on every rank, the others learning of it through the agreed failure.
+Every request has a bound (``rollout.server_timeout``) on the whole of it, not on each read, and on its reply's
+size; a server that is down, does not answer in time, restarted (its instance id changed, so its weights are no
+longer the trainer's) or serves another model (compared at connect: every config field that may change the logits,
+:func:`model_identity`) is one line naming its address, a :class:`ConfigError` at build time and a
+:class:`ServerError` (a :class:`~flowkit.errors.RunError`, which the CLI prints as its one line) later — on every
+rank, the others learning of it through the agreed failure. So is a reply the trainer cannot have asked for
+(:class:`ReplyCheck`): a policy version it never pushed, rows longer than ``max_new_tokens``,
+token ids outside the vocabulary.
 
 With ``rollout.max_staleness`` k ≥ 1 the module keeps the next k batches' prompts prefetched
 (:meth:`ServerRolloutEngine.prefetch`, :func:`flowkit.llm.rollout_engine.prefetch_ahead`, split over the rank's
@@ -43,6 +47,8 @@ server merges them into its copy of the base (:class:`flowkit.llm.server_backend
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import http.client
 import json
 import os
 import secrets
@@ -67,7 +73,8 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
-from flowkit.errors import ConfigError
+from flowkit.errors import ConfigError, RunError
+from flowkit.llm.bounded_http import ReplyTooLarge, open_before, read_at_most
 from flowkit.llm.packing import pack_response_rows
 from flowkit.llm.server_protocol import RUN_HEADER, authorization, read_token
 from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
@@ -75,8 +82,15 @@ from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
 if TYPE_CHECKING:
     from flowkit.llm.rollout_engine import EngineSetup
 
-IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
-"""The config fields that must agree between the trainer's policy and the server's model."""
+NOT_IDENTITY = frozenset({
+    "_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache",
+    "_attn_implementation", "_attn_implementation_autoset", "output_attentions", "output_hidden_states",
+    "return_dict", "torchscript", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
+    "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id"})
+"""The config fields that need not agree between the trainer's policy and the server's model: where it was loaded
+from, in which dtype and library version, how it runs (cache, attention kernel, outputs), how it was initialised
+and its special tokens' ids. Every other field (sizes, heads, layers, activation, norm eps, rope settings,
+tie_word_embeddings, attention biases, sliding windows, ...) may change the logits, so it must agree."""
 
 _ALIGN = 64  # byte offset of every tensor in a bucket, so each is viewed in place as its own dtype
 _CANCEL_POLL_S = 0.005  # how often a cancellable channel's wait looks for a cancellation
@@ -84,6 +98,11 @@ _CANCEL_POLL_S = 0.005  # how often a cancellable channel's wait looks for a can
 # nonce the store echoes): :meth:`WeightChannel.store_answers` sends them to learn whether a store listens.
 _STORE_VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
 _STORE_PING = b"\x0d"
+SMALL_REPLY_BYTES = 1 << 20
+"""Bound of a reply other than rollouts (``/info``, ``/weights``, an error): a server's ``/info`` is a few KB."""
+REPLY_BYTES_PER_TOKEN = 64
+"""Bound of a ``/generate`` reply per token it may carry: a token id and its log-prob take under 32 bytes of JSON."""
+_DETAIL_CHARS = 200  # of a server's own words quoted in an error
 
 LoraPush = Literal["merged", "adapter"]
 """How a LoRA policy's weights reach the servers (``rollout.server_lora_push``)."""
@@ -99,8 +118,29 @@ class PushReceipt(NamedTuple):
 
 
 def model_identity(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-    """What identifies a model for the weight push: its config's :data:`IDENTITY_FIELDS` and the tokenizer's size."""
-    return {**{field: getattr(config, field, None) for field in IDENTITY_FIELDS}, "tokenizer_size": len(tokenizer)}
+    """What identifies a model for the weight push: its config's fields but those of :data:`NOT_IDENTITY`, a
+    sub-config's or a dict's under dotted names (``rope_parameters.rope_theta``), as JSON carries them; and the
+    tokenizer's size."""
+    identity: dict[str, Any] = {}
+
+    def flatten(fields: dict, prefix: str) -> None:
+        for key, value in fields.items():
+            if key in NOT_IDENTITY:
+                continue
+            if isinstance(value, dict) and value:
+                flatten(value, f"{prefix}{key}.")
+            else:
+                identity[f"{prefix}{key}"] = value
+
+    flatten(config.to_dict(), "")
+    return json.loads(json.dumps({**identity, "tokenizer_size": len(tokenizer)}))
+
+
+def identity_differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """``key theirs (trainer: ours)`` for each field both identities have and disagree on; a field only one side
+    has is left out (another ``transformers`` version may name a field differently, or add one with its default)."""
+    return [f"{key} {theirs[key]} (trainer: {value})" for key, value in ours.items()
+            if key in theirs and theirs[key] != value]
 
 
 class WeightChannel:
@@ -194,16 +234,18 @@ class WeightChannel:
             except RuntimeError:  # its peer is gone or past the timeout: what a cancelled push expects
                 pass
 
-    def _send_json(self, value: dict) -> None:
+    def _send_json(self, value: dict, root: int = 0) -> None:
         data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(self.device)
-        self._broadcast(torch.tensor([len(data)], device=self.device), 0)
-        self._broadcast(data, 0)
+        self._broadcast(torch.tensor([len(data)], device=self.device), root)
+        self._broadcast(data, root)
 
-    def _receive_json(self) -> dict:
+    def _receive_json(self, root: int = 0, limit: int | None = None) -> dict:
         length = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._broadcast(length, 0)
+        self._broadcast(length, root)
+        if limit is not None and not 0 <= int(length) <= limit:
+            raise RuntimeError(f"a message of {int(length)} bytes, over its bound of {limit}")
         data = torch.empty(int(length), dtype=torch.uint8, device=self.device)
-        self._broadcast(data, 0)
+        self._broadcast(data, root)
         return json.loads(data.cpu().numpy().tobytes().decode())
 
     def send_bucket(self, bucket: list[tuple[str, Tensor]], version: int, last: bool) -> int:
@@ -221,17 +263,33 @@ class WeightChannel:
         self._broadcast(payload, 0)
         return offset
 
-    def acknowledgement(self, version: int) -> int:
-        """After a push's last bucket (member 0): how many tensors the server loaded."""
-        ack = torch.zeros(2, dtype=torch.long, device=self.device)
-        self._broadcast(ack, 1)
-        if int(ack[0]) != version:
-            raise RuntimeError(f"the server acknowledged version {int(ack[0])}, not {version}")
-        return int(ack[1])
+    def acknowledgement(self, version: int, sampled: dict[str, Tensor] | None = None) -> int:
+        """After a push's last bucket (member 0): how many tensors the server loaded. It reports the
+        :func:`weight_digest` of each ``sampled`` weight (a few of those pushed, host copies) as it now holds them,
+        in the dtype it holds them in, and each must be that of the weight pushed: a server that does not hold what
+        it acknowledged is refused (one that cannot read a weight back under its pushed name leaves it out)."""
+        sampled = sampled or {}
+        self._send_json({"digests": sorted(sampled)})
+        try:
+            ack = self._receive_json(1, SMALL_REPLY_BYTES)
+            acknowledged, loaded, digests = ack["version"], ack["loaded"], ack["digests"]
+            differing = [name for name, (dtype, digest) in digests.items()
+                         if weight_digest(sampled[name].to(getattr(torch, dtype))) != digest]
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise RuntimeError(f"the server's acknowledgement is malformed ({type(err).__name__}: {err})") from None
+        if acknowledged != version:
+            raise RuntimeError(f"the server acknowledged version {acknowledged!r:.40}, not {version}")
+        if differing:
+            raise RuntimeError(f"the server holds other values for {differing[0]} than version {version} pushed "
+                               f"(weight digests differ after the push)")
+        return loaded
 
-    def receive(self, load: Callable[[Iterator[tuple[str, Tensor]]], int]) -> tuple[int, int]:
+    def receive(self, load: Callable[[Iterator[tuple[str, Tensor]]], int],
+                held: Callable[[str], Tensor | None] = lambda name: None) -> tuple[int, int]:
         """Receive one push (the server): ``load`` consumes its ``(name, tensor)`` stream as the buckets arrive and
-        returns how many tensors it loaded; then the push is acknowledged. Returns (version, tensors loaded)."""
+        returns how many tensors it loaded; then the push is acknowledged with the :func:`weight_digest` of the
+        weights the trainer asks for as ``held(name)`` gives them (what the model now holds under that name; None:
+        not readable so). Returns (version, tensors loaded)."""
         header: dict = {}
 
         def tensors() -> Iterator[tuple[str, Tensor]]:
@@ -246,8 +304,33 @@ class WeightChannel:
         loaded = load(stream)
         for _ in stream:  # a loader that stopped early: the rest of the push still comes off the channel
             pass
-        self._broadcast(torch.tensor([header["version"], loaded], device=self.device), 1)
+        digests = {}
+        for name in self._receive_json()["digests"]:
+            tensor = held(name)
+            if tensor is not None:
+                digests[name] = [str(tensor.dtype).removeprefix("torch."), weight_digest(tensor)]
+        self._send_json({"version": header["version"], "loaded": loaded, "digests": digests}, 1)
         return header["version"], loaded
+
+
+def weight_digest(tensor: Tensor) -> str:
+    """SHA-256 of a tensor's bytes (on the host)."""
+    return hashlib.sha256(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def sampled_on_the_way(weights: Iterable[tuple[str, Tensor]], sampled: dict[str, Tensor]
+                       ) -> Iterator[tuple[str, Tensor]]:
+    """``weights``, keeping in ``sampled`` host copies of the first and the last 1-D one (a norm or a bias: small;
+    copied as they go by, as a ZeRO-3 weight is gathered for its turn only), whose digests the servers report after
+    the push (:meth:`WeightChannel.acknowledgement`)."""
+    first: tuple[str, Tensor] | None = None
+    for name, tensor in weights:
+        if tensor.dim() == 1:
+            latest = (name, tensor.detach().to("cpu", copy=True))
+            first = first or latest
+            sampled.clear()
+            sampled.update([first, latest])
+        yield name, tensor
 
 
 def weight_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int
@@ -319,9 +402,9 @@ def _is_address(entry: Any) -> bool:
             and not parsed.query and not parsed.fragment)
 
 
-class ServerError(RuntimeError):
-    """A failure concerning one server (its message names the address); ``index`` into ``rollout.server_url``, so
-    that the other ranks name it too."""
+class ServerError(RunError):
+    """A failure concerning one server (its message names the address), which the ``flowkit`` CLI prints as its one
+    line; ``index`` into ``rollout.server_url``, so that the other ranks name it too."""
 
     def __init__(self, message: str, index: int):
         super().__init__(message)
@@ -357,8 +440,9 @@ class ServerLink:
         except (RuntimeError, OSError) as err:
             raise self.error(f": {what} failed ({_first_line(err)})") from None
 
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON request, each socket operation bounded by the timeout; any failure is one line naming the
+    def request(self, method: str, path: str, body: dict | None = None, reply_bytes: int = SMALL_REPLY_BYTES) -> dict:
+        """One JSON request, the whole of it bounded by the timeout (a reply dripped a byte at a time fails at the
+        bound, not each byte) and its reply read up to ``reply_bytes``; any failure is one line naming the
         address."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
@@ -368,16 +452,11 @@ class ServerLink:
             headers[RUN_HEADER] = self.run
         request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                reply = json.loads(response.read())
+            with open_before(request, time.monotonic() + self.timeout_s) as response:
+                reply = json.loads(read_at_most(response, reply_bytes))
         except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")
-            try:
-                refusal = json.loads(detail)
-                detail = refusal["error"]
-            except (ValueError, KeyError, TypeError):
-                refusal = None
-            if isinstance(refusal, dict):
+            detail, refusal = _error_detail(err)
+            if refusal is not None:
                 self._check_instance(refusal)  # a refusal from another process than the one first reached
             raise self.error(f": {path} failed ({err.code}: {detail})") from None
         except (TimeoutError, socket.timeout):
@@ -386,19 +465,23 @@ class ServerLink:
             if isinstance(err.reason, (TimeoutError, socket.timeout)):
                 raise self.error(f": no answer to {path} within {self.timeout_s:g} s") from None
             raise self.error(f": unreachable ({err.reason})") from None
-        except (OSError, ValueError) as err:  # reset mid-answer, or an answer that is not JSON
-            raise self.error(f": {path} failed ({type(err).__name__}: {err})") from None
+        except ReplyTooLarge as err:
+            raise self.error(f": {path} sent {err}") from None
+        except (OSError, ValueError, http.client.HTTPException) as err:  # reset mid-answer, or not JSON
+            raise self.error(f": {path} failed ({type(err).__name__}: {_one_line(str(err))})") from None
+        if not isinstance(reply, dict):
+            raise self.error(f": {path} answered {type(reply).__name__}, not a JSON object")
         self._check_instance(reply)
         if self.run is not None and reply.get("run") != self.run:
-            raise self.error(f"'s weight channel was taken by another trainer run ({reply.get('run')}; this one: "
-                             f"{self.run}) after this one sent no request for its --lease: the weights it holds are "
-                             "no longer this run's; resume the run from its last checkpoint")
+            raise self.error(f"'s weight channel was taken by another trainer run ({_one_line(str(reply.get('run')))}; "
+                             f"this one: {self.run}) after this one sent no request for its --lease: the weights it "
+                             "holds are no longer this run's; resume the run from its last checkpoint")
         return reply
 
     def _check_instance(self, reply: dict) -> None:
         if self.instance is not None and reply.get("instance") != self.instance:
-            raise self.error(f" restarted (instance {reply.get('instance')}, was {self.instance}): it no longer "
-                             "holds the trainer's weights; resume the run from its last checkpoint")
+            raise self.error(f" restarted (instance {_one_line(repr(reply.get('instance')))}, was {self.instance}): "
+                             "it no longer holds the trainer's weights; resume the run from its last checkpoint")
 
     def connect(self, device: torch.device) -> None:
         """Form the weight channel: this rank hosts the store on the interface it reaches the server through (and
@@ -417,11 +500,14 @@ class ServerLink:
 
 @dataclass
 class _Share:
-    """One server's share of a batch, ``prompts[start:stop]``, and its reply (to come)."""
+    """One server's share of a batch, ``prompts[start:stop]``: the oldest version its request accepts, the rows asked
+    for and its reply (to come)."""
 
     server: ServerLink
     start: int
     stop: int
+    min_version: int
+    rows: int
     reply: Future
 
 
@@ -431,6 +517,52 @@ class _Pending:
 
     key: tuple
     shares: list[_Share]
+
+
+class ReplyCheck:
+    """What a ``/generate`` reply may hold, checked before any of it is trained on: a policy version the trainer
+    pushed, not older than its request accepted; the rows asked for, each at most ``max_new_tokens`` token ids in
+    ``[0, vocab_size)`` with one log-prob each; at most :meth:`bytes_for` its request of JSON."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, vocab_size: int):
+        self.tokenizer, self.max_new_tokens, self.vocab_size = tokenizer, max_new_tokens, vocab_size
+        self.versions: set[int] = set()  # the pushed versions a reply still awaited may carry
+        self.latest: int | None = None
+
+    def pushed(self, version: int, awaited: list[int]) -> None:
+        """``version`` was pushed; the requests still ``awaited`` accept their ``min_version`` or later."""
+        oldest = min(awaited, default=version)
+        self.versions = {pushed for pushed in self.versions if pushed >= oldest} | {version}
+        self.latest = version
+
+    def bytes_for(self, request: dict) -> int:
+        """The bound of a reply to ``request``: every row the longest prompt and ``max_new_tokens`` long,
+        :data:`REPLY_BYTES_PER_TOKEN` each (a reply padded past it is refused before it is read whole)."""
+        longest = max(len(ids) for ids in self.tokenizer(request["prompts"])["input_ids"])
+        rows = len(request["prompts"]) * request["n"]
+        return SMALL_REPLY_BYTES + rows * (longest + self.max_new_tokens) * REPLY_BYTES_PER_TOKEN
+
+    def check(self, share: _Share, reply: dict) -> None:
+        """Refuse (one line naming the server) a reply the trainer cannot have asked for."""
+        server, version, rows, logprobs = share.server, reply.get("version"), reply.get("tokens"), reply.get("logprobs")
+        if type(version) is not int or version not in self.versions or version < share.min_version:
+            raise server.error(f": /generate answered policy version {_one_line(repr(version))}, not one the trainer "
+                               f"pushed from version {share.min_version} (asked for) to {self.latest}")
+        if not (isinstance(rows, list) and isinstance(logprobs, list) and len(rows) == len(logprobs) == share.rows
+                and type(reply.get("nonfinite")) is bool):
+            raise server.error(f": /generate answered no {share.rows} rows of tokens and log-probs with a nonfinite "
+                               "flag")
+        for row, (tokens, numbers) in enumerate(zip(rows, logprobs)):
+            if not (isinstance(tokens, list) and isinstance(numbers, list) and len(tokens) == len(numbers)
+                    and all(type(number) in (float, int) for number in numbers)):
+                raise server.error(f": /generate row {row} is not a list of token ids and one log-prob per token")
+            if len(tokens) > self.max_new_tokens:
+                raise server.error(f": /generate row {row} has {len(tokens)} response tokens, more than "
+                                   f"max_new_tokens {self.max_new_tokens}")
+            outside = [token for token in tokens if type(token) is not int or not 0 <= token < self.vocab_size]
+            if outside:
+                raise server.error(f": /generate row {row} has token id {_one_line(repr(outside[0]))}, outside the "
+                                   f"vocabulary (0 … {self.vocab_size - 1})")
 
 
 class ServerRolloutEngine:
@@ -470,6 +602,7 @@ class ServerRolloutEngine:
         self.policy_version = 0
         self.regenerated_rows = 0  # prefetched rows dropped as more than max_staleness versions old, then regenerated
         self.pushed_version: int | None = None  # the version the servers hold (None: the backbone's, never pushed)
+        self.replies = ReplyCheck(tokenizer, max_new_tokens, model.get_input_embeddings().num_embeddings)
         self.served_layout: dict | None = None  # adapter pushes: the LoRA layout the servers hold our base weights for
         self.last_push: PushReceipt | None = None  # this rank's latest push, as sent (None: it pushes no server)
         token = read_token(token_file, "PolicyModule.rollout.server_token_file")
@@ -485,12 +618,11 @@ class ServerRolloutEngine:
                 info = server.request("GET", "/info")
             except RuntimeError as err:
                 raise ConfigError(str(err)) from None
-            server.instance = info["instance"]
-            differing = [f"{key} {info['identity'].get(key)} (trainer: {value})"
-                         for key, value in identity.items() if info["identity"].get(key) != value]
+            server.instance, theirs = info.get("instance"), info.get("identity")
+            differing = identity_differences(identity, theirs) if isinstance(theirs, dict) else ["no identity"]
             if differing:
-                raise ConfigError(f"rollout server at {server.url} serves another model ({info['model']}: "
-                                  f"{', '.join(differing)})")
+                raise ConfigError(f"rollout server at {server.url} serves another model "
+                                  f"({_one_line(str(info.get('model')))}: {_one_line(', '.join(differing))})")
             if server.instance in first_at:
                 raise ConfigError(f"rollout server at {server.url} is the one at {first_at[server.instance]} (the "
                                   "same process): list each server once in rollout.server_url")
@@ -537,7 +669,7 @@ class ServerRolloutEngine:
             urls = [server.url for server in self.servers]
             where = f"rollout server at {urls[failed - 1]}" if failed <= len(urls) else \
                 f"rollout servers at {', '.join(urls)}"
-            raise RuntimeError(f"{where}: {what} failed on another rank")
+            raise ServerError(f"{where}: {what} failed on another rank", failed - 1)
         return result
 
     def _push(self) -> None:
@@ -563,6 +695,7 @@ class ServerRolloutEngine:
                 for _ in weights:  # the gathers of the weights not sent (all of them on a rank that pushes none)
                     pass
         self.pushed_version, self.served_layout = version, layout
+        self.replies.pushed(version, [share.min_version for pending in self._pending for share in pending.shares])
 
     def _send(self, servers: list[ServerLink], weights: Iterator[tuple[str, Tensor]], body: dict) -> PushReceipt:
         """Announce the push (``body``: its version, and the LoRA layout of an adapter push) to each of ``servers``,
@@ -577,7 +710,8 @@ class ServerRolloutEngine:
                         server.connect(next(self.model.parameters()).device)
                     server.request("POST", "/weights", body)
             sent = payload_bytes = 0
-            for bucket, last in weight_buckets(weights, self.bucket_bytes):
+            sampled: dict[str, Tensor] = {}
+            for bucket, last in weight_buckets(sampled_on_the_way(weights, sampled), self.bucket_bytes):
                 sent += len(bucket)
                 for server in servers:
                     with server.concerned(what):
@@ -585,7 +719,7 @@ class ServerRolloutEngine:
                 payload_bytes += nbytes
             for server in servers:
                 with server.concerned(what):
-                    loaded = server.channel.acknowledgement(version)
+                    loaded = server.channel.acknowledgement(version, sampled)
                 if loaded != sent:
                     raise server.error(f": loaded {loaded} of the {sent} weights of version {version} (see its log "
                                        "for the names it does not have)")
@@ -623,9 +757,12 @@ class ServerRolloutEngine:
              slices: list[tuple[ServerLink, int, int]] | None = None) -> list[_Share]:
         """Send each server its slice of the prompts (``slices``, by default :meth:`_split`'s) through
         ``worker(server)``."""
-        return [_Share(server, start, stop, worker(server).submit(
-                    server.request, "POST", "/generate", self._generation_request(prompts[start:stop], n, temperature)))
-                for server, start, stop in (self._split(len(prompts)) if slices is None else slices)]
+        shares = []
+        for server, start, stop in (self._split(len(prompts)) if slices is None else slices):
+            request = self._generation_request(prompts[start:stop], n, temperature)
+            reply = worker(server).submit(server.request, "POST", "/generate", request, self.replies.bytes_for(request))
+            shares.append(_Share(server, start, stop, request["min_version"], (stop - start) * n, reply))
+        return shares
 
     def _split(self, count: int) -> list[tuple[ServerLink, int, int]]:
         """This rank's servers (:func:`generation_servers`), each with its contiguous slice of ``count`` prompts:
@@ -666,10 +803,11 @@ class ServerRolloutEngine:
         replies = []
         for share in shares:
             try:
-                replies.append((share, share.reply.result(
-                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))))
+                reply = share.reply.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 raise share.server.error(f": prefetched rollouts not back within {within:g} s") from None
+            self.replies.check(share, reply)
+            replies.append((share, reply))
         return replies
 
     def _generation_request(self, prompts: list[str], n: int, temperature: float) -> dict:
@@ -726,6 +864,26 @@ def _local_address_towards(url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((parsed.hostname, parsed.port or 80))
         return probe.getsockname()[0]
+
+
+def _error_detail(reply: urllib.error.HTTPError) -> tuple[str, dict | None]:
+    """The ``error`` of a server's error reply (JSON), else its text, on one line and clipped; and the reply itself
+    when it is a JSON object (its ``instance`` says which server process refused)."""
+    try:
+        text = read_at_most(reply, SMALL_REPLY_BYTES).decode(errors="replace")
+    except (OSError, ValueError) as err:  # ReplyTooLarge is a ValueError
+        return f"unreadable ({err})", None
+    try:
+        refusal = json.loads(text)
+        return _one_line(str(refusal["error"])), refusal
+    except (ValueError, KeyError, TypeError):
+        return _one_line(text), None
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line, clipped: a server's words go into the trainer's one-line error."""
+    text = " ".join(text.split())
+    return text if len(text) <= _DETAIL_CHARS else text[:_DETAIL_CHARS] + "…"
 
 
 def _first_line(err: BaseException) -> str:
