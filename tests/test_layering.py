@@ -15,7 +15,7 @@ LAYERS = [
     ("rl", "flow", "data", "llm"),                           # pure math and models
     ("explain", "rbrl"),                                     # the explanation and rule-bottleneck methods' parts
     ("rewards",),                                            # reward models
-    ("engine",),                                             # one RL step in plain PyTorch
+    ("step",),                                               # one RL step in plain PyTorch
     ("checkpointing",),                                      # fault tolerance (the first Lightning layer)
     ("strategies",),
     ("modules",),                                            # LightningModules, DataModules, callbacks

@@ -164,7 +164,7 @@ class ExplanationRounds(L.Callback):
 
     @staticmethod
     def _generate(pl_module: L.LightningModule):
-        return lambda prompts, n, temperature: pl_module.engine.generate(prompts, n, None, temperature=temperature)
+        return lambda prompts, n, temperature: pl_module.rollout_engine.generate(prompts, n, None, temperature=temperature)
 
     @staticmethod
     def _flow_step(pl_module: L.LightningModule):

@@ -11,11 +11,11 @@ import lightning as L
 import torch
 
 from flowkit.batch import RolloutBatch, pad_columns
-from flowkit.engine import (
+from flowkit.step import (
     Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
     UpdateOptions,
 )
-from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
+from flowkit.step.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, NonFiniteTraining
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.engines import (
@@ -44,7 +44,7 @@ OWNER = "PolicyModule"
 class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, OptimizerHooks, L.LightningModule):
     """Train a causal LM with GRPO (or PPO) on verifier rewards, shaped by a dense :class:`TokenRewardModel`.
 
-    One RL step (one prompt batch of this rank, :class:`flowkit.engine.RLStep`): sample ``sampling.num_samples``
+    One RL step (one prompt batch of this rank, :class:`flowkit.step.RLStep`): sample ``sampling.num_samples``
     responses per prompt → grade them → advantages (``advantage.estimator``) from the outcome and the reward model's
     token rewards → ``update.ppo_epochs × update.num_minibatches`` updates of ``loss.policy_loss``. The reward
     model's online loss (e.g. the flow update on rejection-sampled rollouts) joins the first update; policy, reward model and
@@ -90,7 +90,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         validation: validation's sampling.
         sft: an SFT start before RL.
         peak_flops: the device's peak FLOP/s for ``perf/mfu`` (6·N·tokens / step time / peak); None: the dense bf16
-            peak of the CUDA device from :data:`flowkit.engine.throughput.DEVICE_PEAK_FLOPS` (vendor datasheets),
+            peak of the CUDA device from :data:`flowkit.step.throughput.DEVICE_PEAK_FLOPS` (vendor datasheets),
             and no ``perf/mfu`` on a CPU or an unknown GPU.
     """
 
@@ -153,26 +153,26 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         if reward_model is not None:
             check_reward_model(reward_model)
             reward_model.bind(self.policy, self.tap.layer_positions if self.tap is not None else [], self.tokenizer)
-        self._build_engine(backbone, loss.kl_coef > 0)
+        self._build_step(backbone, loss.kl_coef > 0)
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.sft_losses: list[float] = []
         self.val_metrics = torch.nn.ModuleDict()
         self.val_set_names: list[str] = []
 
-    def _build_engine(self, backbone: str, with_kl: bool) -> None:
+    def _build_step(self, backbone: str, with_kl: bool) -> None:
         """The rollout engine, the actor and the RL step."""
         sampling, rollout = self.sampling, self.rollout
-        self.engine: RolloutEngine = registry_entry(ROLLOUT_ENGINES, rollout.engine).build(EngineSetup(
+        self.rollout_engine: RolloutEngine = registry_entry(ROLLOUT_ENGINES, rollout.engine).build(EngineSetup(
             self.policy, self.tokenizer, backbone, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
             rollout, whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy)))
-        if rollout.max_staleness and not isinstance(self.engine, PrefetchingEngine):
+        if rollout.max_staleness and not isinstance(self.rollout_engine, PrefetchingEngine):
             raise ConfigError(f"{OWNER}.rollout.max_staleness {rollout.max_staleness} needs a rollout engine that "
                               f"generates apart from training (rollout.engine: server), not {rollout.engine!r}")
         # after an SFT start, PPO's reference is the post-SFT policy: a snapshot (a frozen adapter under LoRA)
         reference = KLReference(self.policy, self.reference, snapshot_adapter=self.sft.epochs > 0) if with_kl else None
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
-        self.rl_step = RLStep(self.actor, self.engine, self.reward_model, self.grade_rollouts, self.advantage,
+        self.rl_step = RLStep(self.actor, self.rollout_engine, self.reward_model, self.grade_rollouts, self.advantage,
                               self.update, sampling.num_samples, backward=lambda loss: manual_backward(self, loss),
                               step_optimizer=self.step_optimizer, controls=self.controls,
                               draw_prompts=self.draw_prompts)
@@ -198,17 +198,17 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         start; resumed: restored by now, at version ``global_step``)."""
         self._apply_configured_lr()
         self._check_finite_weights("at the start of training")
-        self.engine.sync_weights(self.policy, self.global_step)
+        self.rollout_engine.sync_weights(self.policy, self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """``rollout.max_staleness`` k ≥ 1: the engine generates the next k steps' rollouts while this one trains
         (:func:`~flowkit.llm.engines.prefetch_ahead`, batches of a :class:`~flowkit.modules.datamodule.PromptStream`);
         a resumed run restarts the pipeline from its first step, no step's prompts lost or generated twice."""
         stream = getattr(self.trainer.train_dataloader, "dataset", None)
-        if isinstance(self.engine, PrefetchingEngine) and hasattr(stream, "batch") and "index" in batch:
+        if isinstance(self.rollout_engine, PrefetchingEngine) and hasattr(stream, "batch") and "index" in batch:
             steps_after = (math.ceil((self.trainer.max_steps - self.global_step) / self.update.updates) - 1
                            if self.trainer.max_steps >= 0 else self.rollout.max_staleness)
-            prefetch_ahead(self.engine, lambda index: stream.batch(index)["prompt"], int(batch["index"]),
+            prefetch_ahead(self.rollout_engine, lambda index: stream.batch(index)["prompt"], int(batch["index"]),
                            self.sampling.num_samples, steps_after)
 
     def training_step(self, prompts: dict[str, Any], batch_idx: int) -> None:
@@ -228,7 +228,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
             "train/tokens_per_s": float(batch.response_mask.sum()) / seconds,
             "train/skipped_steps": float(self.skipped_steps),
             **self._throughput(float(batch.attention_mask.sum()), seconds),
-            **rollout_metrics(self.engine, batch, self.rollout.max_staleness),
+            **rollout_metrics(self.rollout_engine, batch, self.rollout.max_staleness),
             **stats,
         }
         if self.reward_model is not None:  # the model's own scalars came with the step's stats
@@ -250,7 +250,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
 
     def _throughput(self, tokens: float, seconds: float) -> dict[str, float]:
         """verl's ``perf/throughput``: this rank's prompt + response tokens per second of the step; ``perf/mfu``:
-        :func:`~flowkit.engine.throughput.model_flops_utilization` of one forward and backward over them against
+        :func:`~flowkit.step.throughput.model_flops_utilization` of one forward and backward over them against
         ``peak_flops`` (the whole step's time, generation included, so below verl's update-only actor MFU)."""
         metrics = {"perf/throughput": tokens / seconds}
         peak = self.hparams.peak_flops or device_peak_flops(self.device)
@@ -288,7 +288,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The engine learns of the weights the step produced (policy version = optimizer steps so far): an engine
         with its own copy (vLLM) pushes them before its next generation."""
-        self.engine.sync_weights(self.policy, self.global_step)
+        self.rollout_engine.sync_weights(self.policy, self.global_step)
 
     def export_artifacts(self, directory: str | Path) -> dict[str, Path]:
         """Policy in HF format (full weights or the PEFT adapter) + tokenizer, and the flow in safetensors."""

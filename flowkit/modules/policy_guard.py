@@ -10,7 +10,7 @@ from pathlib import Path
 from torch.distributed import ReduceOp
 
 from flowkit.distributed import all_reduce_int
-from flowkit.engine.step import GROUP_NAMES, nonfinite_groups, raise_if_nonfinite
+from flowkit.step.step import GROUP_NAMES, nonfinite_groups, raise_if_nonfinite
 from flowkit.errors import NonFiniteTraining
 from flowkit.modules.optim import step_groups
 from flowkit.strategies import average_gradients

@@ -11,7 +11,7 @@ from flowkit.rl.metrics import pass_at_k
 
 
 class ValidationHooks:
-    """The validation hooks of a LightningModule with ``engine``, ``reward_model``, ``validation`` (a
+    """The validation hooks of a LightningModule with ``rollout_engine``, ``reward_model``, ``validation`` (a
     :class:`~flowkit.modules.policy_options.ValidationOptions`) and ``hparams.grader_timeout``."""
 
     def on_validation_epoch_start(self) -> None:
@@ -33,13 +33,13 @@ class ValidationHooks:
         explanation reward's judged accuracy) reports that instead."""
         name = self.val_set_names[dataloader_idx]
         if isinstance(self.reward_model, EvaluatesPolicy):
-            generate = lambda texts, n, temperature: self.engine.generate(texts, n, None, temperature=temperature)  # noqa: E731
+            generate = lambda texts, n, temperature: self.rollout_engine.generate(texts, n, None, temperature=temperature)  # noqa: E731
             for key, (value, weight) in self.reward_model.evaluate(prompts, generate).items():
                 if weight:
                     self.log(f"val/{name}/{key}", value, add_dataloader_idx=False, batch_size=int(weight))
             return
         k = self._val_k()
-        batch = self.engine.generate(prompts["prompt"], k, prompts["answer"], temperature=self.validation.temperature)
+        batch = self.rollout_engine.generate(prompts["prompt"], k, prompts["answer"], temperature=self.validation.temperature)
         correct = torch.tensor([grade(r, a, self.hparams.grader_timeout) for r, a in zip(batch.responses, batch.answers)])
         per_prompt = correct.view(-1, k).sum(-1)
         metrics = self.val_metrics[str(dataloader_idx)]

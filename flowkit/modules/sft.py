@@ -16,7 +16,7 @@ def supervised_start(module: L.LightningModule, epochs: int, lr: float, seed: in
     """``epochs`` passes over the (prompt, solution) pairs of the datamodule's training records, in global batches of
     ``data.batch_size`` (each rank takes its share of every batch), micro-batched by the module's
     ``update.micro_batch_size``; the loss is the token mean of the solutions' negative log-likelihood
-    (:meth:`~flowkit.engine.Actor.sft_loss`), the policy group's learning rate decays linearly from ``lr`` to 0 over
+    (:meth:`~flowkit.step.Actor.sft_loss`), the policy group's learning rate decays linearly from ``lr`` to 0 over
     the steps, and only the policy moves. Every rank takes the same steps (under DDP / ZeRO each backward and step
     is a collective). Returns the per-step losses (also logged as ``sft/loss``)."""
     trainer, data = module.trainer, module.trainer.datamodule

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flowkit.modules.policy_guard as policy_guard
-from flowkit.engine import Actor, RLStep
+from flowkit.step import Actor, RLStep
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.optim import step_groups
 from flowkit.modules.policy_options import AdvantageOptions, LossOptions, OptimOptions, SamplingOptions, UpdateOptions

@@ -287,7 +287,7 @@ def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatc
     later one ``num_minibatches``: max_steps 2 + num_minibatches is three RL steps."""
     import flowkit.modules.policy as policy_module
     from flowkit.cli import FlowkitCLI
-    from flowkit.engine import RLStep
+    from flowkit.step import RLStep
     from flowkit.llm.backbone import load_backbone
     from flowkit.modules.policy_guard import FiniteStateGuard
 

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import zero3_sharded
-from flowkit.engine.options import LossOptions, UpdateOptions
-from flowkit.engine.stats import StepStats
+from flowkit.step.options import LossOptions, UpdateOptions
+from flowkit.step.stats import StepStats
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.forward import forward_hidden
 from flowkit.llm.kv_cache import forward_hidden_shared_prompts

@@ -6,7 +6,7 @@ gradients). Memory is set by ``micro_batch_size`` or ``micro_batch_tokens``, not
 rollouts runs in micro-batches, the reward model scores each micro-batch right after its forward, and the loss of
 every micro-batch is its share of the whole minibatch's, so results do not depend on the micro-batch size. With a
 token budget the step's rows are put longest first and packed into runs of consecutive rows
-(:mod:`flowkit.engine.micro_batches`); minibatches keep the rows they would have had.
+(:mod:`flowkit.step.micro_batches`); minibatches keep the rows they would have had.
 
 Multi-rank rule (docs/design.md): every forward/backward is a collective under DDP and ZeRO, so the number of
 minibatches, of micro-batches and of loss pieces agrees over ranks before the first one runs — also when ranks hold
@@ -32,10 +32,10 @@ from torch.distributed import ReduceOp
 
 from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.distributed import all_reduce_int
-from flowkit.engine.actor import Actor, ActorOutput
-from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, sequence_lengths
-from flowkit.engine.options import AdvantageOptions, SamplingControls, UpdateOptions
-from flowkit.engine.stats import StepStats
+from flowkit.step.actor import Actor, ActorOutput
+from flowkit.step.micro_batches import longest_first, pack_by_token_budget, sequence_lengths
+from flowkit.step.options import AdvantageOptions, SamplingControls, UpdateOptions
+from flowkit.step.stats import StepStats
 from flowkit.llm.engines import RolloutEngine
 from flowkit.options import registry_entry
 from flowkit.rewards.base import (
@@ -63,7 +63,7 @@ class RLStep:
         grade: fills ``outcome_rewards`` and ``correct`` of a generated batch.
         advantage, update: option groups; ``num_samples``: responses per prompt.
         backward, step_optimizer: see the module docstring.
-        controls: DAPO's sampling controls (:class:`~flowkit.engine.options.SamplingControls`).
+        controls: DAPO's sampling controls (:class:`~flowkit.step.options.SamplingControls`).
         draw_prompts: ``draw_prompts(step, draw)`` → (prompts, answers, columns) of dynamic sampling's extra draw
             ``draw`` ≥ 1 of step ``step`` (a pure function of both, so a resumed run draws the same).
     """
@@ -317,7 +317,7 @@ class RLStep:
     def _micro_batches(self, batch: RolloutBatch, keep: Tensor | None = None) -> list[Tensor | None]:
         """Row indices of each micro-batch of ``batch``, in order: ``micro_batch_size`` rows each, or with
         ``micro_batch_tokens`` (the rows come longest first) runs of rows packed under the token budget
-        (:func:`~flowkit.engine.micro_batches.pack_by_token_budget`, at most ``micro_batch_size`` rows when that is
+        (:func:`~flowkit.step.micro_batches.pack_by_token_budget`, at most ``micro_batch_size`` rows when that is
         set too; a rank splits its runs until it has as many as the rank that packs the most, or one row each).
         With ``keep`` (a bool per row), only the kept rows. Every rank runs as many micro-batches as the rank with
         the most (at least one): a rank with fewer (fewer rows, kept or held) adds ``None`` entries (padding

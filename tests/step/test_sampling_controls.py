@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flowkit.batch import RolloutBatch
-from flowkit.engine import ActorOutput, AdvantageOptions, LossOptions, RLStep, SamplingControls, UpdateOptions
-from flowkit.engine.step import _informative_rows, overlong_penalty
+from flowkit.step import ActorOutput, AdvantageOptions, LossOptions, RLStep, SamplingControls, UpdateOptions
+from flowkit.step.step import _informative_rows, overlong_penalty
 from flowkit.errors import ConfigError
 from flowkit.rewards.base import TokenRewardModel
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flowkit.batch import RolloutBatch
-from flowkit.engine import RLStep, UpdateOptions
-from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, padded_tokens, sequence_lengths
+from flowkit.step import RLStep, UpdateOptions
+from flowkit.step.micro_batches import longest_first, pack_by_token_budget, padded_tokens, sequence_lengths
 from flowkit.errors import ConfigError
 
 

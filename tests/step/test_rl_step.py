@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowkit.batch import RolloutBatch
-from flowkit.engine import (
+from flowkit.step import (
     ActorOutput, AdvantageOptions, LossOptions, NonFiniteStep, RLStep, StepStats, UpdateOptions,
 )
 from flowkit.rewards.base import RewardModelError, TokenRewardModel
