@@ -56,7 +56,7 @@ def test_a_nan_flow_loss_skips_the_step_and_leaves_the_policy_finite(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="flowkit.modules.policy"):
         trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
     assert "skipping RL step 1: non-finite flow loss (1 skipped so far)" in caplog.text
-    assert module.skipped_steps == 1 and trainer.global_step == 1  # the skipped batch, then one that trained
+    assert module.guard.skipped_steps == 1 and trainer.global_step == 1  # the skipped batch, then one that trained
     for group in ("policy.", "reward_model."):
         weights = {n: p for n, p in module.named_parameters() if n.startswith(group) and p.requires_grad}
         assert weights and all(bool(torch.isfinite(p).all()) for p in weights.values()), group
@@ -74,7 +74,7 @@ def test_nan_weights_at_the_start_stop_in_one_line_before_any_step(tmp_path):
     with pytest.raises(FloatingPointError, match="^the flow weights are non-finite at the start of training; nothing "
                                                  "was saved from them, no checkpoint was saved before it"):
         trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
-    assert trainer.global_step == 0 and module.skipped_steps == 0
+    assert trainer.global_step == 0 and module.guard.skipped_steps == 0
 
 
 @pytest.mark.slow  # three CLI runs: the run that breaks, the export of a poisoned checkpoint, the resume

@@ -12,8 +12,8 @@ import torch
 
 from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.step import (
-    Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
-    UpdateOptions,
+    Actor, AdvantageOptions, Experience, ExperienceMaker, Grader, KLReference, LossOptions, NonFiniteStep,
+    PolicyUpdate, PromptBatch, RLStep, SamplingControls, SamplingOptions, UpdateOptions,
 )
 from flowkit.step.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, NonFiniteTraining
@@ -25,33 +25,35 @@ from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.modules.optim import require_fp32_master_weights
 from flowkit.modules.policy_checkpoints import CheckpointHooks
-from flowkit.modules.policy_guard import FiniteStateGuard
+from flowkit.modules.policy_optimizer import LightningOptimizer
 from flowkit.modules.policy_optimizers import OptimizerHooks
 from flowkit.modules.policy_options import (
     MOVED_OPTIONS, FlowPretrainOptions, OptimOptions, SFTOptions, ValidationOptions, check_options,
 )
 from flowkit.modules.policy_validation import ValidationHooks
+from flowkit.modules.step_guard import StepGuard
 from flowkit.modules.sft import supervised_start
 from flowkit.options import registry_entry
 from flowkit.rewards.base import ExportsWeights, TokenRewardModel, check_reward_model
-from flowkit.rewards.functions import OutcomeReward, build_reward_functions, outcome_rewards
+from flowkit.rewards.functions import OutcomeReward, build_reward_functions
 from flowkit.rl.advantages import ESTIMATORS
-from flowkit.strategies import accumulate_until_step, manual_backward, whole_weights_for_generation
+from flowkit.strategies import accumulate_until_step, whole_weights_for_generation
 
 OWNER = "PolicyModule"
 
 
-class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, OptimizerHooks, L.LightningModule):
+class PolicyModule(ValidationHooks, CheckpointHooks, OptimizerHooks, L.LightningModule):
     """Train a causal LM with GRPO (or PPO) on verifier rewards, shaped by a dense :class:`TokenRewardModel`.
 
     One RL step (one prompt batch of this rank, :class:`flowkit.step.RLStep`): sample ``sampling.num_samples``
     responses per prompt → grade them → advantages (``advantage.estimator``) from the outcome and the reward model's
     token rewards → ``update.ppo_epochs × update.num_minibatches`` updates of ``loss.policy_loss``. The reward
     model's online loss (e.g. the flow update on rejection-sampled rollouts) joins the first update; policy, reward model and
-    value head are parameter groups of one optimizer (``optim``). This module builds the engine and owns the
-    Lightning hooks, logging, validation (:class:`~flowkit.modules.policy_validation.ValidationHooks`), checkpoints
-    (:class:`~flowkit.modules.policy_checkpoints.CheckpointHooks`), the finite-state guard
-    (:class:`~flowkit.modules.policy_guard.FiniteStateGuard`), the optimizer and the offline start
+    value head are parameter groups of one optimizer (``optim``), driven through a
+    :class:`~flowkit.modules.policy_optimizer.LightningOptimizer`. This module builds the rollout engine and the
+    step, and owns the Lightning hooks, logging, validation (:class:`~flowkit.modules.policy_validation.
+    ValidationHooks`), checkpoints (:class:`~flowkit.modules.policy_checkpoints.CheckpointHooks`), the finite-state
+    guard (:attr:`guard`, a :class:`~flowkit.modules.step_guard.StepGuard`), the optimizer and the offline start
     (:class:`~flowkit.modules.policy_optimizers.OptimizerHooks`) and export.
 
     Memory is set by ``update.micro_batch_size`` / ``update.micro_batch_tokens``, not by the batch: every pass over
@@ -153,9 +155,8 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         if reward_model is not None:
             check_reward_model(reward_model)
             reward_model.bind(self.policy, self.tap.layer_positions if self.tap is not None else [], self.tokenizer)
+        self.guard = StepGuard(optim)
         self._build_step(backbone, loss.kl_coef > 0)
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
         self.sft_losses: list[float] = []
         self.val_metrics = torch.nn.ModuleDict()
         self.val_set_names: list[str] = []
@@ -172,10 +173,14 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         # after an SFT start, PPO's reference is the post-SFT policy: a snapshot (a frozen adapter under LoRA)
         reference = KLReference(self.policy, self.reference, snapshot_adapter=self.sft.epochs > 0) if with_kl else None
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
-        self.rl_step = RLStep(self.actor, self.rollout_engine, self.reward_model, self.grade_rollouts, self.advantage,
-                              self.update, sampling.num_samples, backward=lambda loss: manual_backward(self, loss),
-                              step_optimizer=self.step_optimizer, controls=self.controls,
-                              draw_prompts=self.draw_prompts)
+        grader = Grader(self.hparams.outcome_reward, self.reward_functions, self.hparams.grader_timeout)
+        experience = ExperienceMaker(self.actor, self.rollout_engine, grader, self.reward_model, self.advantage,
+                                     self.update, self.controls, sampling.num_samples, stream=DataModulePrompts(self))
+        self.rl_step = RLStep(experience, PolicyUpdate(self.actor, self.update))
+
+    def step_optimizer(self) -> LightningOptimizer:
+        """The optimizer object of an RL step (and of the SFT start): backward, check, step of named groups."""
+        return LightningOptimizer(self, self.guard, self.optim.max_grad_norm)
 
     # ----------------------------------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
@@ -214,39 +219,45 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
     def training_step(self, prompts: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
         try:
-            columns = {key: value for key, value in prompts.items() if key not in ("prompt", "answer", "index")}
-            batch, stats = self.rl_step(prompts["prompt"], prompts["answer"], int(prompts["index"]), columns)
+            experience, stats = self.rl_step(PromptBatch.of(prompts), int(prompts["index"]), self.step_optimizer())
         except NonFiniteStep as bad:
             return self._skip(bad.what)
-        self.consecutive_skips = 0
+        self.guard.trained()
         seconds = time.perf_counter() - start
         metrics = {
-            "train/outcome_reward": batch.outcome_rewards.mean(),
-            "train/accuracy": batch.correct.float().mean(),
-            "train/entropy": batch.entropy.nanmean(),
-            "train/response_length": batch.response_lengths.float().mean(),
-            "train/tokens_per_s": float(batch.response_mask.sum()) / seconds,
-            "train/skipped_steps": float(self.skipped_steps),
-            **self._throughput(float(batch.attention_mask.sum()), seconds),
-            **rollout_metrics(self.rollout_engine, batch, self.rollout.max_staleness),
+            "train/outcome_reward": experience.outcome_rewards.mean(),
+            "train/accuracy": experience.correct.float().mean(),
+            "train/entropy": experience.entropy.mean(),
+            "train/response_length": experience.response_lengths.float().mean(),
+            "train/tokens_per_s": float(experience.response_mask.sum()) / seconds,
+            "train/skipped_steps": float(self.guard.skipped_steps),
+            **self._throughput(float(experience.attention_mask.sum()), seconds),
+            **rollout_metrics(self.rollout_engine, experience, self.rollout.max_staleness),
             **stats,
         }
         if self.reward_model is not None:  # the model's own scalars came with the step's stats
-            metrics.update(_token_reward_statistics(batch))
-        self.log_dict({k: float(v) for k, v in metrics.items()}, batch_size=batch.batch_size)
-        self.log("reward", batch.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
-        self.log("acc", batch.correct.float().mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
-        return {"rollouts": batch}  # on_train_batch_end's outputs, for callbacks (flowkit.modules.CompletionLogs)
+            metrics.update(_token_reward_statistics(experience))
+        rows = experience.batch_size
+        self.log_dict({k: float(v) for k, v in metrics.items()}, batch_size=rows)
+        self.log("reward", experience.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=rows)
+        self.log("acc", experience.correct.float().mean(), prog_bar=True, logger=False, batch_size=rows)
+        return {"rollouts": experience}  # on_train_batch_end's outputs, for callbacks (flowkit.modules.CompletionLogs)
 
-    def draw_prompts(self, step: int, draw: int) -> tuple[list[str], list[str], dict[str, list]]:
-        """Dynamic sampling's extra draw ``draw`` of RL step ``step``, from the datamodule's ``extra_batch``."""
-        extra_batch = getattr(self.trainer.datamodule, "extra_batch", None)
-        if extra_batch is None:
-            raise ConfigError(f"PolicyModule.controls.dynamic_sampling_max_draws draws more prompts from the datamodule's extra_batch "
-                              f"(RolloutDataModule), which {type(self.trainer.datamodule).__name__} lacks")
-        prompts = extra_batch(step, draw)
-        columns = {key: value for key, value in prompts.items() if key not in ("prompt", "answer", "index")}
-        return prompts["prompt"], prompts["answer"], columns
+    def _skip(self, bad: list[str]) -> None:
+        """A non-finite step (:class:`~flowkit.modules.step_guard.StepGuard` decides: fail or skip): its gradients so
+        far are dropped, the skip counted in ``train/skipped_steps``."""
+        if self.reward_model is not None:  # name the method that produced them
+            bad = [f"{what} (from {type(self.reward_model).__name__}.score)" if what == "token rewards" else what
+                   for what in bad]
+        self.optimizers().zero_grad()  # the skipped step's scorer, and what it accumulated, went with the step
+        self.guard.skip(self.trainer, bad, self.global_step + 1)  # counted from 1 as in metrics.csv and the bar
+        self.log("train/skipped_steps", float(self.guard.skipped_steps))
+
+    def _check_finite_weights(self, when: str) -> None:
+        """Stop the run when any rank's weights hold a non-finite value (a collective)."""
+        optimizers = self.trainer.optimizers  # none when a checkpoint is saved outside fit
+        param_groups = optimizers[0].param_groups if optimizers else self.configure_optimizers().param_groups
+        self.guard.check_weights(self.trainer, param_groups, f"the {{}} are non-finite {when}")
 
     def _throughput(self, tokens: float, seconds: float) -> dict[str, float]:
         """verl's ``perf/throughput``: this rank's prompt + response tokens per second of the step; ``perf/mfu``:
@@ -258,18 +269,6 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
             parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.policy.parameters())  # ZeRO-3: whole
             metrics["perf/mfu"] = model_flops_utilization(parameters, tokens, seconds, peak)
         return metrics
-
-    def grade_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
-        """Outcome reward r_o (:func:`~flowkit.rewards.functions.outcome_rewards`); ``correct`` (the logged accuracy,
-        the ``correct`` rejection metric) is the grader's verdict; each reward function's mean is logged."""
-        rewards, correct, values = outcome_rewards(batch.responses, batch.answers, batch.prompts,
-                                                   self.hparams.outcome_reward, self.reward_functions,
-                                                   self.hparams.grader_timeout, batch.columns)
-        if self._trainer is not None:
-            for name, value in values.items():
-                self.log(f"train/reward/{name}", value.nanmean(), batch_size=len(rewards))
-        batch.outcome_rewards, batch.correct = rewards.to(self.device), correct.to(self.device)
-        return batch
 
     @torch.no_grad()
     def score_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
@@ -306,7 +305,23 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         return paths
 
 
-def _token_reward_statistics(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+class DataModulePrompts:
+    """Dynamic sampling's extra prompts (:class:`~flowkit.step.PromptSource`): the ``extra_batch`` of the trainer's
+    datamodule (:class:`~flowkit.modules.RolloutDataModule`)."""
+
+    def __init__(self, module: L.LightningModule):
+        self.module = module
+
+    def extra_batch(self, step: int, draw: int) -> PromptBatch:
+        datamodule = self.module.trainer.datamodule
+        extra_batch = getattr(datamodule, "extra_batch", None)
+        if extra_batch is None:
+            raise ConfigError(f"{OWNER}.controls.dynamic_sampling_max_draws draws more prompts from the datamodule's "
+                              f"extra_batch (RolloutDataModule), which {type(datamodule).__name__} lacks")
+        return PromptBatch.of(extra_batch(step, draw))
+
+
+def _token_reward_statistics(batch: Experience) -> dict[str, torch.Tensor]:
     """Mean, std, min, max and the nonzero fraction of the reward model's token rewards on response tokens."""
     if batch.token_rewards is None or not batch.response_mask.any():
         return {}

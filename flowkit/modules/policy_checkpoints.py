@@ -17,11 +17,11 @@ RESUME_FIXED_REWARD_SETTINGS = ("percentiles", "depth", "width", "condition")
 
 class CheckpointHooks:
     """The checkpoint hooks of a LightningModule with ``reward_model``, ``optim``, ``flow_pretrain``,
-    ``skipped_steps`` and ``_check_finite_weights`` (:class:`~flowkit.modules.policy_guard.FiniteStateGuard`)."""
+    ``guard`` (:class:`~flowkit.modules.step_guard.StepGuard`) and ``_check_finite_weights``."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._check_finite_weights("when saving a checkpoint")  # never a checkpoint of non-finite weights
-        checkpoint["skipped_steps"] = self.skipped_steps  # a resumed run keeps counting
+        checkpoint["skipped_steps"] = self.guard.skipped_steps  # a resumed run keeps counting
         checkpoint[REWARD_MODEL_KEY] = self._reward_model_settings()
 
     def _reward_model_settings(self) -> dict[str, Any]:
@@ -88,4 +88,4 @@ class CheckpointHooks:
                 group["lr"] = lr
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+        self.guard.skipped_steps = int(checkpoint.get("skipped_steps", 0))

@@ -141,7 +141,7 @@ def test_nan_weights_skip_in_generation_then_fail_after_max_consecutive_skips(tm
                         callbacks=[NanNorm()])
     with pytest.raises(FloatingPointError, match="3 RL steps in a row were skipped .* non-finite generation logits"):
         trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
-    assert module.skipped_steps == 3 and trainer.global_step == 0
+    assert module.guard.skipped_steps == 3 and trainer.global_step == 0
     assert "skipping RL step 1: non-finite generation logits" in caplog.text
 
 
