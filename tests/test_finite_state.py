@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 
 import cli_errors
 import lightning as L
@@ -15,9 +16,10 @@ import rlfr_run
 import torch
 from safetensors.torch import load_file
 
-from flowkit.errors import ConfigError, check_range
+from flowkit.errors import ConfigError, NonFiniteTraining, check_range
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.policy_options import OptimOptions, SamplingOptions
+from flowkit.modules.step_guard import StepGuard
 from flowkit.rewards import FlowReward
 from fault_injection import NanLoss
 
@@ -135,3 +137,17 @@ def test_ranks_skip_together_when_only_one_ranks_loss_is_nan(tmp_path):
         assert bool(torch.isfinite(rank0[name]).all()), name
     metrics = rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])
     assert float(metrics[1]["train/skipped_steps"]) == 1.0  # metrics.csv counts RL steps from 1
+
+
+def test_the_guard_counts_skips_and_stops_after_max_consecutive_skips():
+    """StepGuard alone (no trainer run): skips count, a trained step ends the run of skips, the limit stops."""
+    guard = StepGuard(OptimOptions(max_consecutive_skips=2))
+    trainer = SimpleNamespace(checkpoint_callback=None, ckpt_path=None)
+    guard.skip(trainer, ["policy loss"], step=4)
+    guard.trained()
+    guard.skip(trainer, ["policy loss"], step=6)
+    assert (guard.skipped_steps, guard.consecutive_skips) == (2, 1)
+    with pytest.raises(NonFiniteTraining, match=r"^2 RL steps in a row were skipped .*non-finite flow loss at step 7"):
+        guard.skip(trainer, ["flow loss"], step=7)
+    with pytest.raises(NonFiniteTraining, match=r"^non-finite policy loss at step 1$"):
+        StepGuard(OptimOptions(nonfinite="fail")).skip(trainer, ["policy loss"], step=1)
