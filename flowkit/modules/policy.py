@@ -24,13 +24,15 @@ from flowkit.llm.engines import (
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.modules.optim import require_fp32_master_weights
-from flowkit.modules.policy_checkpoints import CheckpointHooks
+from flowkit.modules.policy_checkpoints import (
+    REWARD_MODEL_KEY, apply_configured_lr, check_resume, reward_model_settings,
+)
 from flowkit.modules.policy_optimizer import LightningOptimizer
-from flowkit.modules.policy_optimizers import OptimizerHooks
+from flowkit.modules.policy_optimizers import build_optimizer, pretrain_reward_model, pretrain_unless_resuming
 from flowkit.modules.policy_options import (
     MOVED_OPTIONS, FlowPretrainOptions, OptimOptions, SFTOptions, ValidationOptions, check_options,
 )
-from flowkit.modules.policy_validation import ValidationHooks
+from flowkit.modules.policy_validation import PolicyValidator
 from flowkit.modules.step_guard import StepGuard
 from flowkit.modules.sft import supervised_start
 from flowkit.options import registry_entry
@@ -42,7 +44,7 @@ from flowkit.strategies import accumulate_until_step, whole_weights_for_generati
 OWNER = "PolicyModule"
 
 
-class PolicyModule(ValidationHooks, CheckpointHooks, OptimizerHooks, L.LightningModule):
+class PolicyModule(L.LightningModule):
     """Train a causal LM with GRPO (or PPO) on verifier rewards, shaped by a dense :class:`TokenRewardModel`.
 
     One RL step (one prompt batch of this rank, :class:`flowkit.step.RLStep`): sample ``sampling.num_samples``
@@ -51,10 +53,10 @@ class PolicyModule(ValidationHooks, CheckpointHooks, OptimizerHooks, L.Lightning
     model's online loss (e.g. the flow update on rejection-sampled rollouts) joins the first update; policy, reward model and
     value head are parameter groups of one optimizer (``optim``), driven through a
     :class:`~flowkit.modules.policy_optimizer.LightningOptimizer`. This module builds the rollout engine and the
-    step, and owns the Lightning hooks, logging, validation (:class:`~flowkit.modules.policy_validation.
-    ValidationHooks`), checkpoints (:class:`~flowkit.modules.policy_checkpoints.CheckpointHooks`), the finite-state
-    guard (:attr:`guard`, a :class:`~flowkit.modules.step_guard.StepGuard`), the optimizer and the offline start
-    (:class:`~flowkit.modules.policy_optimizers.OptimizerHooks`) and export.
+    step and owns the Lightning hooks, logging and export; its parts are members: the finite-state guard
+    (:attr:`guard`, a :class:`~flowkit.modules.step_guard.StepGuard`) and validation (:attr:`validator`, a
+    :class:`~flowkit.modules.policy_validation.PolicyValidator`); the checkpoint checks, the optimizer and the offline
+    start are functions (:mod:`~flowkit.modules.policy_checkpoints`, :mod:`~flowkit.modules.policy_optimizers`).
 
     Memory is set by ``update.micro_batch_size`` / ``update.micro_batch_tokens``, not by the batch: every pass over
     the rollouts runs in micro-batches, log-probs come from the LM head in chunks of response tokens (never B×S×V
@@ -158,8 +160,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, OptimizerHooks, L.Lightning
         self.guard = StepGuard(optim)
         self._build_step(backbone, loss.kl_coef > 0)
         self.sft_losses: list[float] = []
-        self.val_metrics = torch.nn.ModuleDict()
-        self.val_set_names: list[str] = []
+        self.validator = PolicyValidator(validation, grader_timeout)
 
     def _build_step(self, backbone: str, with_kl: bool) -> None:
         """The rollout engine, the actor and the RL step."""
@@ -197,11 +198,11 @@ class PolicyModule(ValidationHooks, CheckpointHooks, OptimizerHooks, L.Lightning
                 self.actor.reference.snapshot()
 
     def on_train_start(self) -> None:
-        """Training starts, fresh or resumed: the config's learning rates apply (:meth:`_apply_configured_lr`);
+        """Training starts, fresh or resumed: the config's learning rates apply (:func:`apply_configured_lr`);
         non-finite weights (a flow file or checkpoint holding NaN, a diverged pretraining), which would only skip
         every step, stop the run in one line; the engine learns of the weights training starts from (after an SFT
         start; resumed: restored by now, at version ``global_step``)."""
-        self._apply_configured_lr()
+        apply_configured_lr(self.optimizers().optimizer.param_groups, self.optim)
         self._check_finite_weights("at the start of training")
         self.rollout_engine.sync_weights(self.policy, self.global_step)
 
@@ -288,6 +289,39 @@ class PolicyModule(ValidationHooks, CheckpointHooks, OptimizerHooks, L.Lightning
         """The engine learns of the weights the step produced (policy version = optimizer steps so far): an engine
         with its own copy (vLLM) pushes them before its next generation."""
         self.rollout_engine.sync_weights(self.policy, self.global_step)
+
+    # ----------------------------------------------------------------------------------------- optimizer, checkpoints
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """:func:`~flowkit.modules.policy_optimizers.build_optimizer`; a fresh fit first runs the offline flow
+        pretraining (:func:`~flowkit.modules.policy_optimizers.pretrain_unless_resuming`)."""
+        pretrain_unless_resuming(self._trainer, self.pretrain_reward_model, self.flow_pretrain.steps)
+        return build_optimizer(self.policy, self.value_head, self.reward_model, self.optim.lr, self.optim.flow_lr)
+
+    def pretrain_reward_model(self, device: torch.device | None = None) -> None:
+        """The offline start (:func:`~flowkit.modules.policy_optimizers.pretrain_reward_model`) on ``device``."""
+        pretrain_reward_model(self.trainer, self.policy, self.tokenizer, self.tap, self.reward_model,
+                              self.flow_pretrain, self.optim.flow_lr, device)
+
+    def check_resume(self, checkpoint: dict[str, Any], path: str) -> None:
+        """:func:`~flowkit.modules.policy_checkpoints.check_resume` of this config's model (the CLI calls it)."""
+        check_resume(checkpoint, path, self.hparams.backbone, self.reward_model, self.state_dict(),
+                     self.flow_pretrain.steps)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_finite_weights("when saving a checkpoint")  # never a checkpoint of non-finite weights
+        checkpoint["skipped_steps"] = self.guard.skipped_steps  # a resumed run keeps counting
+        checkpoint[REWARD_MODEL_KEY] = reward_model_settings(self.reward_model)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.guard.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+
+    # ----------------------------------------------------------------------------------------- validation, export
+    def on_validation_epoch_start(self) -> None:
+        self.validator.start(list(getattr(self.trainer.datamodule, "val_names", None) or ["heldout"]), self.device)
+
+    def validation_step(self, prompts: dict[str, list[str]], batch_idx: int, dataloader_idx: int = 0) -> None:
+        for key, value, size in self.validator.step(prompts, dataloader_idx, self.rollout_engine, self.reward_model):
+            self.log(key, value, add_dataloader_idx=False, batch_size=size)
 
     def export_artifacts(self, directory: str | Path) -> dict[str, Path]:
         """Policy in HF format (full weights or the PEFT adapter) + tokenizer, and the flow in safetensors."""
