@@ -4,13 +4,13 @@
 
 A step's rows have lengths drawn from a log-normal (median ``--median`` tokens, a tail to ``--max-length``: at
 paper scale responses run from a few dozen to 3,072 tokens). Both arms compute the same loss — the token-mean NLL of
-every row, each micro-batch contributing its share, as :class:`flowkit.engine.RLStep` does — with a forward and
+every row, each micro-batch contributing its share, as :class:`flowkit.step.RLStep` does — with a forward and
 backward of a random Qwen2 per micro-batch, padded to its longest row:
 
 - ``fixed``: ``--rows-per-micro-batch`` rows per micro-batch in generation order (flowkit's ``micro_batch_size``),
   which must be small enough for the longest rows anywhere: its peak is rows × ``--max-length`` tokens;
 - ``token_budget``: rows longest first, packed under a budget of that same peak (flowkit's ``micro_batch_tokens``,
-  :func:`flowkit.engine.micro_batches.pack_by_token_budget`): the same memory bound, fewer padded positions.
+  :func:`flowkit.step.micro_batches.pack_by_token_budget`): the same memory bound, fewer padded positions.
 
 Reports, per arm, the micro-batches, the padded positions computed (rows × longest row, summed) and the median step
 time over ``--reps``, and the ratios token_budget / fixed, measured in one run and appended to the results CSV.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, padded_tokens
+from flowkit.step.micro_batches import longest_first, pack_by_token_budget, padded_tokens
 from flowkit.llm.tiny import tiny_qwen2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -51,6 +51,11 @@ class RolloutBatch:
     def response_lengths(self) -> Tensor:
         return self.response_mask.sum(-1)
 
+    @property
+    def loss_mask(self) -> Tensor:
+        """The tokens a policy loss trains on: every response token (the policy wrote them all)."""
+        return self.response_mask
+
     def _map(self, tensor_fn, list_fn) -> RolloutBatch:
         values = {}
         for f in dataclasses.fields(self):

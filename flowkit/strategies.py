@@ -50,6 +50,7 @@ from lightning.pytorch.strategies import (
 from torch.optim import Optimizer
 
 from flowkit.checkpointing.safe_loading import tensors_only_loading
+from flowkit.step.optimizer import average_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -309,25 +310,12 @@ def manual_backward(module: L.LightningModule, loss: torch.Tensor) -> None:
 
 def average_gradients(module: L.LightningModule) -> None:
     """Under DDP (where :func:`manual_backward` leaves gradients unsynchronized), replace every gradient by its mean
-    over the ranks, before clipping and the optimizer step; elsewhere nothing (DeepSpeed reduces in its backward).
-    Ranks agree on which parameters have a gradient (a missing one counts as zeros where another rank has one)."""
+    over the ranks (:func:`~flowkit.step.optimizer.average_over_ranks`), before clipping and the optimizer step;
+    elsewhere nothing (DeepSpeed reduces in its backward)."""
     strategy = module.trainer.strategy
     if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, DDPStrategy) or strategy.world_size < 2:
         return
-    params = [p for p in module.parameters() if p.requires_grad]
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=module.device)
-    torch.distributed.all_reduce(present, op=torch.distributed.ReduceOp.MAX)
-    synced = [p for p, has in zip(params, present.tolist(), strict=True) if has]
-    for p in synced:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in synced]) if synced else torch.zeros(0, device=module.device)
-    torch.distributed.all_reduce(flat)
-    flat /= strategy.world_size
-    offset = 0
-    for p in synced:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    average_over_ranks([p for p in module.parameters() if p.requires_grad])
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -39,7 +39,7 @@ class NanLoss(L.Callback):
             return
         self._done = True
         if self.loss == "policy":
-            actor = pl_module.rl_step.actor
+            actor = pl_module.actor
             real = actor.loss
             actor.loss = lambda *args: real(*args) * float("nan")
             self._restore = lambda: setattr(actor, "loss", real)

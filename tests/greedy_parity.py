@@ -36,7 +36,7 @@ class GreedyParity(L.Callback):
         self.initial = self._hf_greedy(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        vllm = pl_module.engine.generate(PROMPTS[trainer.global_rank], 1, temperature=0).responses
+        vllm = pl_module.rollout_engine.generate(PROMPTS[trainer.global_rank], 1, temperature=0).responses
         result = {"initial_hf": self.initial, "trained_vllm": vllm, "trained_hf": self._hf_greedy(trainer, pl_module),
                   "global_step": trainer.global_step}
         directory = Path(trainer.default_root_dir) / "greedy_parity"

@@ -439,7 +439,7 @@ def fit_one_batch(tmp_path: Path, nonfinite: str, bad_value: float) -> PolicyMod
 def test_nonfinite_rewards_skip_the_step_without_touching_weights(tmp_path, caplog, bad_value):
     with caplog.at_level(logging.WARNING, logger="flowkit.modules.policy"):
         module = fit_one_batch(tmp_path, "skip", bad_value)
-    assert module.skipped_steps == 1
+    assert module.guard.skipped_steps == 1
     assert "skipping RL step 1: non-finite advantages, token rewards" in caplog.text
     for name, weight in module.named_parameters():
         assert torch.equal(weight, module.initial_weights[name]), name

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
 EXAMPLE = re.compile(r"<!-- example: (\S+) ([\w ]+) -->\n```python\n(.*?)```\n", re.S)
 # an estimator, a loss with its own hyper-parameter, a reward model, a rollout engine
-EXAMPLE_FILES = {"flowkit/rl/advantages.py", "tests/engine/test_extending_algorithms.py",
+EXAMPLE_FILES = {"flowkit/rl/advantages.py", "tests/step/test_extending_algorithms.py",
                  "examples/correctness_probe_reward.py", "tests/llm/test_engines.py"}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 
 import cli_errors
 import lightning as L
@@ -15,10 +16,12 @@ import rlfr_run
 import torch
 from safetensors.torch import load_file
 
-from flowkit.errors import ConfigError, check_range
+from flowkit.errors import ConfigError, NonFiniteTraining, check_range
 from flowkit.modules import PolicyModule, RolloutDataModule
 from flowkit.modules.policy_options import OptimOptions, SamplingOptions
 from flow_options import flow_reward
+
+from flowkit.modules.step_guard import StepGuard
 from fault_injection import NanLoss
 
 EVERY_STEP = ("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
@@ -56,7 +59,7 @@ def test_a_nan_flow_loss_skips_the_step_and_leaves_the_policy_finite(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="flowkit.modules.policy"):
         trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
     assert "skipping RL step 1: non-finite flow loss (1 skipped so far)" in caplog.text
-    assert module.skipped_steps == 1 and trainer.global_step == 1  # the skipped batch, then one that trained
+    assert module.guard.skipped_steps == 1 and trainer.global_step == 1  # the skipped batch, then one that trained
     for group in ("policy.", "reward_model."):
         weights = {n: p for n, p in module.named_parameters() if n.startswith(group) and p.requires_grad}
         assert weights and all(bool(torch.isfinite(p).all()) for p in weights.values()), group
@@ -74,7 +77,7 @@ def test_nan_weights_at_the_start_stop_in_one_line_before_any_step(tmp_path):
     with pytest.raises(FloatingPointError, match="^the flow weights are non-finite at the start of training; nothing "
                                                  "was saved from them, no checkpoint was saved before it"):
         trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
-    assert trainer.global_step == 0 and module.skipped_steps == 0
+    assert trainer.global_step == 0 and module.guard.skipped_steps == 0
 
 
 @pytest.mark.slow  # three CLI runs: the run that breaks, the export of a poisoned checkpoint, the resume
@@ -135,3 +138,17 @@ def test_ranks_skip_together_when_only_one_ranks_loss_is_nan(tmp_path):
         assert bool(torch.isfinite(rank0[name]).all()), name
     metrics = rlfr_run.metrics(rlfr_run.version_dirs(tmp_path)[-1])
     assert float(metrics[1]["train/skipped_steps"]) == 1.0  # metrics.csv counts RL steps from 1
+
+
+def test_the_guard_counts_skips_and_stops_after_max_consecutive_skips():
+    """StepGuard alone (no trainer run): skips count, a trained step ends the run of skips, the limit stops."""
+    guard = StepGuard(OptimOptions(max_consecutive_skips=2))
+    trainer = SimpleNamespace(checkpoint_callback=None, ckpt_path=None)
+    guard.skip(trainer, ["policy loss"], step=4)
+    guard.trained()
+    guard.skip(trainer, ["policy loss"], step=6)
+    assert (guard.skipped_steps, guard.consecutive_skips) == (2, 1)
+    with pytest.raises(NonFiniteTraining, match=r"^2 RL steps in a row were skipped .*non-finite flow loss at step 7"):
+        guard.skip(trainer, ["flow loss"], step=7)
+    with pytest.raises(NonFiniteTraining, match=r"^non-finite policy loss at step 1$"):
+        StepGuard(OptimOptions(nonfinite="fail")).skip(trainer, ["policy loss"], step=1)

@@ -22,11 +22,11 @@ LAYERS = [
     ("kernels",),                                            # fused ops; `_C` is their own native extension
     ("errors", "batch", "distributed", "seeding", "registry"),  # what every layer shares
     ("options",),                                            # option groups, declared once each
-    ("rl", "flow", "data", "llm"),                           # pure math and models
+    ("rl", "data", "llm"),                                   # pure math and models
     ("explain", "rbrl", "agents"),                           # the explanation and rule-bottleneck methods' parts;
                                                              # agentic episodes (environments, tools, runner)
     ("rewards",),                                            # reward models
-    ("engine",),                                             # one RL step in plain PyTorch
+    ("step",),                                               # one RL step in plain PyTorch
     ("checkpointing",),                                      # fault tolerance (the first Lightning layer)
     ("strategies",),
     ("modules",),                                            # LightningModules, DataModules, callbacks

@@ -28,7 +28,7 @@ from flowkit.options import OptionGroup
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What :class:`flowkit.engine.RLStep` and the policy module need of a rollout engine."""
+    """What :class:`flowkit.step.RLStep` and the policy module need of a rollout engine."""
 
     tokenizer: Any  # the policy's tokenizer, which the engine encodes prompts and decodes responses with
     saw_nonfinite_logits: bool  # after generate: a next-token score was NaN or inf (the step is skipped or fails)

@@ -29,6 +29,7 @@ from flowkit.llm.chat import PromptFormat, resolve_prompt_format
 from flowkit.llm.packing import encode_pairs
 from flowkit.modules.datamodule import RolloutDataModule
 from flowkit.rewards.explanation import ExplanationReward, load_frozen
+from flowkit.step.finite import raise_if_nonfinite
 
 
 def normalize_record(record: dict[str, Any]) -> dict[str, Any]:
@@ -164,13 +165,15 @@ class ExplanationRounds(L.Callback):
 
     @staticmethod
     def _generate(pl_module: L.LightningModule):
-        return lambda prompts, n, temperature: pl_module.engine.generate(prompts, n, None, temperature=temperature)
+        return lambda prompts, n, temperature: pl_module.rollout_engine.generate(prompts, n, None, temperature=temperature)
 
     @staticmethod
     def _flow_step(pl_module: L.LightningModule):
         def step(loss: Tensor) -> None:
-            pl_module.rl_step.backward(loss)
-            pl_module.step_optimizer({"reward"})
+            optimizer = pl_module.step_optimizer()
+            optimizer.backward(loss)
+            raise_if_nonfinite(optimizer.nonfinite({"reward"}))
+            optimizer.step({"reward"})
         return step
 
     def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule, prefix: str) -> None:

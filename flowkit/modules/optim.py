@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 from typing import Literal, get_args
 
 import torch
@@ -11,24 +10,6 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from flowkit.errors import ConfigError
-
-
-def step_groups(optimizer: torch.optim.Optimizer, names: Collection[str]) -> None:
-    """``optimizer.step()`` that moves only the parameter groups whose ``"name"`` is in ``names``.
-
-    Plain Adam skips a group whose gradients are None. DeepSpeed steps every group's flat partition (a group
-    without a loss this step gets zero or, under ZeRO-3, its last gradients), so Adam's momentum would keep
-    moving it: the other groups run this step at lr 0.
-    """
-    others = [group for group in optimizer.param_groups if group["name"] not in names]
-    lrs = [group["lr"] for group in others]
-    for group in others:
-        group["lr"] = 0.0
-    try:
-        optimizer.step()
-    finally:
-        for group, lr in zip(others, lrs, strict=True):
-            group["lr"] = lr
 
 
 def require_fp32_master_weights(owner: str, strategy: Strategy, module: torch.nn.Module, lr: float) -> None:

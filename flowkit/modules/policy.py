@@ -12,11 +12,11 @@ import torch
 
 from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.distributed import all_reduce_int
-from flowkit.engine import (
-    Actor, AdvantageOptions, KLReference, LossOptions, NonFiniteStep, RLStep, SamplingControls, SamplingOptions,
-    UpdateOptions,
+from flowkit.step import (
+    Actor, AdvantageOptions, Experience, ExperienceMaker, Grader, KLReference, LossOptions, NonFiniteStep,
+    PolicyUpdate, PromptBatch, RLStep, SamplingControls, SamplingOptions, UpdateOptions,
 )
-from flowkit.engine.throughput import device_peak_flops, model_flops_utilization
+from flowkit.step.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, NonFiniteTraining
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
@@ -24,35 +24,39 @@ from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
 from flowkit.llm.rollout_engine import EngineSetup, PrefetchingEngine, RolloutEngine, prefetch_ahead, rollout_metrics
 from flowkit.modules.optim import require_fp32_master_weights
-from flowkit.modules.policy_checkpoints import CheckpointHooks
-from flowkit.modules.policy_guard import FiniteStateGuard
-from flowkit.modules.policy_optimizers import OptimizerHooks
+from flowkit.modules.policy_checkpoints import (
+    REWARD_MODEL_KEY, apply_configured_lr, check_resume, reward_model_settings,
+)
+from flowkit.modules.policy_optimizer import LightningOptimizer
+from flowkit.modules.policy_optimizers import build_optimizer, pretrain_reward_model, pretrain_unless_resuming
 from flowkit.modules.policy_options import (
     MOVED_OPTIONS, FlowPretrainOptions, OptimOptions, SFTOptions, ValidationOptions, check_options,
 )
-from flowkit.modules.policy_validation import ValidationHooks
+from flowkit.modules.policy_validation import PolicyValidator
+from flowkit.modules.step_guard import StepGuard
 from flowkit.modules.sft import supervised_start
 from flowkit.options import registry_entry
 from flowkit.rewards.base import ExportsWeights, TokenRewardModel, check_reward_model
-from flowkit.rewards.functions import OutcomeReward, build_reward_functions, outcome_rewards
+from flowkit.rewards.functions import OutcomeReward, build_reward_functions
 from flowkit.rl.advantages import ESTIMATORS
-from flowkit.strategies import accumulate_until_step, manual_backward, whole_weights_for_generation
+from flowkit.strategies import accumulate_until_step, whole_weights_for_generation
 
 OWNER = "PolicyModule"
 
 
-class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, OptimizerHooks, L.LightningModule):
+class PolicyModule(L.LightningModule):
     """Train a causal LM with GRPO (or PPO) on verifier rewards, shaped by a dense :class:`TokenRewardModel`.
 
-    One RL step (one prompt batch of this rank, :class:`flowkit.engine.RLStep`): sample ``sampling.num_samples``
+    One RL step (one prompt batch of this rank, :class:`flowkit.step.RLStep`): sample ``sampling.num_samples``
     responses per prompt → grade them → advantages (``advantage.estimator``) from the outcome and the reward model's
     token rewards → ``update.ppo_epochs × update.num_minibatches`` updates of ``loss.policy_loss``. The reward
     model's online loss (e.g. the flow update on rejection-sampled rollouts) joins the first update; policy, reward model and
-    value head are parameter groups of one optimizer (``optim``). This module builds the engine and owns the
-    Lightning hooks, logging, validation (:class:`~flowkit.modules.policy_validation.ValidationHooks`), checkpoints
-    (:class:`~flowkit.modules.policy_checkpoints.CheckpointHooks`), the finite-state guard
-    (:class:`~flowkit.modules.policy_guard.FiniteStateGuard`), the optimizer and the offline start
-    (:class:`~flowkit.modules.policy_optimizers.OptimizerHooks`) and export.
+    value head are parameter groups of one optimizer (``optim``), driven through a
+    :class:`~flowkit.modules.policy_optimizer.LightningOptimizer`. This module builds the rollout engine and the
+    step and owns the Lightning hooks, logging and export; its parts are members: the finite-state guard
+    (:attr:`guard`, a :class:`~flowkit.modules.step_guard.StepGuard`) and validation (:attr:`validator`, a
+    :class:`~flowkit.modules.policy_validation.PolicyValidator`); the checkpoint checks, the optimizer and the offline
+    start are functions (:mod:`~flowkit.modules.policy_checkpoints`, :mod:`~flowkit.modules.policy_optimizers`).
 
     Memory is set by ``update.micro_batch_size`` / ``update.micro_batch_tokens``, not by the batch: every pass over
     the rollouts runs in micro-batches, log-probs come from the LM head in chunks of response tokens (never B×S×V
@@ -90,7 +94,7 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         validation: validation's sampling.
         sft: an SFT start before RL.
         peak_flops: the device's peak FLOP/s for ``perf/mfu`` (6·N·tokens / step time / peak); None: the dense bf16
-            peak of the CUDA device from :data:`flowkit.engine.throughput.DEVICE_PEAK_FLOPS` (vendor datasheets),
+            peak of the CUDA device from :data:`flowkit.step.throughput.DEVICE_PEAK_FLOPS` (vendor datasheets),
             and no ``perf/mfu`` on a CPU or an unknown GPU.
     """
 
@@ -153,29 +157,31 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         if reward_model is not None:
             check_reward_model(reward_model)
             reward_model.bind(self.policy, self.tap.layer_positions if self.tap is not None else [], self.tokenizer)
-        self._build_engine(backbone, loss.kl_coef > 0)
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
+        self.guard = StepGuard(optim)
+        self._build_step(backbone, loss.kl_coef > 0)
         self.sft_losses: list[float] = []
-        self.val_metrics = torch.nn.ModuleDict()
-        self.val_set_names: list[str] = []
+        self.validator = PolicyValidator(validation, grader_timeout)
 
-    def _build_engine(self, backbone: str, with_kl: bool) -> None:
+    def _build_step(self, backbone: str, with_kl: bool) -> None:
         """The rollout engine, the actor and the RL step."""
         sampling, rollout = self.sampling, self.rollout
-        self.engine: RolloutEngine = registry_entry(ROLLOUT_ENGINES, rollout.engine).build(EngineSetup(
+        self.rollout_engine: RolloutEngine = registry_entry(ROLLOUT_ENGINES, rollout.engine).build(EngineSetup(
             self.policy, self.tokenizer, backbone, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
             rollout, whole_weights=lambda: whole_weights_for_generation(self._trainer, self.policy)))
-        if rollout.max_staleness and not isinstance(self.engine, PrefetchingEngine):
+        if rollout.max_staleness and not isinstance(self.rollout_engine, PrefetchingEngine):
             raise ConfigError(f"{OWNER}.rollout.max_staleness {rollout.max_staleness} needs a rollout engine that "
                               f"generates apart from training (rollout.engine: server), not {rollout.engine!r}")
         # after an SFT start, PPO's reference is the post-SFT policy: a snapshot (a frozen adapter under LoRA)
         reference = KLReference(self.policy, self.reference, snapshot_adapter=self.sft.epochs > 0) if with_kl else None
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
-        self.rl_step = RLStep(self.actor, self.engine, self.reward_model, self.grade_rollouts, self.advantage,
-                              self.update, sampling.num_samples, backward=lambda loss: manual_backward(self, loss),
-                              step_optimizer=self.step_optimizer, controls=self.controls,
-                              draw_prompts=self.draw_prompts)
+        grader = Grader(self.hparams.outcome_reward, self.reward_functions, self.hparams.grader_timeout)
+        experience = ExperienceMaker(self.actor, self.rollout_engine, grader, self.reward_model, self.advantage,
+                                     self.update, self.controls, sampling.num_samples, stream=DataModulePrompts(self))
+        self.rl_step = RLStep(experience, PolicyUpdate(self.actor, self.update))
+
+    def step_optimizer(self) -> LightningOptimizer:
+        """The optimizer object of an RL step (and of the SFT start): backward, check, step of named groups."""
+        return LightningOptimizer(self, self.guard, self.optim.max_grad_norm)
 
     # ----------------------------------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
@@ -192,13 +198,13 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
                 self.actor.reference.snapshot()
 
     def on_train_start(self) -> None:
-        """Training starts, fresh or resumed: the config's learning rates apply (:meth:`_apply_configured_lr`);
+        """Training starts, fresh or resumed: the config's learning rates apply (:func:`apply_configured_lr`);
         non-finite weights (a flow file or checkpoint holding NaN, a diverged pretraining), which would only skip
         every step, stop the run in one line; the engine learns of the weights training starts from (after an SFT
         start; resumed: restored by now, at version ``global_step``)."""
-        self._apply_configured_lr()
+        apply_configured_lr(self.optimizers().optimizer.param_groups, self.optim)
         self._check_finite_weights("at the start of training")
-        self.engine.sync_weights(self.policy, self.global_step)
+        self.rollout_engine.sync_weights(self.policy, self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """``rollout.max_staleness`` k ≥ 1: the engine generates the next k steps' rollouts while this one trains
@@ -206,56 +212,58 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         :class:`~flowkit.modules.datamodule.PromptStream`); a resumed run restarts the pipeline from its first step, no
         step's prompts lost or generated twice."""
         stream = getattr(self.trainer.train_dataloader, "dataset", None)
-        if isinstance(self.engine, PrefetchingEngine) and hasattr(stream, "batch") and "index" in batch:
+        if isinstance(self.rollout_engine, PrefetchingEngine) and hasattr(stream, "batch") and "index" in batch:
             steps_after = (math.ceil((self.trainer.max_steps - self.global_step) / self.update.updates) - 1
                            if self.trainer.max_steps >= 0 else self.rollout.max_staleness)
-            prefetch_ahead(self.engine, lambda index: stream.batch(index)["prompt"], int(batch["index"]),
+            prefetch_ahead(self.rollout_engine, lambda index: stream.batch(index)["prompt"], int(batch["index"]),
                            self.sampling.num_samples, steps_after)
 
     def training_step(self, prompts: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
         try:
-            columns = {key: value for key, value in prompts.items() if key not in ("prompt", "answer", "index")}
-            batch, stats = self.rl_step(prompts["prompt"], prompts["answer"], int(prompts["index"]), columns)
+            experience, stats = self.rl_step(PromptBatch.of(prompts), int(prompts["index"]), self.step_optimizer())
         except NonFiniteStep as bad:
             return self._skip(bad.what)
-        self.consecutive_skips = 0
+        self.guard.trained()
         seconds = time.perf_counter() - start
         metrics = {
-            "train/outcome_reward": batch.outcome_rewards.mean(),
-            "train/accuracy": batch.correct.float().mean(),
-            "train/entropy": batch.entropy.nanmean(),
-            "train/response_length": batch.response_lengths.float().mean(),
-            "train/tokens_per_s": float(batch.response_mask.sum()) / seconds,
-            "train/skipped_steps": float(self.skipped_steps),
-            **self._throughput(float(batch.attention_mask.sum()), seconds),
-            **rollout_metrics(self.engine, batch, self.rollout.max_staleness),
+            "train/outcome_reward": experience.outcome_rewards.mean(),
+            "train/accuracy": experience.correct.float().mean(),
+            "train/entropy": experience.entropy.mean(),
+            "train/response_length": experience.response_lengths.float().mean(),
+            "train/tokens_per_s": float(experience.response_mask.sum()) / seconds,
+            "train/skipped_steps": float(self.guard.skipped_steps),
+            **self._throughput(float(experience.attention_mask.sum()), seconds),
+            **rollout_metrics(self.rollout_engine, experience, self.rollout.max_staleness),
             **stats,
         }
         if self.reward_model is not None:  # the model's own scalars came with the step's stats
-            metrics.update(_token_reward_statistics(batch))
-        self.log_dict({k: float(v) for k, v in metrics.items()}, batch_size=batch.batch_size)
-        self.log("reward", batch.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
-        self.log("acc", batch.correct.float().mean(), prog_bar=True, logger=False, batch_size=batch.batch_size)
-        return {"rollouts": batch}  # on_train_batch_end's outputs, for callbacks (flowkit.modules.CompletionLogs)
+            metrics.update(_token_reward_statistics(experience))
+        rows = experience.batch_size
+        self.log_dict({k: float(v) for k, v in metrics.items()}, batch_size=rows)
+        self.log("reward", experience.outcome_rewards.mean(), prog_bar=True, logger=False, batch_size=rows)
+        self.log("acc", experience.correct.float().mean(), prog_bar=True, logger=False, batch_size=rows)
+        return {"rollouts": experience}  # on_train_batch_end's outputs, for callbacks (flowkit.modules.CompletionLogs)
 
-    def draw_prompts(self, step: int, draw: int) -> tuple[list[str], list[str], dict[str, list]] | None:
-        """Dynamic sampling's extra draw ``draw`` of RL step ``step``, from the datamodule's ``extra_batch``; None
-        once any rank received SIGTERM (a collective: every rank draws as often), so the step ends with the groups
-        it kept and the pre-emption checkpoint follows it."""
-        if all_reduce_int(int(self.trainer.received_sigterm), torch.distributed.ReduceOp.MAX):
-            return None
-        extra_batch = getattr(self.trainer.datamodule, "extra_batch", None)
-        if extra_batch is None:
-            raise ConfigError(f"PolicyModule.controls.dynamic_sampling_max_draws draws more prompts from the datamodule's extra_batch "
-                              f"(RolloutDataModule), which {type(self.trainer.datamodule).__name__} lacks")
-        prompts = extra_batch(step, draw)
-        columns = {key: value for key, value in prompts.items() if key not in ("prompt", "answer", "index")}
-        return prompts["prompt"], prompts["answer"], columns
+    def _skip(self, bad: list[str]) -> None:
+        """A non-finite step (:class:`~flowkit.modules.step_guard.StepGuard` decides: fail or skip): its gradients so
+        far are dropped, the skip counted in ``train/skipped_steps``."""
+        if self.reward_model is not None:  # name the method that produced them
+            bad = [f"{what} (from {type(self.reward_model).__name__}.score)" if what == "token rewards" else what
+                   for what in bad]
+        self.optimizers().zero_grad()  # the skipped step's scorer, and what it accumulated, went with the step
+        self.guard.skip(self.trainer, bad, self.global_step + 1)  # counted from 1 as in metrics.csv and the bar
+        self.log("train/skipped_steps", float(self.guard.skipped_steps))
+
+    def _check_finite_weights(self, when: str) -> None:
+        """Stop the run when any rank's weights hold a non-finite value (a collective)."""
+        optimizers = self.trainer.optimizers  # none when a checkpoint is saved outside fit
+        param_groups = optimizers[0].param_groups if optimizers else self.configure_optimizers().param_groups
+        self.guard.check_weights(self.trainer, param_groups, f"the {{}} are non-finite {when}")
 
     def _throughput(self, tokens: float, seconds: float) -> dict[str, float]:
         """verl's ``perf/throughput``: this rank's prompt + response tokens per second of the step; ``perf/mfu``:
-        :func:`~flowkit.engine.throughput.model_flops_utilization` of one forward and backward over them against
+        :func:`~flowkit.step.throughput.model_flops_utilization` of one forward and backward over them against
         ``peak_flops`` (the whole step's time, generation included, so below verl's update-only actor MFU)."""
         metrics = {"perf/throughput": tokens / seconds}
         peak = self.hparams.peak_flops or device_peak_flops(self.device)
@@ -263,18 +271,6 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
             parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.policy.parameters())  # ZeRO-3: whole
             metrics["perf/mfu"] = model_flops_utilization(parameters, tokens, seconds, peak)
         return metrics
-
-    def grade_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
-        """Outcome reward r_o (:func:`~flowkit.rewards.functions.outcome_rewards`); ``correct`` (the logged accuracy,
-        the ``correct`` rejection metric) is the grader's verdict; each reward function's mean is logged."""
-        rewards, correct, values = outcome_rewards(batch.responses, batch.answers, batch.prompts,
-                                                   self.hparams.outcome_reward, self.reward_functions,
-                                                   self.hparams.grader_timeout, batch.columns)
-        if self._trainer is not None:
-            for name, value in values.items():
-                self.log(f"train/reward/{name}", value.nanmean(), batch_size=len(rewards))
-        batch.outcome_rewards, batch.correct = rewards.to(self.device), correct.to(self.device)
-        return batch
 
     @torch.no_grad()
     def score_rollouts(self, batch: RolloutBatch) -> RolloutBatch:
@@ -293,7 +289,40 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The engine learns of the weights the step produced (policy version = optimizer steps so far): an engine
         with its own copy (vLLM) pushes them before its next generation."""
-        self.engine.sync_weights(self.policy, self.global_step)
+        self.rollout_engine.sync_weights(self.policy, self.global_step)
+
+    # ----------------------------------------------------------------------------------------- optimizer, checkpoints
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """:func:`~flowkit.modules.policy_optimizers.build_optimizer`; a fresh fit first runs the offline flow
+        pretraining (:func:`~flowkit.modules.policy_optimizers.pretrain_unless_resuming`)."""
+        pretrain_unless_resuming(self._trainer, self.pretrain_reward_model, self.flow_pretrain.steps)
+        return build_optimizer(self.policy, self.value_head, self.reward_model, self.optim.lr, self.optim.flow_lr)
+
+    def pretrain_reward_model(self, device: torch.device | None = None) -> None:
+        """The offline start (:func:`~flowkit.modules.policy_optimizers.pretrain_reward_model`) on ``device``."""
+        pretrain_reward_model(self.trainer, self.policy, self.tokenizer, self.tap, self.reward_model,
+                              self.flow_pretrain, self.optim.flow_lr, device)
+
+    def check_resume(self, checkpoint: dict[str, Any], path: str) -> None:
+        """:func:`~flowkit.modules.policy_checkpoints.check_resume` of this config's model (the CLI calls it)."""
+        check_resume(checkpoint, path, self.hparams.backbone, self.reward_model, self.state_dict(),
+                     self.flow_pretrain.steps)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_finite_weights("when saving a checkpoint")  # never a checkpoint of non-finite weights
+        checkpoint["skipped_steps"] = self.guard.skipped_steps  # a resumed run keeps counting
+        checkpoint[REWARD_MODEL_KEY] = reward_model_settings(self.reward_model)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.guard.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+
+    # ----------------------------------------------------------------------------------------- validation, export
+    def on_validation_epoch_start(self) -> None:
+        self.validator.start(list(getattr(self.trainer.datamodule, "val_names", None) or ["heldout"]), self.device)
+
+    def validation_step(self, prompts: dict[str, list[str]], batch_idx: int, dataloader_idx: int = 0) -> None:
+        for key, value, size in self.validator.step(prompts, dataloader_idx, self.rollout_engine, self.reward_model):
+            self.log(key, value, add_dataloader_idx=False, batch_size=size)
 
     def export_artifacts(self, directory: str | Path) -> dict[str, Path]:
         """Policy in HF format (full weights or the PEFT adapter) + tokenizer, and the flow in safetensors."""
@@ -311,7 +340,27 @@ class PolicyModule(ValidationHooks, CheckpointHooks, FiniteStateGuard, Optimizer
         return paths
 
 
-def _token_reward_statistics(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+class DataModulePrompts:
+    """Dynamic sampling's extra prompts (:class:`~flowkit.step.PromptSource`): the ``extra_batch`` of the trainer's
+    datamodule (:class:`~flowkit.modules.RolloutDataModule`)."""
+
+    def __init__(self, module: L.LightningModule):
+        self.module = module
+
+    def extra_batch(self, step: int, draw: int) -> PromptBatch | None:
+        """None once any rank received SIGTERM (a collective: every rank draws as often), so the step ends with the
+        groups it kept and the pre-emption checkpoint follows it."""
+        if all_reduce_int(int(self.module.trainer.received_sigterm), torch.distributed.ReduceOp.MAX):
+            return None
+        datamodule = self.module.trainer.datamodule
+        extra_batch = getattr(datamodule, "extra_batch", None)
+        if extra_batch is None:
+            raise ConfigError(f"{OWNER}.controls.dynamic_sampling_max_draws draws more prompts from the datamodule's "
+                              f"extra_batch (RolloutDataModule), which {type(datamodule).__name__} lacks")
+        return PromptBatch.of(extra_batch(step, draw))
+
+
+def _token_reward_statistics(batch: Experience) -> dict[str, torch.Tensor]:
     """Mean, std, min, max and the nonzero fraction of the reward model's token rewards on response tokens."""
     if batch.token_rewards is None or not batch.response_mask.any():
         return {}

@@ -1,5 +1,5 @@
 """Every option group of :class:`~flowkit.modules.PolicyModule` (importable from here; those the RL engine reads are
-declared in :mod:`flowkit.engine.options`, the rollout engine's in :mod:`flowkit.llm.engines`), the check of all its
+declared in :mod:`flowkit.step.options`, the rollout engine's in :mod:`flowkit.llm.engines`), the check of all its
 options (:func:`check_options`), the table of options that moved into groups (a config in the old flat form is a
 one-line error naming the new key), and the groups' README tables (:func:`readme_tables`)."""
 
@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from flowkit.engine.options import AdvantageOptions, LossOptions, SamplingControls, SamplingOptions, UpdateOptions
+from flowkit.step.options import AdvantageOptions, LossOptions, SamplingControls, SamplingOptions, UpdateOptions
 from flowkit.errors import ConfigError, check_range
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
 from flowkit.llm.lora import LoraSettings

@@ -2,48 +2,63 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torchmetrics import MeanMetric
 
-from flowkit.rewards.base import EvaluatesPolicy
+from flowkit.llm.rollout_engine import RolloutEngine
+from flowkit.modules.policy_options import ValidationOptions
+from flowkit.rewards.base import EvaluatesPolicy, TokenRewardModel
 from flowkit.rewards.grader import grade
 from flowkit.rl.metrics import pass_at_k
 
 
-class ValidationHooks:
-    """The validation hooks of a LightningModule with ``engine``, ``reward_model``, ``validation`` (a
-    :class:`~flowkit.modules.policy_options.ValidationOptions`) and ``hparams.grader_timeout``."""
+class PolicyValidator(torch.nn.Module):
+    """pass@1 and pass@k (k = ``options.num_samples``; 1 at temperature 0) of each eval set; a reward model with its
+    own ``evaluate`` (e.g. the explanation reward's judged accuracy) reports that instead.
 
-    def on_validation_epoch_start(self) -> None:
-        """The metrics of each eval set, by position: a ``ModuleDict`` key cannot hold every name a user may give an
-        eval set (``gsm8k.test``), so the names are kept beside it (:attr:`val_set_names`)."""
-        names = list(getattr(self.trainer.datamodule, "val_names", None) or ["heldout"])
-        if names != self.val_set_names:
-            k = self._val_k()
-            self.val_set_names = names
-            self.val_metrics = torch.nn.ModuleDict({
-                str(index): torch.nn.ModuleDict({"pass@1": MeanMetric(), f"pass@{k}": MeanMetric()})
-                for index in range(len(names))}).to(self.device)
+    Attributes:
+        metrics: the running means of each eval set, by position: a ``ModuleDict`` key cannot hold every name a
+            user may give an eval set (``gsm8k.test``), so the names are kept beside it (:attr:`set_names`).
+        set_names: the eval sets' names, as the datamodule's ``val_names`` gives them.
+    """
 
-    def _val_k(self) -> int:
-        return 1 if self.validation.temperature == 0 else self.validation.num_samples
+    def __init__(self, options: ValidationOptions, grader_timeout: float):
+        super().__init__()
+        self.options, self.grader_timeout = options, grader_timeout
+        self.metrics = torch.nn.ModuleDict()
+        self.set_names: list[str] = []
 
-    def validation_step(self, prompts: dict[str, list[str]], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """pass@1 and pass@k of the math grader on each eval set; a reward model with its own ``evaluate`` (e.g. the
-        explanation reward's judged accuracy) reports that instead."""
-        name = self.val_set_names[dataloader_idx]
-        if isinstance(self.reward_model, EvaluatesPolicy):
-            generate = lambda texts, n, temperature: self.engine.generate(texts, n, None, temperature=temperature)  # noqa: E731
-            for key, (value, weight) in self.reward_model.evaluate(prompts, generate).items():
+    @property
+    def k(self) -> int:
+        return 1 if self.options.temperature == 0 else self.options.num_samples
+
+    def start(self, names: list[str], device: torch.device) -> None:
+        """A validation epoch over the eval sets ``names`` starts (fresh metrics when they changed)."""
+        if names != self.set_names:
+            self.set_names = names
+            self.metrics = torch.nn.ModuleDict({
+                str(index): torch.nn.ModuleDict({"pass@1": MeanMetric(), f"pass@{self.k}": MeanMetric()})
+                for index in range(len(names))}).to(device)
+
+    def step(self, prompts: dict[str, list[str]], set_index: int, engine: RolloutEngine,
+             reward_model: TokenRewardModel | None) -> Iterator[tuple[str, Any, int]]:
+        """(key, value or metric, batch size) of each value to log for a batch of eval set ``set_index``."""
+        name = self.set_names[set_index]
+        if isinstance(reward_model, EvaluatesPolicy):
+            generate = lambda texts, n, temperature: engine.generate(texts, n, None, temperature=temperature)  # noqa: E731
+            for key, (value, weight) in reward_model.evaluate(prompts, generate).items():
                 if weight:
-                    self.log(f"val/{name}/{key}", value, add_dataloader_idx=False, batch_size=int(weight))
+                    yield f"val/{name}/{key}", value, int(weight)
             return
-        k = self._val_k()
-        batch = self.engine.generate(prompts["prompt"], k, prompts["answer"], temperature=self.validation.temperature)
-        correct = torch.tensor([grade(r, a, self.hparams.grader_timeout) for r, a in zip(batch.responses, batch.answers)])
+        k = self.k
+        batch = engine.generate(prompts["prompt"], k, prompts["answer"], temperature=self.options.temperature)
+        correct = torch.tensor([grade(r, a, self.grader_timeout) for r, a in zip(batch.responses, batch.answers)])
         per_prompt = correct.view(-1, k).sum(-1)
-        metrics = self.val_metrics[str(dataloader_idx)]
+        metrics = self.metrics[str(set_index)]
         metrics["pass@1"].update(pass_at_k(k, per_prompt, 1))
         metrics[f"pass@{k}"].update(pass_at_k(k, per_prompt, k))
         for key, metric in metrics.items():
-            self.log(f"val/{name}/{key}", metric, add_dataloader_idx=False, batch_size=len(prompts["prompt"]))
+            yield f"val/{name}/{key}", metric, len(prompts["prompt"])

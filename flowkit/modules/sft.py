@@ -10,13 +10,14 @@ import torch
 from flowkit.errors import ConfigError
 from flowkit.llm.packing import encode_pairs
 from flowkit.seeding import run_seed
+from flowkit.step.finite import raise_if_nonfinite
 
 
 def supervised_start(module: L.LightningModule, epochs: int, lr: float, seed: int | None = None) -> list[float]:
     """``epochs`` passes over the (prompt, solution) pairs of the datamodule's training records, in global batches of
     ``data.batch_size`` (each rank takes its share of every batch), micro-batched by the module's
     ``update.micro_batch_size``; the loss is the token mean of the solutions' negative log-likelihood
-    (:meth:`~flowkit.engine.Actor.sft_loss`), the policy group's learning rate decays linearly from ``lr`` to 0 over
+    (:meth:`~flowkit.step.Actor.sft_loss`), the policy group's learning rate decays linearly from ``lr`` to 0 over
     the steps, and only the policy moves. Every rank takes the same steps (under DDP / ZeRO each backward and step
     is a collective). Returns the per-step losses (also logged as ``sft/loss``)."""
     trainer, data = module.trainer, module.trainer.datamodule
@@ -29,8 +30,8 @@ def supervised_start(module: L.LightningModule, epochs: int, lr: float, seed: in
     generator = torch.Generator().manual_seed(run_seed(seed))
     batches = [order for _ in range(epochs) for order in torch.randperm(len(rows), generator=generator).split(data.batch_size)]
     batches = [b for b in batches if len(b) == data.batch_size]  # whole batches: every rank runs as many micro-batches
-    optimizer = module.optimizers()
-    policy_group = next(g for g in optimizer.param_groups if g["name"] == "policy")
+    optimizer = module.step_optimizer()
+    policy_group = next(g for g in module.optimizers().param_groups if g["name"] == "policy")
     rl_lr, losses = policy_group["lr"], []
     try:
         for step, order in enumerate(batches):
@@ -42,9 +43,10 @@ def supervised_start(module: L.LightningModule, epochs: int, lr: float, seed: in
             loss = 0.0
             for micro_rows in torch.arange(batch.batch_size).split(module.update.micro_batch_size or batch.batch_size):
                 part = module.actor.sft_loss(batch.select(micro_rows).trimmed(), tokens)
-                module.rl_step.backward(part)
+                optimizer.backward(part)
                 loss += float(part.detach())
-            module.step_optimizer({"policy"})
+            raise_if_nonfinite(optimizer.nonfinite({"policy"}))
+            optimizer.step({"policy"})
             losses.append(loss)
             if module.logger is not None and trainer.is_global_zero:
                 module.logger.log_metrics({"sft/loss": loss}, step=step)

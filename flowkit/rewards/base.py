@@ -1,4 +1,4 @@
-"""The pluggable dense-reward contract that :class:`~flowkit.engine.RLStep` and
+"""The pluggable dense-reward contract that :class:`~flowkit.step.RLStep` and
 :class:`~flowkit.modules.policy.PolicyModule` talk to.
 
 A reward model (:class:`TokenRewardModel`) is bound to the backbone once and, each RL step, hands out a fresh
@@ -118,7 +118,7 @@ class ExportsWeights(Protocol):
 class TokenRewardModel(nn.Module):
     """A trainable model that turns rollouts into dense per-token rewards, and may learn online from them.
 
-    :class:`flowkit.engine.RLStep` calls :meth:`bind` once, then per RL step :meth:`freezes_policy` and
+    :class:`flowkit.step.RLStep` calls :meth:`bind` once, then per RL step :meth:`freezes_policy` and
     :meth:`begin_step`, and works through the step's rollouts in micro-batches with the :class:`StepScorer` that
     returned: ``score`` per micro-batch right after its forward, ``end_step`` once every row was scored
     (:class:`LearnsOnline`), ``metrics`` after the step (:class:`ReportsMetrics`). Generic statistics of the token

@@ -12,7 +12,7 @@ import torch
 
 from flowkit.cli import FlowkitCLI
 from flowkit.llm.backbone import load_backbone
-from flowkit.engine import SamplingOptions
+from flowkit.step import SamplingOptions
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.rollout_engine import (
@@ -66,7 +66,7 @@ def test_an_engine_registered_from_one_file_trains_the_policy(tmp_path, monkeypa
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
-    assert isinstance(built[0], RolloutEngine) and module.engine is built[0]
+    assert isinstance(built[0], RolloutEngine) and module.rollout_engine is built[0]
     assert trainer.global_step == 2 and built[0].generated == 2
     assert built[0].synced[-2:] == [1, 2]  # told of each optimizer step's weights
 
@@ -192,7 +192,7 @@ def test_the_actors_loss_applies_the_correction(single_thread, correction):
     """Rows whose engine sampled each token with a quarter of the trainer's probability (ρ = 4): the actor's loss is
     the clipped surrogate with, per token, weight 2 (token TIS at cap 2), 0 (MIS at cap 2: ρ leaves the band),
     min(4^length, e^20) (sequence TIS: ∏ρ, the log bounded at 20), or the rollout's log-probs as PPO's anchor."""
-    from flowkit.engine import Actor, LossOptions, StepStats, UpdateOptions
+    from flowkit.step import Actor, LossOptions, StepStats, UpdateOptions
     from flowkit.rl.losses import LossContext, aggregation_denominator, clipped_policy_loss
     from flowkit.rl.rollout_correction import RolloutCorrection
 

@@ -93,12 +93,12 @@ def test_the_servers_greedy_decode_is_the_trained_policys_and_max_staleness_0_is
     for step, values in steps.items():
         assert values["rollout/staleness_max"] == 0.0
         assert values["train/policy_loss"] == metrics(local)[step]["train/policy_loss"]
-    assert remote.model.engine.pushed_version == 3
+    assert remote.model.rollout_engine.pushed_version == 3
 
     trained = remote.model.policy
     initial, tokenizer = load_backbone("bundled:tiny_adder")
     assert max((a - b).abs().max() for a, b in zip(trained.parameters(), initial.parameters())) > 1e-4  # it moved
-    served = greedy(remote.model.engine)
+    served = greedy(remote.model.rollout_engine)
     mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
     assert served.responses == mine.responses
     assert torch.equal(served.input_ids, mine.input_ids)
@@ -115,7 +115,7 @@ class StepTimes(Callback):
         self.start, self.end, self.rollouts_back, self.asked, self.generations = {}, {}, {}, [], []
 
     def on_fit_start(self, trainer, module):
-        engine = module.engine
+        engine = module.rollout_engine
         generate = engine.generate
         for server in engine.servers:
             server.request = self.recorded(server.request)
@@ -219,7 +219,7 @@ def test_rollouts_more_than_max_staleness_behind_are_regenerated(server, tmp_pat
     twice = [prompts for prompts in dict.fromkeys(requested) if requested.count(prompts) == 2]
     rows = 4 * 2  # prompts × samples of a batch
     assert twice and len(requested) == 5 + len(twice)  # each batch once, the regenerated ones once more
-    assert steps[5]["rollout/regenerated_rows"] == rows * len(twice) == cli.model.engine.regenerated_rows
+    assert steps[5]["rollout/regenerated_rows"] == rows * len(twice) == cli.model.rollout_engine.regenerated_rows
 
 
 def test_server_down_is_one_line_naming_the_address():
@@ -359,10 +359,10 @@ def test_a_tensor_parallel_vllm_server_decodes_with_the_pushed_trained_weights(t
         cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "2", "--model.init_args.rollout.engine",
                   "server", "--model.init_args.rollout.server_url", server.url,
                   "--model.init_args.rollout.server_timeout", str(TIMEOUT_S))
-        served = greedy(cli.model.engine)
+        served = greedy(cli.model.rollout_engine)
     finally:
         server.kill()
-    assert cli.model.engine.pushed_version == 3
+    assert cli.model.rollout_engine.pushed_version == 3
     trained = cli.model.policy
     initial, tokenizer = load_backbone("bundled:tiny_adder")
     mine = greedy(HFRolloutEngine(trained, tokenizer, max_new_tokens=24))
@@ -558,7 +558,7 @@ class ServedShares(Callback):
         self.steps, self.requests = [], []
 
     def on_fit_start(self, trainer, module):
-        for server in module.engine.servers:
+        for server in module.rollout_engine.servers:
             server.request = self.recorded(server.url, server.request)
 
     def recorded(self, url, request):
@@ -586,7 +586,7 @@ def test_one_rank_generates_on_two_servers_in_prompt_order_and_pushes_both(two_s
     cli = fit(tmp_path, "--model.init_args.sampling.temperature", "0", "--model.init_args.sampling.num_samples", "1",
               "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url",
               url_list(two_servers), "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), callbacks=[shares])
-    engine = cli.model.engine
+    engine = cli.model.rollout_engine
     assert [server.url for server in engine.servers] == urls and engine.pushed_version == 3
     instances = [instance(url) for url in urls]
     assert len(set(instances)) == 2 and len(shares.steps) == 3
@@ -839,12 +839,12 @@ def test_a_lora_policy_pushed_as_an_adapter_is_served_as_the_merged_one(server, 
                "--model.init_args.rollout.server_timeout", str(TIMEOUT_S)]
     torch.manual_seed(0)
     merged = fit(tmp_path / "merged", *options)
-    served_merged = greedy(merged.model.engine)
+    served_merged = greedy(merged.model.rollout_engine)
     merged_pushes = pushes[:]
     pushes.clear()
     torch.manual_seed(0)
     adapter = fit(tmp_path / "adapter", *options, "--model.init_args.rollout.server_lora_push", "adapter")
-    served = greedy(adapter.model.engine)
+    served = greedy(adapter.model.rollout_engine)
 
     policy = adapter.model.policy
     for mine, theirs in zip(merged.model.policy.parameters(), policy.parameters(), strict=True):

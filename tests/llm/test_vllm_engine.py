@@ -54,7 +54,7 @@ def val_prompts(count: int) -> tuple[list[str], list[str]]:
 
 def release(module_or_engine) -> None:
     """Drop a vLLM engine (and its KV cache) before the next test builds one."""
-    engine = getattr(module_or_engine, "engine", module_or_engine)
+    engine = getattr(module_or_engine, "rollout_engine", module_or_engine)
     engine.llm = None
     gc.collect()
 
@@ -68,13 +68,13 @@ def assert_synced(module: PolicyModule, initial: torch.nn.Module, prompts: list[
     """vLLM samples the trained policy: greedy completions equal HF greedy generation with the trained weights,
     and its log-probs of its own samples match the trained policy's recomputation, not the initial policy's."""
     hf = HFRolloutEngine(module.policy, module.tokenizer, module.sampling.max_new_tokens)
-    greedy_vllm = module.engine.generate(prompts, 1, temperature=0)
+    greedy_vllm = module.rollout_engine.generate(prompts, 1, temperature=0)
     greedy_hf = hf.generate(prompts, 1, temperature=0)
     assert greedy_vllm.responses == greedy_hf.responses
     assert torch.equal(greedy_vllm.input_ids, greedy_hf.input_ids)
     assert torch.equal(greedy_vllm.response_mask, greedy_hf.response_mask)
 
-    sampled = module.engine.generate(prompts, 2, temperature=1.0)
+    sampled = module.rollout_engine.generate(prompts, 2, temperature=1.0)
     trained_gap = (sampled.rollout_logprobs - recomputed_logprobs(module.policy, sampled)).abs().max()
     stale_gap = (sampled.rollout_logprobs - recomputed_logprobs(initial, sampled)).abs().max()
     assert trained_gap < LOGPROB_TOLERANCE, trained_gap

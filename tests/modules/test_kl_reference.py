@@ -1,4 +1,4 @@
-"""The KL reference (flowkit.engine.KLReference): after an SFT start it is the SFT'd policy (TRL's reference model is
+"""The KL reference (flowkit.step.KLReference): after an SFT start it is the SFT'd policy (TRL's reference model is
 the SFT model) — a frozen second LoRA adapter, or a frozen full copy without LoRA — and PPO's steps do not move it;
 without SFT it is the adapters-disabled base model."""
 
@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from flowkit.engine.actor import REFERENCE_ADAPTER
+from flowkit.step.actor import REFERENCE_ADAPTER
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.forward import forward_hidden
 from flowkit.llm.packing import encode_pairs

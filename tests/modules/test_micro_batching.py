@@ -1,4 +1,5 @@
-"""The RL step does not depend on how it is split: micro-batches, LM-head chunks and the on-policy fast path.
+"""The RL step does not depend on how it is split: micro-batches, LM-head chunks, and an on-policy update's scoring
+pass against its training forward.
 
 Each run fits the tiny policy with an RLFR flow reward for 3 steps and records, at every optimizer step, the
 gradient of every parameter (policy and flow) just before the step.
@@ -13,10 +14,11 @@ import lightning as L
 import pytest
 import torch
 
-import flowkit.modules.policy_guard as policy_guard
-from flowkit.engine import Actor, RLStep
+import flowkit.modules.policy_optimizer as policy_optimizer
+import flowkit.step.train_on as train_on
 from flowkit.modules import PolicyModule, RolloutDataModule
-from flowkit.modules.optim import step_groups
+from flowkit.step import Actor
+from flowkit.step.optimizer import step_groups
 from flowkit.modules.policy_options import AdvantageOptions, LossOptions, OptimOptions, SamplingOptions, UpdateOptions
 from flow_options import flow_reward
 
@@ -29,7 +31,7 @@ def fit_recording_gradients(tmp_path, monkeypatch, steps: int = 3, **options) ->
         recorded.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
         step_groups(optimizer, names)
 
-    monkeypatch.setattr(policy_guard, "step_groups", recording_step_groups)
+    monkeypatch.setattr(policy_optimizer, "step_groups", recording_step_groups)
     L.seed_everything(0, verbose=False)
     reward = flow_reward(depth=1, kappa=1, rejection_metric="entropy", seed=3)
     settings = dict(reward_model=reward, sampling=SamplingOptions(num_samples=4, max_new_tokens=16),
@@ -99,25 +101,29 @@ def test_micro_batch_size_changes_no_gradient_and_no_weight(tmp_path, monkeypatc
         assert_same_updates(updates, whole_updates)
 
 
-def test_on_policy_fast_path_equals_a_separate_scoring_pass(tmp_path, monkeypatch):
-    """ppo_epochs × num_minibatches = 1 skips the no-grad scoring forward; losses, gradients and weights are
-    those of the general path (a scoring pass, then the update) on the same rollouts."""
-    forwards = []
-    real_forward = Actor.forward
+@pytest.mark.parametrize("reward", [True, False], ids=["flow", "grpo"])
+def test_on_policy_scoring_and_training_forwards_agree_to_the_bit(tmp_path, monkeypatch, reward):
+    """ppo_epochs × num_minibatches = 1: the no-grad scoring pass and the training forward give the same log-probs
+    to the bit, so the update's ratio π/π_old is exactly 1 (the gradient is ∇log π · A, as when the training forward
+    was also the scoring pass) — also with the flow reward, whose latent tap only the scoring pass reads."""
+    forwards, same = [], []
+    real_forward, real_loss = Actor.forward, Actor.loss
 
     def counting_forward(self, batch, tap=False):
         forwards.append(torch.is_grad_enabled())
         return real_forward(self, batch, tap)
 
+    def comparing_loss(self, micro, out, *args):
+        response = micro.response_mask.bool()
+        same.append(torch.equal(out.logprobs.detach()[response], micro.old_logprobs[response]))
+        return real_loss(self, micro, out, *args)
+
     monkeypatch.setattr(Actor, "forward", counting_forward)
-    fast, fast_updates, _ = fit_recording_gradients(tmp_path / "fast", monkeypatch)
-    assert forwards == [True] * 3  # one forward per step, the training one
-    forwards.clear()
-    monkeypatch.setattr(RLStep, "_fused", lambda self: False)
-    scored, scored_updates, _ = fit_recording_gradients(tmp_path / "scored", monkeypatch)
+    monkeypatch.setattr(Actor, "loss", comparing_loss)
+    options = {} if reward else dict(reward_model=None, update=UpdateOptions(skip_zero_advantage_rows=False))
+    fit_recording_gradients(tmp_path, monkeypatch, **options)
     assert forwards == [False, True] * 3  # a scoring forward, then the training forward
-    assert_same_gradients([fast], scored)
-    assert_same_updates(fast_updates, scored_updates)
+    assert same == [True] * 3
 
 
 def test_paper_config_instantiates_on_cpu_with_its_batch_and_memory_settings(tmp_path, monkeypatch):
@@ -152,7 +158,7 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, m
     to the loss, so skipping their forward/backward leaves every gradient and the 3-step weights as they were;
     also when this rank pads with zero-loss micro-batches (as when another rank keeps more rows)."""
     forwarded: list[int] = []
-    real_forward, real_micro_batches = Actor.forward, RLStep._micro_batches
+    real_forward, real_micro_batches = Actor.forward, train_on.micro_batch_rows
 
     def counting_forward(self, batch, tap=False):
         if torch.is_grad_enabled():
@@ -169,8 +175,8 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, m
     skipped, skipped_updates, _ = fit_recording_gradients(tmp_path / "skipped", monkeypatch, **options)
     rows_skipped, forwarded[:] = sum(forwarded), []
     assert rows_skipped < rows_every  # this seed's 6 groups include some with equal rewards
-    monkeypatch.setattr(RLStep, "_micro_batches",
-                        lambda self, rows, keep=None: real_micro_batches(self, rows, keep) + ([None] * 2 if keep is not None else []))
+    monkeypatch.setattr(train_on, "micro_batch_rows", lambda mask, rows, budget, keep=None: (
+        real_micro_batches(mask, rows, budget, keep) + ([None] * 2 if keep is not None else [])))
     padded, padded_updates, _ = fit_recording_gradients(tmp_path / "padded", monkeypatch, **options)
     assert sum(forwarded) == rows_skipped + 2 * len(padded)  # one row per padding micro-batch
     for run, run_updates in [(skipped, skipped_updates), (padded, padded_updates)]:
@@ -230,7 +236,7 @@ def test_token_budget_micro_batches_keep_the_gradients_and_bound_the_padded_toke
     options = dict(steps=2, sampling=SamplingOptions(num_samples=4, max_new_tokens=28))
     whole, whole_updates, _ = fit_recording_gradients(tmp_path / "whole", monkeypatch,
                                                       update=replace(update, micro_batch_tokens=10 ** 6), **options)
-    passes = 1 if update.updates == 1 else 1 + update.updates  # scoring, then updates
+    passes = 1 + update.updates  # the scoring pass, then the updates
     assert len(shapes) == 2 * passes  # one micro-batch per pass
     shapes.clear()
     packed, packed_updates, _ = fit_recording_gradients(tmp_path / "packed", monkeypatch,

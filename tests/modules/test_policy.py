@@ -111,9 +111,9 @@ def test_rollouts_generated_in_chunks_equal_one_call_when_greedy():
     module = PolicyModule(sampling=SamplingOptions(num_samples=1, max_new_tokens=12),
                           rollout=RolloutOptions(batch_size=2))
     prompts, answers = ["47+38=", "12+13=", "5+6="], ["85", "25", "11"]
-    chunked = module.engine.generate(prompts, 1, answers, temperature=0)  # calls of 2 and 1 prompts
-    module.engine.rollout_batch_size = None
-    whole = module.engine.generate(prompts, 1, answers, temperature=0)
+    chunked = module.rollout_engine.generate(prompts, 1, answers, temperature=0)  # calls of 2 and 1 prompts
+    module.rollout_engine.rollout_batch_size = None
+    whole = module.rollout_engine.generate(prompts, 1, answers, temperature=0)
     assert chunked.responses == whole.responses and chunked.answers == whole.answers
     assert chunked.group_ids.tolist() == [0, 1, 2]
     assert torch.equal(chunked.response_lengths, whole.response_lengths)
@@ -141,7 +141,7 @@ def test_nan_weights_skip_in_generation_then_fail_after_max_consecutive_skips(tm
                         callbacks=[NanNorm()])
     with pytest.raises(FloatingPointError, match="3 RL steps in a row were skipped .* non-finite generation logits"):
         trainer.fit(module, RolloutDataModule(batch_size=2, val_path=None))
-    assert module.skipped_steps == 3 and trainer.global_step == 0
+    assert module.guard.skipped_steps == 3 and trainer.global_step == 0
     assert "skipping RL step 1: non-finite generation logits" in caplog.text
 
 

@@ -287,21 +287,21 @@ def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatc
     for bit when step 3 starts; the flow trains in all three; step 3 trains the policy (backward and step), and the
     exported policy differs from the initial one. A warm-up step is one optimizer step of ``trainer.max_steps``, a
     later one ``num_minibatches``: max_steps 2 + num_minibatches is three RL steps."""
-    import flowkit.modules.policy as policy_module
+    import flowkit.modules.policy_optimizer as policy_optimizer
     from flowkit.cli import FlowkitCLI
-    from flowkit.engine import RLStep
     from flowkit.llm.backbone import load_backbone
-    from flowkit.modules.policy_guard import FiniteStateGuard
+    from flowkit.modules.policy_optimizer import LightningOptimizer
+    from flowkit.step import RLStep
 
     backwards, optimizer_steps, weights_at_start = [], [], []  # (RL step, policy reached / groups moved)
     current = {}
-    original_call, original_backward = RLStep.__call__, policy_module.manual_backward
-    original_step = FiniteStateGuard.step_optimizer
+    original_call, original_backward = RLStep.__call__, policy_optimizer.manual_backward
+    original_step = LightningOptimizer.step
 
-    def call(self, prompts, answers, step, columns=None):
-        current["step"], current["policy"] = step, self.actor.policy
-        weights_at_start.append([p.detach().clone() for p in self.actor.policy.parameters()])
-        return original_call(self, prompts, answers, step, columns)
+    def call(self, prompts, step, optimizer):
+        current["step"], current["policy"] = step, self.update.actor.policy
+        weights_at_start.append([p.detach().clone() for p in current["policy"].parameters()])
+        return original_call(self, prompts, step, optimizer)
 
     def backward(module, loss):
         original_backward(module, loss)
@@ -312,8 +312,8 @@ def test_flow_warmup_trains_the_flow_with_the_policy_frozen(tmp_path, monkeypatc
         optimizer_steps.append((current["step"], sorted(groups)))
         original_step(self, groups)
     monkeypatch.setattr(RLStep, "__call__", call)
-    monkeypatch.setattr(policy_module, "manual_backward", backward)
-    monkeypatch.setattr(FiniteStateGuard, "step_optimizer", step_optimizer)
+    monkeypatch.setattr(policy_optimizer, "manual_backward", backward)
+    monkeypatch.setattr(LightningOptimizer, "step", step_optimizer)
     monkeypatch.chdir(tmp_path)
     config = str(Path(__file__).resolve().parents[2] / "configs" / "rlfr_tiny.yaml")
     FlowkitCLI(args=["fit", "--config", config, "--trainer.max_steps", str(2 + minibatches),

@@ -72,7 +72,7 @@ def test_a_function_returning_the_wrong_number_of_values_is_named():
         weighted_rewards(functions, ["p", "p"], ["1", "2"], answer=["1"])
 
 
-def test_grade_rollouts_adds_the_functions_to_the_grader(single_thread):
+def test_the_grader_adds_the_functions_to_the_outcome_reward(single_thread):
     module = PolicyModule(outcome_reward="binary",
                           reward_functions=[{"function": "flowkit.rewards.functions.boxed_format_reward", "weight": 0.5}],
                           sampling=SamplingOptions(num_samples=2, max_new_tokens=4))
@@ -80,8 +80,9 @@ def test_grade_rollouts_adds_the_functions_to_the_grader(single_thread):
     batch = RolloutBatch(input_ids=torch.zeros(rows, 2, dtype=torch.long), attention_mask=torch.ones(rows, 2),
                          response_mask=torch.ones(rows, 2), group_ids=torch.zeros(rows, dtype=torch.long),
                          prompts=["47+38="] * rows, responses=["\\boxed{85}", "\\boxed{84}", "85"], answers=["85"] * rows)
-    batch = module.grade_rollouts(batch)
+    metrics = module.rl_step.experience.grader(batch)
     assert batch.outcome_rewards.tolist() == [1.5, 0.5, 0.0]
+    assert metrics == {"train/reward/boxed_format_reward": pytest.approx(2 / 3)}
     assert batch.correct.tolist() == [True, False, False]  # accuracy stays the grader's verdict
 
     with pytest.raises(ConfigError, match="outcome_reward 'none' needs a reward_model or at least one entry in reward_functions"):

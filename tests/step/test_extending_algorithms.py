@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from flowkit.engine import Actor, AdvantageOptions, LossOptions, SamplingOptions, StepStats, UpdateOptions
+from flowkit.step import Actor, AdvantageOptions, LossOptions, SamplingOptions, StepStats, UpdateOptions
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.hf_engine import HFRolloutEngine

@@ -21,8 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flowkit.batch import RolloutBatch
-from flowkit.engine import ActorOutput, AdvantageOptions, LossOptions, RLStep, SamplingControls, UpdateOptions
-from flowkit.engine.step import _informative_rows, overlong_penalty
+from flowkit.step import (
+    ActorOutput, AdvantageOptions, ExperienceMaker, LossOptions, PolicyUpdate, PromptBatch, RLStep, SamplingControls,
+    UpdateOptions,
+)
+from flowkit.step.make_experience import _informative_rows, overlong_penalty
 from flowkit.errors import ConfigError
 from flowkit.rewards.base import TokenRewardModel
 
@@ -35,6 +38,7 @@ class StubRollout:
 
     tokenizer = SimpleNamespace(eos_token_id=EOS)
     saw_nonfinite_logits = False
+    policy_version = 0
 
     def __init__(self, outcomes: dict[str, list[float]], lengths: dict[str, list[int]] | None = None):
         self.outcomes, self.lengths, self.calls = outcomes, lengths or {}, []
@@ -54,24 +58,33 @@ class StubRollout:
                             answers=[a for a in answers for _ in range(n)])
 
 
-def stub_step(rollout: StubRollout, controls: SamplingControls, extra: list[list[str]]) -> RLStep:
-    def grade(batch: RolloutBatch) -> RolloutBatch:
+class ListedPrompts:
+    """A prompt source whose extra draw d of any step is ``extra[d - 1]``."""
+
+    def __init__(self, extra: list[list[str]]):
+        self.extra = extra
+
+    def extra_batch(self, step: int, draw: int) -> PromptBatch:
+        return PromptBatch(self.extra[draw - 1], [""] * len(self.extra[draw - 1]))
+
+
+def stub_step(rollout: StubRollout, controls: SamplingControls, extra: list[list[str]]) -> ExperienceMaker:
+    def grade(batch: RolloutBatch) -> dict:
         rewards = [value for p in dict.fromkeys(batch.prompts) for value in rollout.outcomes[p]]
         batch.outcome_rewards = torch.tensor(rewards)
         batch.correct = batch.outcome_rewards >= 1
-        return batch
+        return {}
 
-    def draw(step: int, index: int):
-        return extra[index - 1], [""] * len(extra[index - 1]), {}
     actor = SimpleNamespace(options=SimpleNamespace(max_new_tokens=MAX_NEW))
-    return RLStep(actor, rollout, None, grade, AdvantageOptions(), UpdateOptions(), 2, None, None, controls, draw)
+    return ExperienceMaker(actor, rollout, grade, None, AdvantageOptions(), UpdateOptions(), controls, 2,
+                           ListedPrompts(extra))
 
 
-def sampled(step: RLStep, prompts: list[str]) -> tuple[RolloutBatch, dict[str, float]]:
-    timings, stats = {"time/generate_s": 0.0}, {}
-    batch = step._generated(prompts, [""] * len(prompts), None, timings)
-    batch = step._dynamic_sampling(batch, 0, timings, stats)
-    return batch, stats
+def sampled(step: ExperienceMaker, prompts: list[str]) -> tuple[RolloutBatch, dict[str, float]]:
+    metrics = {"time/generate_s": 0.0}
+    batch = step._generated(PromptBatch(prompts, [""] * len(prompts)), metrics)
+    batch = step._dynamic_sampling(batch, 0, metrics)
+    return batch, {key: value for key, value in metrics.items() if key != "time/generate_s"}
 
 
 def test_overlong_penalty_by_hand():
@@ -177,6 +190,23 @@ class EventActor:
         return out.logprobs.sum() * 0.0
 
 
+class EventOptimizer:
+    """A StepOptimizer appending each backward and step (collectives under ZeRO) to ``events``."""
+
+    def __init__(self, events: list[str]):
+        self.events = events
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.events.append("backward")
+        loss.backward()
+
+    def nonfinite(self, groups) -> list[str]:
+        return []
+
+    def step(self, groups) -> None:
+        self.events.append("step")
+
+
 class EventReward(TokenRewardModel):
     """A reward model whose every scoring call (real or padding) is a collective, as a ZeRO-3-sharded one's."""
 
@@ -210,7 +240,7 @@ UNEVEN_UPDATES = {  # each breaks an agreement when ranks hold 4 and 2 rows
     "micro_batch_size_1": UpdateOptions(micro_batch_size=1, ppo_epochs=2),  # scoring pass and updates: 4 vs 2
     "token_budget": UpdateOptions(micro_batch_tokens=4, ppo_epochs=2),  # one row of 4 tokens per micro-batch
     "num_minibatches_4": UpdateOptions(num_minibatches=4),  # 4 rows in 4 minibatches, 2 rows in 2 (or 4)
-    "fused_micro_batch_size_1": UpdateOptions(micro_batch_size=1),  # the training forward also scores
+    "one_update_micro_batch_size_1": UpdateOptions(micro_batch_size=1),  # scoring pass, then one update
 }
 
 
@@ -222,18 +252,16 @@ def uneven_rows_worker(rank: int, store: str, out: str, case: str) -> None:
     rollout = StubRollout(UNEVEN_OUTCOMES)
     first, extra = UNEVEN_DRAWS[rank]
 
-    def grade(batch: RolloutBatch) -> RolloutBatch:
+    def grade(batch: RolloutBatch) -> dict:
         batch.outcome_rewards = torch.tensor([v for p in dict.fromkeys(batch.prompts) for v in UNEVEN_OUTCOMES[p]])
         batch.correct = batch.outcome_rewards >= 1
-        return batch
+        return {}
 
-    actor = EventActor(events)
-    step = RLStep(actor, rollout, EventReward(events), grade, AdvantageOptions(), UNEVEN_UPDATES[case], 2,
-                  backward=lambda loss: (events.append("backward"), loss.backward()),
-                  step_optimizer=lambda groups: events.append("step"),
-                  controls=SamplingControls(dynamic_sampling_max_draws=2),
-                  draw_prompts=lambda step, draw: (extra[draw - 1], [""] * len(extra[draw - 1]), {}))
-    batch, stats = step(first, [""] * len(first), 0)
+    actor, update = EventActor(events), UNEVEN_UPDATES[case]
+    maker = ExperienceMaker(actor, rollout, grade, EventReward(events), AdvantageOptions(), update,
+                            SamplingControls(dynamic_sampling_max_draws=2), 2, ListedPrompts(extra))
+    step = RLStep(maker, PolicyUpdate(actor, update))
+    batch, stats = step(PromptBatch(first, [""] * len(first)), 0, EventOptimizer(events))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"events": events, "rows": batch.batch_size,
                                                           "kept": stats["train/groups_kept"]}))
     dist.destroy_process_group()
@@ -264,14 +292,14 @@ class LossMaskActor(EventActor):
 
     def loss(self, micro, out, denominator, tokens, stats) -> torch.Tensor:
         lengths = micro.attention_mask.sum(-1) - 1  # the prompt is one token; the mask in the loss may be cut
-        self.rows += list(zip(lengths.tolist(), micro.response_mask.sum(-1).int().tolist()))
+        self.rows += list(zip(lengths.tolist(), micro.loss_mask.sum(-1).int().tolist()))
         self.denominators.append(float(denominator))
         return super().loss(micro, out, denominator, tokens, stats)
 
 
 @pytest.mark.parametrize("update", [UpdateOptions(), UpdateOptions(micro_batch_tokens=7),
                                     UpdateOptions(micro_batch_tokens=14, num_minibatches=2)],
-                         ids=["fused", "token_budget", "token_budget_2_minibatches"])
+                         ids=["one_update", "token_budget", "token_budget_2_minibatches"])
 def test_mask_truncated_leaves_truncated_rows_out_of_the_update(update):
     """Rows of lengths 6, 6 (no EOS: truncated at MAX_NEW 6), 2, 4, 6 (truncated), 3. Each loss sees the truncated
     rows with no token and the others whole, and divides by the 9 tokens of the untruncated rows (token-mean) — also
@@ -281,13 +309,14 @@ def test_mask_truncated_leaves_truncated_rows_out_of_the_update(update):
     lengths = {"long": [MAX_NEW, MAX_NEW], "short": [2, 4], "mixed": [MAX_NEW, 3]}
     rollout, actor = StubRollout(outcomes, lengths), LossMaskActor()
 
-    def grade(batch: RolloutBatch) -> RolloutBatch:
+    def grade(batch: RolloutBatch) -> dict:
         batch.outcome_rewards = torch.tensor([v for p in dict.fromkeys(batch.prompts) for v in outcomes[p]]).float()
         batch.correct = batch.outcome_rewards >= 1
-        return batch
-    step = RLStep(actor, rollout, None, grade, AdvantageOptions(), update, 2, backward=lambda loss: loss.backward(),
-                  step_optimizer=lambda groups: None, controls=SamplingControls(mask_truncated=True))
-    _, stats = step(["long", "short", "mixed"], [""] * 3, 0)
+        return {}
+    maker = ExperienceMaker(actor, rollout, grade, None, AdvantageOptions(), update,
+                            SamplingControls(mask_truncated=True), 2)
+    step = RLStep(maker, PolicyUpdate(actor, update))
+    _, stats = step(PromptBatch(["long", "short", "mixed"], [""] * 3), 0, EventOptimizer([]))
     assert sorted(actor.rows) == [(2, 2), (3, 3), (4, 4), (MAX_NEW, 0), (MAX_NEW, 0), (MAX_NEW, 0)]
     if update.num_minibatches == 1:
         assert set(actor.denominators) == {9.0}

@@ -1,5 +1,5 @@
-"""RLStep on its own (no Lightning, no model): a fake engine, actor and reward model record what the step asks of
-them, so the order of calls, the micro-batches, the advantages and the optimizer steps are checked directly."""
+"""RLStep on its own (no Lightning, no model): a fake engine, actor, reward model and optimizer record what the step
+asks of them, so the order of calls, the micro-batches, the advantages and the optimizer steps are checked directly."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from flowkit.batch import RolloutBatch
-from flowkit.engine import (
-    ActorOutput, AdvantageOptions, LossOptions, NonFiniteStep, RLStep, StepStats, UpdateOptions,
+from flowkit.step import (
+    ActorOutput, AdvantageOptions, ExperienceMaker, LossOptions, NonFiniteStep, PolicyUpdate, PromptBatch, RLStep,
+    SamplingControls, StepStats, UpdateOptions,
 )
 from flowkit.rewards.base import RewardModelError, TokenRewardModel
 
@@ -98,25 +99,44 @@ class RecordingStep:
         return {"pieces": 1.0}
 
 
+class RecordingOptimizer:
+    """A StepOptimizer recording each backward's loss and each step's groups."""
+
+    def __init__(self):
+        self.backwards: list[float] = []
+        self.steps: list[list[str]] = []
+
+    def backward(self, loss):
+        self.backwards.append(float(loss.detach()))
+        loss.backward()
+
+    def nonfinite(self, groups):
+        return []
+
+    def step(self, groups):
+        self.steps.append(sorted(groups))
+
+
 def make_step(actor, reward=None, update=UpdateOptions(), advantage=AdvantageOptions(), outcomes=(1.0, 0.0, 0.0, 0.0)):
-    backwards, steps = [], []
+    optimizer = RecordingOptimizer()
 
     def grade(batch):
         batch.outcome_rewards = torch.tensor(outcomes[:batch.batch_size])
         batch.correct = batch.outcome_rewards > 0
-        return batch
+        return {}
 
-    step = RLStep(actor, FakeEngine(), reward, grade, advantage, update, SAMPLES,
-                  backward=lambda loss: (backwards.append(float(loss.detach())), loss.backward()),
-                  step_optimizer=lambda groups: steps.append(sorted(groups)))
-    return step, backwards, steps
+    maker = ExperienceMaker(actor, FakeEngine(), grade, reward, advantage, update, SamplingControls(), SAMPLES)
+    step = RLStep(maker, PolicyUpdate(actor, update))
+    return (lambda prompts, answers, index: step(PromptBatch(prompts, answers), index, optimizer)), \
+        optimizer.backwards, optimizer.steps
 
 
-def test_on_policy_step_scores_in_the_training_forward_and_steps_once(single_thread):
+def test_on_policy_step_scores_without_gradient_then_trains_and_steps_once(single_thread):
     actor, reward = FakeActor(), RecordingReward()
     step, backwards, steps = make_step(actor, reward, UpdateOptions(micro_batch_size=1))
     batch, stats = step(["a", "b"], ["1", "2"], 5)
-    assert actor.forwards == [(1, True)] * 4  # fused: no separate scoring pass, one row per micro-batch
+    # the scoring pass (no gradient), then the update; one row per micro-batch
+    assert actor.forwards == [(1, False)] * 4 + [(1, True)] * 4
     assert reward.calls == [("begin", 5, 4), ("score", [0]), ("score", [1]), ("score", [2]), ("score", [3]), ("end", 4)]
     assert len(backwards) == 5 and steps == [["policy", "reward", "value"]]  # 4 micro-batches + 1 flow piece
     # GRPO: group 0 has outcomes (1, 0) → ±1/(std 0.707 + ε); group 1 (0, 0) → 0; then the token rewards' reward-to-go
@@ -156,12 +176,12 @@ def test_rows_without_advantage_do_not_run_and_an_empty_pass_pads(single_thread)
     actor = FakeActor()
     step, backwards, steps = make_step(actor, None, UpdateOptions(micro_batch_size=1))
     step(["a", "b"], ["1", "2"], 0)
-    assert actor.forwards == [(1, True)] * 2  # group 1's rows (equal outcomes) carry no gradient
+    assert actor.forwards == [(1, False)] * 4 + [(1, True)] * 2  # group 1's rows (equal outcomes): no gradient
     actor = FakeActor()
     step, backwards, steps = make_step(actor, None, UpdateOptions(micro_batch_size=1), outcomes=(0.0, 0.0, 1.0, 1.0))
     step(["a", "b"], ["1", "2"], 0)
     # no row has an advantage: one padding micro-batch (a forward of one row, zero loss)
-    assert actor.forwards == [(1, True)] and actor.paddings == 1 and steps == [["policy", "value"]]
+    assert actor.forwards == [(1, False)] * 4 + [(1, True)] and actor.paddings == 1 and steps == [["policy", "value"]]
 
 
 def test_non_finite_token_rewards_stop_the_step_before_any_optimizer_step(single_thread):
@@ -180,6 +200,6 @@ def test_rloo_step_hands_each_row_its_leave_one_out_advantage(single_thread):
     step(["a", "b"], ["1", "2"], 0)
     outcome = torch.tensor([1.0, -1.0, 0.0, 0.0])
     to_go = torch.tensor([-0.3, -0.2, -0.1])
-    assert len(actor.advantages) == 4  # a reward model reads every row: none is skipped
+    assert len(actor.advantages) == 4  # the token rewards give every row an advantage: none is skipped
     for row, seen in enumerate(actor.advantages):
         torch.testing.assert_close(seen[0, PROMPT:], outcome[row] + to_go)

@@ -8,9 +8,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from flowkit.batch import RolloutBatch
-from flowkit.engine import actor as actor_module
-from flowkit.engine.actor import Actor
-from flowkit.engine.options import LossOptions, UpdateOptions
+from flowkit.step import actor as actor_module
+from flowkit.step.actor import Actor
+from flowkit.step.options import LossOptions, UpdateOptions
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.kv_cache import forward_hidden_shared_prompts

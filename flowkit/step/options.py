@@ -195,8 +195,8 @@ class UpdateOptions(OptionGroup):
 
     ppo_epochs: int = bounded(1, 1)
     """μ, passes over each generation. Each update is an optimizer step, and Lightning's ``trainer.max_steps``
-    counts optimizer steps: ppo_epochs × num_minibatches per RL step (1 × 1, on-policy, has no separate scoring
-    pass: the old log-probs are those of the training forward)"""
+    counts optimizer steps: ppo_epochs × num_minibatches per RL step (the old log-probs come from the scoring pass
+    before the first; 1 × 1, on-policy, gives the training forward's log-probs to the bit: a ratio of exactly 1)"""
     num_minibatches: int = bounded(1, 1)
     """updates per pass"""
     micro_batch_size: int | None = bounded(None, 1)
@@ -207,8 +207,8 @@ class UpdateOptions(OptionGroup):
     micro-batch's response tokens at once"""
     skip_zero_advantage_rows: bool = True
     """a row whose advantages are all 0 adds exactly nothing to the loss or its gradient: skip its forward/backward
-    (with a KL term, an entropy bonus or a reward model that needs the row's forward, every row runs); the
-    normalisation still counts its tokens, and ``train/entropy`` averages the rows that ran"""
+    in the update (with a KL term, a value head or an entropy bonus, every row runs); the normalisation still counts
+    its tokens, and the scoring pass (token rewards, ``train/entropy``) still reads every row"""
     micro_batch_tokens: int | None = bounded(None, 1)
     """pack every pass's rows into micro-batches of at most this many tokens, padding included (rows × longest row;
     verl ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``): rows longest first, cut into runs of at most

@@ -15,8 +15,9 @@ from torch import Tensor
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import zero3_sharded
-from flowkit.engine.options import LossOptions, UpdateOptions
-from flowkit.engine.stats import StepStats
+from flowkit.step.experience import Experience
+from flowkit.step.options import LossOptions, UpdateOptions
+from flowkit.step.stats import StepStats
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.forward import forward_hidden
 from flowkit.llm.kv_cache import forward_hidden_shared_prompts
@@ -130,10 +131,10 @@ class Actor:
     def forward(self, batch: RolloutBatch, tap: bool = False, temperature: float | None = None) -> ActorOutput:
         """Log-probs through the LM head in chunks (never B×S×V logits) at ``temperature`` (default: the sampling
         temperature), entropies, the latents (with ``tap``) and the values (with a value head) of ``batch``'s rows."""
-        if tap and self.tap is not None:
-            with self.tap:
+        if self.tap is not None:  # every forward of a tapped policy runs alike: an on-policy ratio is exactly 1
+            with self.tap if tap else nullcontext():
                 hidden = forward_hidden(self.policy, batch)
-            latents = self.tap.latents
+            latents = self.tap.latents if tap else None
         else:
             hidden, latents = _forward_hidden(self.policy, batch), None
         temperature = (self.update.temperature or 1.0) if temperature is None else temperature
@@ -154,7 +155,7 @@ class Actor:
             return lm_head_logprobs(hidden, model.get_output_embeddings(), batch.input_ids, batch.response_mask,
                                     self.update.temperature or 1.0, self.update.lm_head_chunk_size)[0]
 
-    def loss(self, micro: RolloutBatch, out: ActorOutput, denominator: Tensor, tokens: Tensor,
+    def loss(self, micro: Experience, out: ActorOutput, denominator: Tensor, tokens: Tensor,
              stats: StepStats) -> Tensor:
         """This micro-batch's share of its minibatch's loss: the policy loss (``policy_loss``: ``ppo``, ``gspo``,
         ``cispo`` or another registered one, :data:`~flowkit.rl.losses.POLICY_LOSSES`) summed over the micro-batch and divided by the
@@ -166,33 +167,33 @@ class Actor:
         if micro.rollout_logprobs is not None:
             anchor, weights = self._rollout_correction(micro, out, stats)
         policy_loss = registry_entry(POLICY_LOSSES, options.policy_loss).fn
-        loss, info = policy_loss(out.logprobs, anchor, micro.advantages, micro.response_mask,
+        loss, info = policy_loss(out.logprobs, anchor, micro.advantages, micro.loss_mask,
                                  options.context(weights, denominator))
-        count = float(micro.response_mask.sum())
+        count = float(micro.loss_mask.sum())
         stats.add("train/policy_loss", loss.detach())
         stats.add_weighted("train/clip_fraction", info["clip_fraction"], count)
         stats.add_weighted("train/approx_kl", info["approx_kl"], count)
         if options.entropy_coef > 0:
-            entropy = masked_sum(out.entropy, micro.response_mask, options.aggregation) / denominator
+            entropy = masked_sum(out.entropy, micro.loss_mask, options.aggregation) / denominator
             stats.add("train/entropy_loss", -entropy.detach())
             loss = loss - options.entropy_coef * entropy
         if self.reference is not None and options.kl_in == "loss":
-            kl = kl_penalty(out.logprobs, micro.ref_logprobs, micro.response_mask, options.aggregation, denominator,
+            kl = kl_penalty(out.logprobs, micro.ref_logprobs, micro.loss_mask, options.aggregation, denominator,
                             options.max_new_tokens, options.kl_estimator)
             stats.add("train/kl", kl.detach())
             loss = loss + options.kl_coef * kl
         if out.values is not None:
-            value_loss = clipped_value_loss(out.values, micro.old_values, micro.returns, micro.response_mask,
+            value_loss = clipped_value_loss(out.values, micro.old_values, micro.returns, micro.loss_mask,
                                             options.value_clip, tokens)
             stats.add("train/value_loss", value_loss.detach())
             loss = loss + options.vf_coef * value_loss
         return loss
 
-    def _rollout_correction(self, micro: RolloutBatch, out: ActorOutput, stats: StepStats) -> tuple[Tensor, Tensor | None]:
+    def _rollout_correction(self, micro: Experience, out: ActorOutput, stats: StepStats) -> tuple[Tensor, Tensor | None]:
         """PPO's anchor log-probs (the trainer's π_old, or π_rollout in bypass mode) and the detached per-token
         weights of ``rollout_correction`` (:mod:`flowkit.rl.rollout_correction`) for a micro-batch whose engine
         returned its sampler's log-probs; logs the rollout / trainer mismatch (``rollout_corr/...``) either way."""
-        correction, mask = self.options.rollout_correction, micro.response_mask
+        correction, mask = self.options.rollout_correction, micro.loss_mask
         rollout = micro.rollout_logprobs
         log_ratio = rollout_log_ratio(micro.old_logprobs, rollout, mask)
         count = float(mask.sum())

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.distributed import ReduceOp
+
+from flowkit.distributed import all_reduce_int
 
 
 def sequence_lengths(attention_mask: Tensor) -> Tensor:
@@ -62,3 +65,25 @@ def pack_by_token_budget(lengths: Tensor, budget: int, max_rows: int | None = No
 def padded_tokens(lengths: Tensor, runs: list[Tensor] | list[slice]) -> int:
     """Σ over micro-batches of rows × longest row: the positions the forward passes compute, padding included."""
     return sum(len(lengths[run]) * int(lengths[run].max()) for run in runs if len(lengths[run]))
+
+
+def micro_batch_rows(attention_mask: Tensor, max_rows: int | None, budget: int | None,
+                     keep: Tensor | None = None) -> list[Tensor | None]:
+    """Row indices of each micro-batch of a batch, in order: ``max_rows`` rows each (None: all), or with a token
+    ``budget`` (the rows come longest first) runs of rows packed under it (:func:`pack_by_token_budget`, at most
+    ``max_rows`` rows when that is set too; a rank splits its runs until it has as many as the rank that packs the
+    most, or one row each). With ``keep`` (a bool per row), only the kept rows.
+
+    Multi-rank rule: every forward/backward is a collective under DDP and ZeRO, so every rank runs as many
+    micro-batches as the rank with the most (at least one): a rank with fewer (fewer rows, kept or held) adds ``None``
+    entries (padding micro-batches: one row through every module a real one reaches, zero loss). Counts are agreed
+    (one all-reduce) before the first micro-batch runs."""
+    rows = attention_mask.shape[0]
+    index = torch.arange(rows) if keep is None else keep.cpu().nonzero().flatten()
+    if budget is None:
+        parts: list[Tensor | None] = list(index.split(max_rows or rows)) if len(index) else []
+        return parts + [None] * (all_reduce_int(max(1, len(parts)), ReduceOp.MAX) - len(parts))
+    lengths = sequence_lengths(attention_mask)[index]
+    count = all_reduce_int(max(1, len(pack_by_token_budget(lengths, budget, max_rows))), ReduceOp.MAX)
+    runs = pack_by_token_budget(lengths, budget, max_rows, min(count, len(index)))
+    return [index[run] for run in runs] + [None] * (count - len(runs))

@@ -13,8 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flowkit.batch import RolloutBatch
-from flowkit.engine import RLStep, UpdateOptions
-from flowkit.engine.micro_batches import longest_first, pack_by_token_budget, padded_tokens, sequence_lengths
+from flowkit.step import UpdateOptions
+from flowkit.step.micro_batches import (
+    longest_first, micro_batch_rows, pack_by_token_budget, padded_tokens, sequence_lengths,
+)
 from flowkit.errors import ConfigError
 
 
@@ -78,12 +80,10 @@ def rank_batch(rank: int) -> RolloutBatch:
 def agreement_worker(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    step = object.__new__(RLStep)  # _micro_batches reads only the update options
-    step.update = UpdateOptions(micro_batch_tokens=10)
     batch = rank_batch(rank)
-    every = step._micro_batches(batch)
+    every = micro_batch_rows(batch.attention_mask, None, 10)
     keep = torch.tensor([True, False, False, False, False, False]) if rank == 1 else torch.ones(6, dtype=torch.bool)
-    kept = step._micro_batches(batch, keep)
+    kept = micro_batch_rows(batch.attention_mask, None, 10, keep)
     results = {
         "every": [None if rows is None else rows.tolist() for rows in every],
         "kept": [None if rows is None else rows.tolist() for rows in kept],
