@@ -20,12 +20,13 @@ It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib on
 
 Every request carries the server's secret (``Authorization: Bearer <token>``, compared in constant time;
 :mod:`flowkit.llm.server_protocol`): ``--token-file``, else ``FLOWKIT_SERVER_TOKEN``, else one generated and written
-to a file of mode 0600 whose path is printed with the address; ``--insecure-no-auth`` serves anyone, on a loopback
-``--host`` only. Every reply carries the server's ``instance`` id (a trainer notices a restart) and the ``run``
-holding the weight channel. A run holds it from its connect until its process ends (its store stops answering) or
-``--lease`` seconds pass without a request from it. Each request is bounded: its body (``--max-body-mb``, refused
-from its Content-Length), its rows × tokens (``--max-request-tokens``), the time to send it (``--read-timeout``),
-the connections served at once (``--max-connections``); a malformed body is a 400 naming the field.
+to a file of mode 0600 whose path is printed with the address (the token itself too when stdout is a terminal, never
+into a log file); ``--insecure-no-auth`` serves anyone, on a loopback ``--host`` only. Every reply carries the
+server's ``instance`` id (a trainer notices a restart) and the ``run`` holding the weight channel. A run holds it
+from its connect until its process ends (its store stops answering) or ``--lease`` seconds pass without a request
+from it. Each request is bounded: its body (``--max-body-mb``, refused from its Content-Length), its rows × tokens
+(``--max-request-tokens``), the time to send it (``--read-timeout``), the connections served at once
+(``--max-connections``); a malformed body is a 400 naming the field.
 
 Generation runs on the server's own copy of the model (``--backend``, :mod:`flowkit.llm.server_backends`):
 flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``vllm``, built as the colocated
@@ -52,6 +53,7 @@ import logging
 import math
 import os
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -287,7 +289,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds any wait on a trainer may take")
     parser.add_argument("--token-file", default=None,
                         help=f"file holding the secret every request must carry (default: ${TOKEN_ENV}, else one "
-                             "generated into a file of mode 0600, its path printed)")
+                             "generated into a file of mode 0600, its path printed, on a terminal the token too)")
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve requests without the secret (only with a loopback --host)")
     parser.add_argument("--lease", type=_bounded(float, 0, open_low=True), default=LEASE_S,
@@ -402,7 +404,11 @@ def rollout_server_command(argv: list[str]) -> None:
         if token is None and not options.insecure_no_auth:
             token, path = _generated_token(port)
             server.token = token
-            announced = f"token written to {path} (mode 0600): give trainers rollout.server_token_file {path}"
+            if sys.stdout.isatty():  # shown once to whoever started it; a log file may be readable by others
+                announced = (f"token {token} (also in {path}, mode 0600): give trainers this token in "
+                             f"{TOKEN_ENV} or rollout.server_token_file {path}")
+            else:
+                announced = f"token written to {path} (mode 0600): give trainers rollout.server_token_file {path}"
         server.server_activate()
         print(f"rollout server for {options.backbone} at http://{options.host}:{port}", flush=True)
         if announced:

@@ -72,9 +72,10 @@ class RolloutOptions(OptionGroup):
     """the file holding the servers' secret (the server's ``--token-file``, or the file it generated and printed),
     sent with every request; null: the ``FLOWKIT_SERVER_TOKEN`` environment variable, else none (a server started
     with ``--insecure-no-auth``)"""
-    server_timeout: float = bounded(300.0, 0, open_low=True)
-    """seconds any wait on the server may take (a request, a weight push, prefetched rollouts); past it, or when the
-    server is down, restarted or serves another model, the run stops with one line naming the address"""
+    server_timeout: float = bounded(300.0, 0, 7 * 24 * 3600, open_low=True)
+    """seconds any wait on the server may take (a request, a weight push, prefetched rollouts), at most a week
+    (604800; a socket's timeout overflows far beyond); past it, or when the server is down, restarted or serves
+    another model, the run stops with one line naming the address"""
     server_sync_every: int = bounded(1, 1)
     """push the weights to the server every this many optimizer steps (1: each); rollouts in between come from
     weights up to that many versions old"""

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from flowkit.llm.backbone import load_backbone, load_tokenizer, resolve_backbone_path, torch_dtype
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.vllm_engine import (
-    build_llm, load_weights_one_by_one, merge_lora, require_vllm, sample, sampling_params,
+    build_llm, held_weight, load_weights_one_by_one, merge_lora, require_vllm, sample, sampling_params,
 )
 
 log = logging.getLogger(__name__)
@@ -129,9 +129,10 @@ class VllmServerBackend:
         return known.count
 
     def held(self, name: str) -> Tensor | None:
-        """None: vLLM's loader fuses and shards the HF weights into its own (``qkv_proj``, ...), so none is read back
-        under its pushed name, and the trainer checks no digest of this backend's weights."""
-        return None
+        """The weight vLLM holds under a pushed name, whole and alike on every worker (:func:`held_weight`: a norm;
+        None for one its loader fused or sharded into its own, ``qkv_proj``, ...)."""
+        shape = self.shapes.get(name)
+        return None if shape is None else held_weight(self.llm, name, shape)
 
 
 class ServedAdapter:

@@ -318,14 +318,21 @@ def weight_digest(tensor: Tensor) -> str:
     return hashlib.sha256(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
+def digested(name: str, tensor: Tensor) -> bool:
+    """Whether a pushed weight may be one whose digest the servers report: a norm's 1-D weight (``…norm.weight``),
+    which both backends hold under its pushed name as pushed — vLLM fuses q/k/v and gate/up (their biases too) and
+    shards projections over tensor-parallel workers, but keeps norms whole on every worker."""
+    return tensor.dim() == 1 and name.endswith("norm.weight")
+
+
 def sampled_on_the_way(weights: Iterable[tuple[str, Tensor]], sampled: dict[str, Tensor]
                        ) -> Iterator[tuple[str, Tensor]]:
-    """``weights``, keeping in ``sampled`` host copies of the first and the last 1-D one (a norm or a bias: small;
-    copied as they go by, as a ZeRO-3 weight is gathered for its turn only), whose digests the servers report after
-    the push (:meth:`WeightChannel.acknowledgement`)."""
+    """``weights``, keeping in ``sampled`` host copies of the first and the last norm weight (:func:`digested`;
+    small, copied as they go by, as a ZeRO-3 weight is gathered for its turn only), whose digests the servers report
+    after the push (:meth:`WeightChannel.acknowledgement`)."""
     first: tuple[str, Tensor] | None = None
     for name, tensor in weights:
-        if tensor.dim() == 1:
+        if digested(name, tensor):
             latest = (name, tensor.detach().to("cpu", copy=True))
             first = first or latest
             sampled.clear()

@@ -267,6 +267,28 @@ def load_weights_one_by_one(llm, weights: Iterable[tuple[str, Tensor]]) -> None:
     llm.reset_prefix_cache()
 
 
+def held_weight(llm, name: str, shape: torch.Size) -> Tensor | None:
+    """The weight vLLM's model holds under the HF name ``name`` (of HF shape ``shape``), read from every worker: the
+    tensor when each holds it whole and alike (a norm, replicated over tensor-parallel workers); None when vLLM holds
+    it under another name (fused: q/k/v, gate/up) or each worker only its shard. Workers holding different values
+    give all their copies concatenated, which matches no pushed weight, so that its digest is refused."""
+    copies = llm.collective_rpc(_worker_weight, args=(name,))
+    if any(copy is None or copy.shape != shape for copy in copies):
+        return None
+    first = _as_bytes(copies[0])
+    return copies[0] if all(torch.equal(_as_bytes(copy), first) for copy in copies[1:]) else torch.cat(copies)
+
+
+def _as_bytes(tensor: Tensor) -> Tensor:
+    return tensor.reshape(-1).view(torch.uint8)  # compared as bytes: a NaN weight equals its copy
+
+
+def _worker_weight(worker, name: str) -> Tensor | None:
+    """On each vLLM worker: a host copy of its model's parameter ``name``, None when it has none so named."""
+    param = dict(worker.get_model().named_parameters()).get(name)
+    return None if param is None else param.detach().to("cpu", copy=True)
+
+
 def _start_layerwise_reload(worker) -> None:
     """On each vLLM worker (``collective_rpc`` passes it first), under its config as its own ``reload_weights``."""
     from vllm.config import set_current_vllm_config

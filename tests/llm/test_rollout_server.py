@@ -371,6 +371,63 @@ def test_a_tensor_parallel_vllm_server_decodes_with_the_pushed_trained_weights(t
     assert greedy(HFRolloutEngine(initial, tokenizer, max_new_tokens=24)).responses != mine.responses
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_a_vllm_server_reports_the_digests_of_the_norms_it_holds_and_one_holding_others_is_refused(single_thread):
+    """Trainer and server ends of a gloo channel in two threads, the server end a vLLM backend (in process): after
+    a push of changed weights it reports the digests of the first and the last norm weight as vLLM holds them, which
+    match; a push that the backend loads with ``model.norm.weight`` changed on the way in is refused."""
+    import threading
+
+    from flowkit.llm.server_backends import VllmServerBackend
+    from flowkit.llm.server_engine import WeightChannel, sampled_on_the_way, weight_buckets
+    from flowkit.llm.vllm_engine import policy_weights
+
+    policy, _ = load_backbone("bundled:tiny_adder")
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.mul_(1.5)  # weights the server does not hold yet
+    backend = VllmServerBackend("bundled:tiny_adder", "float32", 0.5, 256)
+    answered: list[str] = []
+
+    def held(name):
+        tensor = backend.held(name)
+        if tensor is not None:
+            answered.append(name)
+        return tensor
+
+    def tampered(stream):
+        return ((name, tensor + 1 if name == "model.norm.weight" else tensor) for name, tensor in stream)
+
+    store = WeightChannel.host_store("127.0.0.1", TIMEOUT_S)
+
+    def server_end():
+        channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, TIMEOUT_S,
+                                torch.device("cpu"))
+        channel.receive(backend.load, held)
+        channel.receive(lambda stream: backend.load(tampered(stream)), held)
+
+    thread = threading.Thread(target=server_end)
+    thread.start()
+    trainer_end = WeightChannel(store, 0, TIMEOUT_S, torch.device("cpu"))
+    refused = r"^the server holds other values for model\.norm\.weight than version 2 pushed \(weight digests differ"
+    try:
+        for version in (1, 2):
+            sampled: dict[str, torch.Tensor] = {}
+            for bucket, last in weight_buckets(sampled_on_the_way(policy_weights(policy), sampled), 1 << 20):
+                trainer_end.send_bucket(bucket, version, last)
+            if version == 1:
+                assert trainer_end.acknowledgement(1, sampled) == len(backend.shapes)
+            else:
+                with pytest.raises(RuntimeError, match=refused):
+                    trainer_end.acknowledgement(2, sampled)
+    finally:
+        thread.join(timeout=TIMEOUT_S)
+    assert sorted(sampled) == ["model.layers.0.input_layernorm.weight", "model.norm.weight"]
+    assert answered == sorted(sampled) * 2  # vLLM answered for both, at each push: neither was left unchecked
+    torch.testing.assert_close(backend.held("model.norm.weight"), sampled["model.norm.weight"] + 1, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tensor-parallel-size", "0"], r"^flowkit rollout-server --tensor-parallel-size must be >= 1, got 0$"),
     (["--tensor-parallel-size", "2"], r"^flowkit rollout-server --tensor-parallel-size > 1 needs --backend vllm "),
@@ -674,7 +731,9 @@ def test_two_addresses_of_one_server_are_a_config_error(server):
 
 
 @pytest.mark.parametrize("rollout, message", [
-    (RolloutOptions(engine="server", server_timeout=0.0), r"^PolicyModule.rollout.server_timeout must be > 0"),
+    (RolloutOptions(engine="server", server_timeout=0.0), r"^PolicyModule.rollout.server_timeout must be in \(0, 604800\]"),
+    (RolloutOptions(engine="server", server_timeout=1e300),  # a socket's timeout would overflow
+     r"^PolicyModule.rollout.server_timeout must be in \(0, 604800\]"),
     (RolloutOptions(max_staleness=1),
      r"^PolicyModule.rollout.max_staleness 1 needs a rollout engine that generates apart from training"),
     (RolloutOptions(max_staleness=-1), r"^PolicyModule.rollout.max_staleness must be >= 0"),

@@ -294,21 +294,22 @@ def test_a_version_the_server_invents_ends_flowkit_fit_with_one_line(server, tmp
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("holds", ["what was pushed", "it in bfloat16", "another bias"])
+@pytest.mark.parametrize("holds", ["what was pushed", "it in bfloat16", "another norm"])
 def test_a_server_that_does_not_hold_what_it_acknowledged_is_refused_by_weight_digests(holds):
     """Trainer and server ends of a gloo channel in two threads: after the push the server reports the digests of
-    the first and the last 1-D weight as its model holds them (here: a copy of what arrived, cast to its dtype, or
-    with the bias changed), and the trainer compares them with what it pushed."""
+    the first and the last norm weight as its model holds them (here: a copy of what arrived, cast to its dtype, or
+    with the last norm changed), and the trainer compares them with what it pushed."""
     from flowkit.llm.server_engine import WeightChannel, sampled_on_the_way, weight_buckets
 
     torch.manual_seed(0)
-    weights = [("norm", torch.randn(8)), ("proj", torch.randn(8, 8)), ("bias", torch.randn(8))]
+    weights = [("layers.0.norm.weight", torch.randn(8)), ("proj.weight", torch.randn(8, 8)),
+               ("proj.bias", torch.randn(8)), ("norm.weight", torch.randn(8))]
     store = WeightChannel.host_store("127.0.0.1", TIMEOUT_S)
     model: dict[str, torch.Tensor] = {}
 
     def held(name):
         tensor = model[name].to(torch.bfloat16) if holds == "it in bfloat16" else model[name]
-        return tensor + 1 if holds == "another bias" and name == "bias" else tensor
+        return tensor + 1 if holds == "another norm" and name == "norm.weight" else tensor
 
     def server_end():
         channel = WeightChannel(WeightChannel.join_store("127.0.0.1", store.port, TIMEOUT_S), 1, TIMEOUT_S,
@@ -323,11 +324,11 @@ def test_a_server_that_does_not_hold_what_it_acknowledged_is_refused_by_weight_d
     for bucket, last in weight_buckets(sampled_on_the_way(iter(weights), sampled), 1 << 20):
         trainer_end.send_bucket(bucket, 3, last)
     try:
-        if holds == "another bias":
-            with pytest.raises(RuntimeError, match=r"^the server holds other values for bias than version 3 pushed"):
+        if holds == "another norm":
+            with pytest.raises(RuntimeError, match=r"^the server holds other values for norm\.weight than version 3 "):
                 trainer_end.acknowledgement(3, sampled)
         else:
-            assert trainer_end.acknowledgement(3, sampled) == 3
+            assert trainer_end.acknowledgement(3, sampled) == 4
     finally:
         thread.join(timeout=TIMEOUT_S)
-    assert sorted(sampled) == ["bias", "norm"]
+    assert sorted(sampled) == ["layers.0.norm.weight", "norm.weight"]  # not the bias

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from flowkit.llm.server_engine import ServerRolloutEngine, WeightChannel
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from rollout_server_process import TOKEN, RolloutServer  # noqa: E402
+from rollout_server_process import STARTUP_S, TOKEN, RolloutServer  # noqa: E402
 
 TIMEOUT_S = 20.0
 PROMPTS = ["47+38=", "12+13="]
@@ -213,6 +214,35 @@ def test_a_generated_token_is_written_for_this_user_only_and_required(tmp_path):
     finally:
         server.kill()
     assert "\n" not in str(err.value)
+
+
+def test_a_generated_token_is_printed_once_on_a_terminal(tmp_path):
+    """Standard output a terminal (a pseudo-terminal here): the token itself is printed with its file, once."""
+    import pty
+
+    from flowkit.llm.server_protocol import TOKEN_ENV
+
+    controller, terminal = pty.openpty()
+    env = {key: value for key, value in os.environ.items() if key != TOKEN_ENV}
+    process = subprocess.Popen([str(Path(sys.executable).parent / "flowkit"), "rollout-server", "--backbone",
+                                "bundled:tiny_adder", "--host", "127.0.0.1", "--port", "0"],
+                               env={**env, "XDG_RUNTIME_DIR": str(tmp_path)}, stdout=terminal,
+                               stderr=subprocess.DEVNULL)
+    os.close(terminal)
+    printed = b""
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while b"rollout.server_token_file" not in printed and time.monotonic() < deadline:
+            if select.select([controller], [], [], 1)[0]:
+                printed += os.read(controller, 4096)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+        os.close(controller)
+    [path] = tmp_path.glob("flowkit/rollout-server-*.token")
+    lines = [line for line in printed.decode().splitlines() if line.startswith("token ")]
+    assert lines == [f"token {path.read_text().strip()} (also in {path}, mode 0600): give trainers this token in "
+                     f"{TOKEN_ENV} or rollout.server_token_file {path}"]
 
 
 def test_insecure_no_auth_on_loopback_serves_without_a_token(tmp_path):
