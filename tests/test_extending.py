@@ -108,7 +108,7 @@ def test_a_broken_plugin_is_one_warning_and_flowkit_still_runs(tmp_path):
         assert sum("plugin 'broken'" in line for line in result.stderr.splitlines()) == 1, result.stderr
     misspelt = cli_errors.one_line_error(flowkit(tmp_path, "count-parms", "--help", extra_path=site))
     assert misspelt == ("error: unknown command 'count-parms'; did you mean 'count-params'? (the commands: fit, "
-                        "validate, test, predict, convert-flow, explain-rules, export, score, count-params, plot, "
+                        "validate, test, predict, convert-flow, explain-rules, export, score, count-params, docs, plot, "
                         "rollout-server; `flowkit --help` describes them)")
 
 
