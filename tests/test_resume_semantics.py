@@ -299,19 +299,17 @@ def test_zero_resumes_at_another_number_of_ranks(tmp_path, stage):
 def test_a_checkpoint_that_recorded_the_flow_reward_under_its_old_module_resumes():
     """Checkpoints written before FlowReward moved to flowkit.rewards.flow record its class as
     flowkit.rewards.flow_reward.FlowReward: the same class, so the resume is not refused; another class still is."""
-    from types import SimpleNamespace
-
     from flowkit.errors import ConfigError
-    from flowkit.modules.policy_checkpoints import REWARD_MODEL_KEY, CheckpointHooks
+    from flowkit.modules.policy_checkpoints import REWARD_MODEL_KEY, check_resume, reward_model_settings
     from flowkit.rewards import FlowReward
 
-    class Hooks(CheckpointHooks):
-        def __init__(self):
-            self.reward_model, self.hparams = FlowReward(), SimpleNamespace(backbone="tiny")
+    reward_model = FlowReward()
+    recorded = {**reward_model_settings(reward_model), "class": "flowkit.rewards.flow_reward.FlowReward"}
 
-    hooks = Hooks()
-    recorded = {**hooks._reward_model_settings(), "class": "flowkit.rewards.flow_reward.FlowReward"}
-    hooks.check_resume({REWARD_MODEL_KEY: recorded, "hyper_parameters": {}}, "last.ckpt")
+    def resume(settings: dict) -> None:
+        check_resume({REWARD_MODEL_KEY: settings, "hyper_parameters": {}}, "last.ckpt", backbone="tiny",
+                     reward_model=reward_model, own_state={}, pretrain_steps=0)
+
+    resume(recorded)
     with pytest.raises(ConfigError, match="reward_model is 'flowkit.rewards.ExplanationReward' there"):
-        hooks.check_resume({REWARD_MODEL_KEY: {**recorded, "class": "flowkit.rewards.ExplanationReward"},
-                            "hyper_parameters": {}}, "last.ckpt")
+        resume({**recorded, "class": "flowkit.rewards.ExplanationReward"})
