@@ -7,7 +7,29 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
-class ScriptedServer:
+class LoopbackHTTP:
+    """An HTTP server on 127.0.0.1 (a port the OS picks) serving ``handler`` in daemon threads while the context is
+    open; subclasses build their handler and call :meth:`_serve`."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class ScriptedServer(LoopbackHTTP):
     """Answers POST /v1/chat/completions with a scripted sequence of (status, body, delay_s)."""
 
     def __init__(self, script):
@@ -36,22 +58,9 @@ class ScriptedServer:
 
         self._serve(Handler)
 
-    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        return f"{self.url}/v1"
 
 
 def reply(text: str) -> dict:

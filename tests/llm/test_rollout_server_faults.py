@@ -27,6 +27,7 @@ from flowkit.llm.server_engine import ServerError, ServerRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+from loopback_server import LoopbackHTTP  # noqa: E402
 from rollout_server_process import RolloutServer  # noqa: E402
 
 PROMPTS = ["47+38=", "12+13=", "9+9=", "61+25="]
@@ -43,7 +44,7 @@ def send(handler: BaseHTTPRequestHandler, status: int, data: bytes, length: int 
     handler.wfile.write(data)
 
 
-class TamperingProxy:
+class TamperingProxy(LoopbackHTTP):
     """An address on 127.0.0.1 in front of the server at ``upstream``: every request goes through to it with its
     headers, and the client gets its answer, but a ``/generate`` reply goes to ``answer(handler, reply)``, which sends
     what the client gets instead. ``sent``: the bytes ``answer`` managed to send."""
@@ -80,18 +81,7 @@ class TamperingProxy:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)
 
 
 @pytest.fixture(scope="module")
