@@ -1,7 +1,7 @@
 """Every option group of :class:`~flowkit.modules.PolicyModule` (importable from here; those the RL engine reads are
 declared in :mod:`flowkit.step.options`, the rollout engine's in :mod:`flowkit.llm.engines`), the check of all its
 options (:func:`check_options`), the table of options that moved into groups (a config in the old flat form is a
-one-line error naming the new key), and the groups' README tables (:func:`readme_tables`)."""
+one-line error naming the new key), and the groups' reference tables (:func:`option_tables`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from flowkit.rewards.functions import OutcomeReward
 
 __all__ = ["AdvantageOptions", "FlowPretrainOptions", "GROUPS", "LossOptions", "MOVED_OPTIONS", "OptimOptions",
            "RolloutOptions", "SFTOptions", "SamplingControls", "SamplingOptions", "UpdateOptions", "ValidationOptions",
-           "check_options", "readme_tables"]
+           "check_options", "option_tables"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class SFTOptions(OptionGroup):
 # Saved in the hyper-parameters of a checkpoint, which Lightning and flowkit load with weights_only.
 torch.serialization.add_safe_globals([OptimOptions, FlowPretrainOptions, ValidationOptions, SFTOptions])
 
-# PolicyModule's groups by key, in the order of its signature (and of the README's tables).
+# PolicyModule's groups by key, in the order of its signature (and of the option reference's tables).
 GROUPS: dict[str, type] = {
     "sampling": SamplingOptions, "advantage": AdvantageOptions, "loss": LossOptions, "update": UpdateOptions,
     "optim": OptimOptions, "controls": SamplingControls, "rollout": RolloutOptions,
@@ -147,8 +147,8 @@ _RENAMED = {
 MOVED_OPTIONS: dict[str, str] = {**moved_options(GROUPS), **_RENAMED}
 
 
-def readme_tables() -> str:
-    """The README's option tables: one per group, generated from the declarations; then the FlowReward's
-    (:func:`~flowkit.rewards.flow.options.reference_tables`)."""
+def option_tables() -> str:
+    """The option reference's tables (docs/reference/options.md): one per group, generated from the declarations;
+    then the FlowReward's (:func:`~flowkit.rewards.flow.options.reference_tables`)."""
     return "\n\n".join([*(f"**`{key}`** — {markdown(' '.join((group.__doc__ or '').split()))}\n\n"
                           f"{options_table(group, key)}" for key, group in GROUPS.items()), reference_tables()])
