@@ -1,9 +1,9 @@
 """Option groups: the dataclasses a config's nested keys fill (``model.init_args.sampling.temperature``).
 
-Each option is declared once, as a field of its group: its name, its type (a ``Literal`` lists the allowed values),
-its default, its help (the string literal under the field, which ``flowkit fit --model.help`` and the README's tables
-print) and its range (:func:`bounded`) or registry (:func:`registered`). :meth:`OptionGroup.check` checks every field
-against them, then the group's own rules between fields (:meth:`OptionGroup.check_rules`). Every number an option
+Each option is declared once, as a field of its group: its name, its type (a ``Literal`` lists the allowed values), its
+default, its help (the string literal under the field, which ``flowkit fit --model.help`` and the option reference's
+tables print) and its range (:func:`bounded`) or registry (:func:`registered`). :meth:`OptionGroup.check` checks every
+field against them, then the group's own rules between fields (:meth:`OptionGroup.check_rules`). Every number an option
 holds must also survive the dtype it is used in (:func:`check_representable`).
 """
 
@@ -187,7 +187,7 @@ def _range_text(option: Field) -> str:
 
 def options_table(group: type, prefix: str) -> str:
     """A Markdown table of ``group``'s options (key ``prefix.name``, default, allowed values or range, help), made
-    from their declarations, a nested group's below its own row: the README's tables are this text."""
+    from their declarations, a nested group's below its own row: docs/reference/options.md's tables are this text."""
     return "\n".join(["| key | default | allowed | meaning |", "|---|---|---|---|", *_option_rows(group, prefix)])
 
 

@@ -202,8 +202,8 @@ def preset_table() -> str:
 
 
 def reference_tables(prefix: str = "reward_model.init_args") -> str:
-    """FlowReward's option tables, one per group under ``prefix``, generated from the declarations (the README's
-    and the docs' reference)."""
+    """FlowReward's option tables, one per group under ``prefix``, generated from the declarations (the option
+    reference's, docs/reference/options.md)."""
     intro = (f"**`{prefix}`** (`flowkit.rewards.FlowReward`) — `protocol` (`{'`, `'.join(PRESETS)}`, default "
              "`flowkit`) fills each option below whose default is null (docs/methods/rlfr.md); `seed` (null: the "
              "run's) and `weights` (a pretrained flow's safetensors) are its own keys.")
