@@ -229,7 +229,6 @@ class PolicyModule(L.LightningModule):
         metrics = {
             "train/outcome_reward": experience.outcome_rewards.mean(),
             "train/accuracy": experience.correct.float().mean(),
-            "train/entropy": experience.entropy.mean(),
             "train/response_length": experience.response_lengths.float().mean(),
             "train/tokens_per_s": float(experience.response_mask.sum()) / seconds,
             "train/skipped_steps": float(self.guard.skipped_steps),
@@ -237,6 +236,8 @@ class PolicyModule(L.LightningModule):
             **rollout_metrics(self.rollout_engine, experience, self.rollout.max_staleness),
             **stats,
         }
+        if experience.entropy is not None:  # else the update measured it (``stats``)
+            metrics["train/entropy"] = experience.entropy.mean()
         if self.reward_model is not None:  # the model's own scalars came with the step's stats
             metrics.update(_token_reward_statistics(experience))
         rows = experience.batch_size

@@ -157,15 +157,21 @@ class Actor:
 
     def loss(self, micro: Experience, out: ActorOutput, denominator: Tensor, tokens: Tensor,
              stats: StepStats) -> Tensor:
-        """This micro-batch's share of its minibatch's loss: the policy loss (``policy_loss``: ``ppo``, ``gspo``,
+        """This micro-batch's share of its minibatch's loss (π_old: the experience's, or without a scoring pass this
+        forward's own log-probs, detached): the policy loss (``policy_loss``: ``ppo``, ``gspo``,
         ``cispo`` or another registered one, :data:`~flowkit.rl.losses.POLICY_LOSSES`) summed over the micro-batch and divided by the
         minibatch's aggregation ``denominator``; − entropy_coef × the token entropy, aggregated alike (verl's
         ``entropy_coeff``); + kl_coef × the KL term (KL in the loss); + vf_coef × the clipped value loss over the
         minibatch's ``tokens`` (``gae``). The shares add up to the minibatch loss whatever the micro-batch size."""
         options = self.options
-        anchor, weights = micro.old_logprobs, None
+        old_logprobs = out.logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
+        if micro.entropy is None:  # no scoring pass: this forward measures the rows' entropy
+            mask = micro.response_mask
+            rows = (out.entropy.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            stats.add_weighted("train/entropy", rows.mean(), float(micro.batch_size))
+        anchor, weights = old_logprobs, None
         if micro.rollout_logprobs is not None:
-            anchor, weights = self._rollout_correction(micro, out, stats)
+            anchor, weights = self._rollout_correction(micro, old_logprobs, out, stats)
         policy_loss = registry_entry(POLICY_LOSSES, options.policy_loss).fn
         loss, info = policy_loss(out.logprobs, anchor, micro.advantages, micro.loss_mask,
                                  options.context(weights, denominator))
@@ -189,15 +195,16 @@ class Actor:
             loss = loss + options.vf_coef * value_loss
         return loss
 
-    def _rollout_correction(self, micro: Experience, out: ActorOutput, stats: StepStats) -> tuple[Tensor, Tensor | None]:
+    def _rollout_correction(self, micro: Experience, old_logprobs: Tensor, out: ActorOutput,
+                            stats: StepStats) -> tuple[Tensor, Tensor | None]:
         """PPO's anchor log-probs (the trainer's π_old, or π_rollout in bypass mode) and the detached per-token
         weights of ``rollout_correction`` (:mod:`flowkit.rl.rollout_correction`) for a micro-batch whose engine
         returned its sampler's log-probs; logs the rollout / trainer mismatch (``rollout_corr/...``) either way."""
         correction, mask = self.options.rollout_correction, micro.loss_mask
         rollout = micro.rollout_logprobs
-        log_ratio = rollout_log_ratio(micro.old_logprobs, rollout, mask)
+        log_ratio = rollout_log_ratio(old_logprobs, rollout, mask)
         count = float(mask.sum())
-        gap = mismatch_metrics(micro.old_logprobs, rollout, mask)
+        gap = mismatch_metrics(old_logprobs, rollout, mask)
         stats.add_weighted("rollout_corr/abs_diff_mean", gap["abs_diff_mean"], count)
         stats.add_weighted("rollout_corr/k3_kl", gap["k3_kl"], count)
         stats.add_max("rollout_corr/abs_diff_max", gap["abs_diff_max"])
@@ -214,7 +221,7 @@ class Actor:
             stats.add_weighted("rollout_corr/off_policy_masked_frac",
                                masked_aggregate(1 - keep, mask, "token-mean"), count)
             weights = keep if weights is None else weights * keep
-        return (rollout if correction.bypass else micro.old_logprobs), weights
+        return (rollout if correction.bypass else old_logprobs), weights
 
     def sft_loss(self, micro: RolloutBatch, tokens: Tensor) -> Tensor:
         """Supervised fine-tuning: the negative log-likelihood of the micro-batch's response tokens, summed and divided

@@ -59,11 +59,13 @@ class Experience:
     sample_index: Tensor  # B long, each row's place in the order it was generated (rows come longest first under
     #                       update.micro_batch_tokens; minibatches are cut in generation order)
     policy_versions: Tensor  # B×S long, the policy version (optimizer steps) whose weights sampled each token
-    old_logprobs: Tensor  # B×S float, log π_old of each token (the scoring pass's, before any update of the step)
+    old_logprobs: Tensor | None  # B×S float, log π_old of each token (the scoring pass's, before any update of the
+    #                              step); None: the step ran no scoring pass (on-policy), π_old is the update's forward
     advantages: Tensor  # B×S float
     outcome_rewards: Tensor  # B float
     correct: Tensor  # B bool, the grader's verdict
-    entropy: Tensor  # B float, mean token entropy of the response under π_old
+    entropy: Tensor | None  # B float, mean token entropy of the response under π_old (None: no scoring pass ran;
+    #                         the update reports ``train/entropy`` over the rows it forwards)
     rollout_logprobs: Tensor | None = None  # B×S float, the rollout engine's own log-probs (None: it gives none)
     ref_logprobs: Tensor | None = None  # B×S float, under the frozen KL reference (None: no KL)
     token_rewards: Tensor | None = None  # B×S float, the reward model's dense rewards (None: no reward model)

@@ -5,6 +5,11 @@ buffer, truncated-row mask) → a no-grad scoring pass in micro-batches (old log
 the reward model's token rewards, values) → advantages. The reward model reads each micro-batch's latents right
 after its forward and they go: memory is set by the micro-batch, never the batch.
 
+The scoring pass runs only where something before the update needs the policy's forward (:meth:`ExperienceMaker.
+scores`). On-policy GRPO without a reward model, KL reference, value head or entropy shaping needs none: its
+advantages come from the outcomes alone and π_old is the update's own forward, detached (ρ = 1, gradient ∇log π), as
+TRL's ``GRPOTrainer`` does with one iteration per generation — a whole no-grad forward of the batch saved per step.
+
 Plain PyTorch (no Lightning); the policy's weights do not change here.
 """
 
@@ -74,7 +79,10 @@ class ExperienceMaker:
         scorer = None if self.reward_model is None else check_step_scorer(self.reward_model,
                                                                            self.reward_model.begin_step(step, batch))
         start = time.perf_counter()
-        self._score(batch, scorer)
+        if self.scores():
+            self._score(batch, scorer)
+        else:
+            self._advantages(batch)
         metrics["time/score_s"] = time.perf_counter() - start
         loss_mask = batch.response_mask if in_loss is None else batch.response_mask * in_loss[:, None]
         return Experience.of(batch, order, loss_mask, scorer, metrics)
@@ -149,6 +157,26 @@ class ExperienceMaker:
         return ~((batch.input_ids == eos) & batch.response_mask.bool()).any(-1)
 
     # ------------------------------------------------------------------------------------------ scoring
+    def scores(self) -> bool:
+        """Whether the step runs the scoring pass: more than one update per experience (π_old must be fixed before the
+        first changes the weights), or advantages that read a forward (a reward model's token rewards, a KL in the
+        reward, a value head's values, entropy shaping)."""
+        actor = self.actor
+        return (self.update.updates > 1 or self.reward_model is not None or actor.reference is not None
+                or actor.value_head is not None or self.advantage.entropy_alpha > 0)
+
+    def _advantages(self, batch: RolloutBatch) -> None:
+        """The advantages of a step without a scoring pass: the estimator over the outcomes alone (its old log-probs
+        and entropies stay None: the update's forward gives them)."""
+        outcome = self.estimator.outcome(batch.outcome_rewards, batch.group_ids, self.estimator_context)
+        inputs = AdvantageInputs(outcome, batch.response_mask, None, None)
+        batch.advantages, batch.returns = self.estimator.tokens(inputs, self.estimator_context)
+        check = NonFiniteCheck()
+        check.note("advantages", batch.advantages, batch.response_mask.bool())
+        raise_if_nonfinite(check.nonfinite())
+        if self.estimator.whiten:
+            batch.advantages = whitened(batch.advantages, batch.response_mask)
+
     @torch.no_grad()
     def _score(self, batch: RolloutBatch, scorer: StepScorer | None) -> None:
         """The scoring pass: a no-grad forward per micro-batch fixing old log-probs, entropies, reference log-probs,

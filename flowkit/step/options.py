@@ -196,7 +196,8 @@ class UpdateOptions(OptionGroup):
     ppo_epochs: int = bounded(1, 1)
     """μ, passes over each generation. Each update is an optimizer step, and Lightning's ``trainer.max_steps``
     counts optimizer steps: ppo_epochs × num_minibatches per RL step (the old log-probs come from the scoring pass
-    before the first; 1 × 1, on-policy, gives the training forward's log-probs to the bit: a ratio of exactly 1)"""
+    before the first; 1 × 1, on-policy, takes them from the training forward itself, detached: a ratio of exactly 1,
+    and without a reward model, KL reference, value head or entropy shaping no scoring pass runs at all)"""
     num_minibatches: int = bounded(1, 1)
     """updates per pass"""
     micro_batch_size: int | None = bounded(None, 1)
@@ -208,7 +209,8 @@ class UpdateOptions(OptionGroup):
     skip_zero_advantage_rows: bool = True
     """a row whose advantages are all 0 adds exactly nothing to the loss or its gradient: skip its forward/backward
     in the update (with a KL term, a value head or an entropy bonus, every row runs); the normalisation still counts
-    its tokens, and the scoring pass (token rewards, ``train/entropy``) still reads every row"""
+    its tokens, and a scoring pass (token rewards, ``train/entropy``) still reads every row (without one,
+    ``train/entropy`` is over the rows the update forwards)"""
     micro_batch_tokens: int | None = bounded(None, 1)
     """pack every pass's rows into micro-batches of at most this many tokens, padding included (rows × longest row;
     verl ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``): rows longest first, cut into runs of at most

@@ -75,7 +75,7 @@ def experience_of(actor: LinearActor, prompts: int, update: UpdateOptions = Upda
 
 
 def test_make_experience_returns_every_field_filled_and_immutable(single_thread):
-    experience = experience_of(LinearActor(), 2)
+    experience = experience_of(LinearActor(), 2, UpdateOptions(ppo_epochs=2))  # two updates: a scoring pass runs
     required = [f.name for f in dataclasses.fields(Experience)
                 if f.name not in ("rollout_logprobs", "ref_logprobs", "token_rewards", "old_values", "returns",
                                   "reward_step")]
@@ -95,6 +95,18 @@ def test_make_experience_returns_every_field_filled_and_immutable(single_thread)
         experience.advantages = None
     trimmed = experience.select([1, 2]).trimmed()
     assert trimmed.input_ids.shape == (2, PROMPT + RESPONSE) and trimmed.prompts == ["p0", "p1"]
+
+
+def test_on_policy_experience_runs_no_forward_and_leaves_pi_old_to_the_update(single_thread):
+    """One update, no reward model, reference, value head or entropy shaping: the advantages come from the outcomes
+    alone (as with a scoring pass) and the policy never runs before the update."""
+    actor, forwards = LinearActor(), []
+    real_forward = actor.forward
+    actor.forward = lambda *args, **kwargs: (forwards.append(1), real_forward(*args, **kwargs))[1]
+    experience = experience_of(actor, 2)
+    assert forwards == [] and experience.old_logprobs is None and experience.entropy is None
+    scored = experience_of(LinearActor(), 2, UpdateOptions(ppo_epochs=2))
+    assert torch.equal(experience.advantages, scored.advantages)
 
 
 def test_train_on_steps_the_torch_optimizer_once_per_minibatch(single_thread):
