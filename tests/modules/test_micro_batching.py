@@ -103,9 +103,9 @@ def test_micro_batch_size_changes_no_gradient_and_no_weight(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("reward", [True, False], ids=["flow", "grpo"])
 def test_on_policy_scoring_and_training_forwards_agree_to_the_bit(tmp_path, monkeypatch, reward):
-    """ppo_epochs × num_minibatches = 1: the no-grad scoring pass and the training forward give the same log-probs
-    to the bit, so the update's ratio π/π_old is exactly 1 (the gradient is ∇log π · A, as when the training forward
-    was also the scoring pass) — also with the flow reward, whose latent tap only the scoring pass reads."""
+    """ppo_epochs × num_minibatches = 1 with the flow reward: the no-grad scoring pass (whose latent tap the reward
+    reads) and the training forward give the same log-probs to the bit, so the update's ratio π/π_old is exactly 1
+    (the gradient is ∇log π · A). Plain GRPO runs no scoring pass at all: π_old is the training forward's own."""
     forwards, same = [], []
     real_forward, real_loss = Actor.forward, Actor.loss
 
@@ -115,14 +115,15 @@ def test_on_policy_scoring_and_training_forwards_agree_to_the_bit(tmp_path, monk
 
     def comparing_loss(self, micro, out, *args):
         response = micro.response_mask.bool()
-        same.append(torch.equal(out.logprobs.detach()[response], micro.old_logprobs[response]))
+        same.append(micro.old_logprobs is None if not reward
+                    else torch.equal(out.logprobs.detach()[response], micro.old_logprobs[response]))
         return real_loss(self, micro, out, *args)
 
     monkeypatch.setattr(Actor, "forward", counting_forward)
     monkeypatch.setattr(Actor, "loss", comparing_loss)
     options = {} if reward else dict(reward_model=None, update=UpdateOptions(skip_zero_advantage_rows=False))
     fit_recording_gradients(tmp_path, monkeypatch, **options)
-    assert forwards == [False, True] * 3  # a scoring forward, then the training forward
+    assert forwards == ([False, True] if reward else [True]) * 3  # a scoring forward (flow), then the training one
     assert same == [True] * 3
 
 

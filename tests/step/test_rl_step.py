@@ -176,12 +176,13 @@ def test_rows_without_advantage_do_not_run_and_an_empty_pass_pads(single_thread)
     actor = FakeActor()
     step, backwards, steps = make_step(actor, None, UpdateOptions(micro_batch_size=1))
     step(["a", "b"], ["1", "2"], 0)
-    assert actor.forwards == [(1, False)] * 4 + [(1, True)] * 2  # group 1's rows (equal outcomes): no gradient
+    # no scoring pass (on-policy, no reward model); group 1's rows (equal outcomes) run no training forward
+    assert actor.forwards == [(1, True)] * 2
     actor = FakeActor()
     step, backwards, steps = make_step(actor, None, UpdateOptions(micro_batch_size=1), outcomes=(0.0, 0.0, 1.0, 1.0))
     step(["a", "b"], ["1", "2"], 0)
     # no row has an advantage: one padding micro-batch (a forward of one row, zero loss)
-    assert actor.forwards == [(1, False)] * 4 + [(1, True)] and actor.paddings == 1 and steps == [["policy", "value"]]
+    assert actor.forwards == [(1, True)] and actor.paddings == 1 and steps == [["policy", "value"]]
 
 
 def test_non_finite_token_rewards_stop_the_step_before_any_optimizer_step(single_thread):
