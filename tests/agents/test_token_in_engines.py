@@ -165,6 +165,27 @@ def test_a_prefetching_server_engine_is_a_one_line_error_for_episodes(drift, hf_
     engine.close()
 
 
+class StringsOnly:
+    """A rollout engine of one's own that takes prompt strings only."""
+
+    tokenizer, saw_nonfinite_logits, policy_version = None, False, 0
+
+    def generate(self, prompts, n=1, answers=None, temperature=None):
+        raise AssertionError("never called")
+
+    def sync_weights(self, model, version):
+        self.policy_version = version
+
+    def close(self):
+        pass
+
+
+def test_an_engine_without_a_token_in_path_is_a_one_line_error_for_episodes():
+    with pytest.raises(ConfigError, match=r"^PolicyModule.rollout.engine: StringsOnly has no token-in path "
+                                          r"\(generate_from_ids\), which episodes need; use engine hf, vllm or server$"):
+        engine_generate(StringsOnly())
+
+
 TOKEN_IN = {"prompt_ids": [[1, 5, 82]], "n": 1, "temperature": 0, "top_p": 1.0, "max_new_tokens": 4, "seed": 0,
             "min_version": 0, "wait_s": 5}
 VOCAB = 116  # the drift tokenizer's, the model's embedding rows
