@@ -38,12 +38,13 @@ def free_port() -> int:
 
 
 class RolloutServer:
-    """A ``flowkit rollout-server --backend BACKEND --tensor-parallel-size N *EXTRA`` subprocess serving
-    bundled:tiny_adder on ``port`` (default: a free one; this interpreter's ``flowkit``: the vLLM venv's under its
-    tests), with the session's :data:`TOKEN` (None: none, so that it generates its own)."""
+    """A ``flowkit rollout-server --backend BACKEND --tensor-parallel-size N *EXTRA`` subprocess serving ``backbone``
+    (default bundled:tiny_adder) on ``port`` (default: a free one; this interpreter's ``flowkit``: the vLLM venv's
+    under its tests), with the session's :data:`TOKEN` (None: none, so that it generates its own)."""
 
     def __init__(self, log: Path, timeout_s: float, backend: str = "hf", port: int | None = None,
-                 tensor_parallel_size: int = 1, extra: tuple[str, ...] = (), token: str | None = TOKEN):
+                 tensor_parallel_size: int = 1, extra: tuple[str, ...] = (), token: str | None = TOKEN,
+                 backbone: str = "bundled:tiny_adder"):
         self.backend, self.port = backend, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -52,7 +53,7 @@ class RolloutServer:
             del env[TOKEN_ENV]
         flowkit = str(Path(sys.executable).parent / "flowkit")
         self.log = log
-        self.process = subprocess.Popen([flowkit, "rollout-server", "--backbone", "bundled:tiny_adder", "--backend",
+        self.process = subprocess.Popen([flowkit, "rollout-server", "--backbone", backbone, "--backend",
                                          backend, "--host", "127.0.0.1", "--port", str(self.port), "--timeout",
                                          str(timeout_s), "--tensor-parallel-size", str(tensor_parallel_size),
                                          *extra],

@@ -3,8 +3,8 @@
 ``generate(prompts, max_new_tokens)`` takes each ready episode's token ids so far and the tokens its next turn may
 take (its room in the episode's budget) and returns one :class:`~flowkit.agents.episode.Sample` per prompt: the
 sampled ids, their sampler log-probs and the policy version (:func:`engine_generate` adapts a rollout engine's
-token-in path, the ``hf`` engine's so far). The runner appends exactly those ids to the trajectory — the policy's
-tokens are never decoded and encoded again — and the environment's answer as the chat template's delta
+token-in path: ``hf``, ``vllm`` and ``server`` have one). The runner appends exactly those ids to the trajectory —
+the policy's tokens are never decoded and encoded again — and the environment's answer as the chat template's delta
 (:mod:`flowkit.agents.rendering`).
 
 Environment and tool calls run in a thread pool while the engine generates: after each ``generate``, every episode
@@ -26,6 +26,7 @@ from flowkit.agents.rendering import ChatRenderer
 from flowkit.agents.tools import TOOL_CALL_PARSERS, ToolBox
 from flowkit.agents.trajectory import Trajectory
 from flowkit.errors import RunError
+from flowkit.llm.rollout_engine import RolloutEngine, check_token_in
 from flowkit.options import OptionGroup, bounded, registered, registry_entry
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[Sample]]
@@ -59,15 +60,16 @@ class EpisodeOptions(OptionGroup):
     most a ready episode waits for the others, whatever their tools take. 0: generate for whoever is ready at once"""
 
 
-def engine_generate(engine: Any) -> GenerateFn:
-    """The runner's ``generate`` over a rollout engine's token-in path ``generate_from_ids(prompts, max_new_tokens)
-    -> (ids, logprobs)`` (:meth:`flowkit.llm.hf_engine.HFRolloutEngine.generate_from_ids`), each sample tagged with
-    the engine's policy version."""
+def engine_generate(engine: RolloutEngine) -> GenerateFn:
+    """The runner's ``generate`` over a rollout engine's token-in path
+    (:meth:`~flowkit.llm.rollout_engine.TokenInEngine.generate_from_ids`: ``hf``, ``vllm``, ``server``), each sample
+    with the policy version that sampled it; an engine without one, or one that prefetches (``max_staleness`` ≥ 1),
+    is a one-line :class:`~flowkit.errors.ConfigError` here (:func:`~flowkit.llm.rollout_engine.check_token_in`)."""
+    token_in = check_token_in(engine)
 
     def generate(prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        ids, logprobs = engine.generate_from_ids(prompts, max_new_tokens)
-        return [Sample(sample, sample_logprobs, engine.policy_version)
-                for sample, sample_logprobs in zip(ids, logprobs, strict=True)]
+        rollouts = token_in.generate_from_ids(prompts, max_new_tokens)
+        return [Sample(*row) for row in zip(rollouts.ids, rollouts.logprobs, rollouts.versions, strict=True)]
 
     return generate
 

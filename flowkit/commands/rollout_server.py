@@ -5,7 +5,8 @@ It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib on
 
     GET  /info              model name, identity (architecture, hidden size, layers, vocabulary), policy version
     POST /generate          {prompts, n, temperature, top_p, max_new_tokens, rollout_batch_size, seed, min_version,
-                            wait_s}
+                            wait_s}, or token-in {prompt_ids, ...}: the prompts as token ids, generated from as
+                            they are (ids in the vocabulary, each prompt within the model's context)
                             → per row: response token ids and sampler log-probs; the policy version they came from
     POST /weights/connect   {port, device}: join the weight channel (a TCPStore + gloo / NCCL group) of the trainer
                             run named by the request's ``Flowkit-Run`` header, its store on the host the request
@@ -132,7 +133,8 @@ class RolloutService:
                 "version": self.version}
 
     def generate(self, request: Request) -> dict:
-        asked = generation_request(request.body, self.max_request_tokens)
+        asked = generation_request(request.body, self.max_request_tokens, self.backend.vocab_size,
+                                   self.backend.max_model_len)
         self._seen(request.run)
         wait_s = min(asked["wait_s"], self.timeout_s)
         with self.ready:
@@ -142,15 +144,16 @@ class RolloutService:
             started = time.time()
             if asked["temperature"] > 0:
                 seed_sampling(asked["seed"])
-            prompts = asked["prompts"]
-            rows, nonfinite = self.backend.generate(prompts, asked["n"], asked["temperature"], asked["top_p"],
-                                                    asked["max_new_tokens"], asked["rollout_batch_size"])
-            encoded = self.tokenizer(prompts)
+            token_in = "prompt_ids" in asked
+            prompts = asked["prompt_ids"] if token_in else asked["prompts"]
+            generate = self.backend.generate_from_ids if token_in else self.backend.generate
+            rows, nonfinite = generate(prompts, asked["n"], asked["temperature"], asked["top_p"],
+                                       asked["max_new_tokens"], asked["rollout_batch_size"])
             log.info("generated %d rows (%d prompts × %d) from policy version %d in %.2f s", len(rows), len(prompts),
                      asked["n"], self.version, time.time() - started)
-            return {"prompt_ids": encoded["input_ids"], "tokens": [tokens for tokens, _ in rows],
-                    "logprobs": [logprobs for _, logprobs in rows], "nonfinite": nonfinite, "version": self.version,
-                    "started": started, "finished": time.time()}
+            reply = {} if token_in else {"prompt_ids": self.tokenizer(prompts)["input_ids"]}
+            return {**reply, "tokens": [tokens for tokens, _ in rows], "logprobs": [logprobs for _, logprobs in rows],
+                    "nonfinite": nonfinite, "version": self.version, "started": started, "finished": time.time()}
 
     def _holder_other_than(self, run: str) -> Lease | None:
         """The lease of another run that still holds the channel: a request from it within ``lease_s`` and its
@@ -298,7 +301,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-mb", type=_bounded(float, 0, open_low=True), default=16.0,
                         help="largest request body (refused from its Content-Length, unread)")
     parser.add_argument("--max-request-tokens", type=_bounded(int, 1), default=MAX_REQUEST_TOKENS,
-                        help="largest n × prompts × max_new_tokens of one /generate request")
+                        help="largest n × prompts × max_new_tokens of one /generate request (token-in: "
+                             "n × (prompt ids + prompts × max_new_tokens))")
     parser.add_argument("--max-connections", type=_bounded(int, 1), default=64,
                         help="connections served at once (more wait in the kernel's backlog)")
     parser.add_argument("--read-timeout", type=_bounded(float, 0, open_low=True), default=10.0,

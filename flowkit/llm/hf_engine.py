@@ -22,6 +22,7 @@ from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.llm.forward import position_ids
 from flowkit.llm.kv_cache import cache_argument, prompt_cache
 from flowkit.llm.packing import pack_rollouts
+from flowkit.llm.rollout_engine import TokenRollouts
 
 
 def _zero3_partitioned(model: torch.nn.Module) -> bool:
@@ -116,9 +117,10 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
-                          temperature: float | None = None) -> tuple[list[list[int]], list[list[float]]]:
-        """Token-in/token-out, one sample per prompt: each prompt's sampled ids (through EOS, or cut at its own
-        ``max_new_tokens``, at most the engine's) and each one's log-probability under the sampler."""
+                          temperature: float | None = None) -> TokenRollouts:
+        """Token-in/token-out, one sample per prompt (:class:`~flowkit.llm.rollout_engine.TokenInEngine`): each
+        prompt's sampled ids (through EOS, or cut at its own ``max_new_tokens``, at most the engine's), each one's
+        log-probability under the sampler, and the engine's policy version."""
         temperature = self.temperature if temperature is None else temperature
         self.saw_nonfinite_logits = False
         device = next(self.model.parameters()).device
@@ -135,7 +137,7 @@ class HFRolloutEngine:
             length = min(ids.index(eos) + 1 if eos in ids else len(ids), limit)
             samples.append(ids[:length])
             sample_logprobs.append(logprobs[row, :length].tolist())
-        return samples, sample_logprobs
+        return TokenRollouts(samples, sample_logprobs, [self.policy_version] * len(samples))
 
     def _generate(self, prompts: list[str], n: int, answers: list[str] | None, temperature: float) -> RolloutBatch:
         device = next(self.model.parameters()).device

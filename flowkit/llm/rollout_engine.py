@@ -11,6 +11,11 @@ and releases what it holds in :meth:`RolloutEngine.close`. Sleeping and waking (
 An engine that generates apart from training also satisfies :class:`PrefetchingEngine` (``rollout.max_staleness``
 needs one): the policy module keeps later steps' rollouts in flight through it (:func:`prefetch_ahead`) and logs
 :func:`rollout_metrics`.
+
+An engine that takes token ids also satisfies :class:`TokenInEngine` (every built-in one: ``hf``, ``vllm``,
+``server``): :meth:`TokenInEngine.generate_from_ids` samples one continuation of each prompt's ids and returns the ids
+it sampled as they are (:class:`TokenRollouts`), so a multi-turn episode (:mod:`flowkit.agents`) appends the policy's
+own tokens and never decodes and encodes them again.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from flowkit.batch import RolloutBatch
+from flowkit.errors import ConfigError
 from flowkit.options import OptionGroup
 
 
@@ -62,6 +68,44 @@ class PrefetchingEngine(RolloutEngine, Protocol):
 
     def prefetched(self, prompts: list[str], n: int, temperature: float | None = None) -> bool:
         """Whether these prompts' rollouts were prefetched and not taken yet."""
+
+
+class TokenRollouts(NamedTuple):
+    """What :meth:`TokenInEngine.generate_from_ids` returns, one entry per prompt in order: the ids sampled (through
+    the EOS that ended the row, or cut at the row's ``max_new_tokens``), each one's log-probability under the sampler
+    (after temperature and top-p, as ``rollout_logprobs``), and the policy version whose weights sampled the row."""
+
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[int]
+
+
+@runtime_checkable
+class TokenInEngine(RolloutEngine, Protocol):
+    """An engine with a token-in/token-out path, which the episode runner generates each turn with
+    (:func:`flowkit.agents.engine_generate`)."""
+
+    def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
+                          temperature: float | None = None) -> TokenRollouts:
+        """One sample per prompt (token ids, none empty), row i at most ``max_new_tokens[i]`` ≥ 1 tokens and at most
+        the engine's own bound; ``temperature`` as :meth:`RolloutEngine.generate`'s. The ids are the sampled ones,
+        never re-tokenized; :attr:`RolloutEngine.saw_nonfinite_logits` as after ``generate``. Never prefetched: each
+        call samples from the weights the engine holds when it runs (the ``server`` engine's: those it last
+        pushed)."""
+
+
+def check_token_in(engine: RolloutEngine, owner: str = "PolicyModule.rollout") -> TokenInEngine:
+    """``engine`` if multi-turn episodes can run on it, else one :class:`ConfigError` line (raised before any
+    episode runs): it has no token-in path, or it prefetches (``max_staleness`` ≥ 1), which takes a later step's
+    prompts as strings while an episode's next prompt exists only once the environment answered its last turn."""
+    if not isinstance(engine, TokenInEngine):
+        raise ConfigError(f"{owner}.engine: {type(engine).__name__} has no token-in path (generate_from_ids), which "
+                          "episodes need; use engine hf, vllm or server")
+    if isinstance(engine, PrefetchingEngine) and engine.max_staleness > 0:
+        raise ConfigError(f"{owner}.max_staleness {engine.max_staleness} prefetches later steps' prompts, but an "
+                          "episode's turns are generated one by one as its environment answers: set max_staleness 0 "
+                          "for episodes")
+    return engine
 
 
 def prefetch_ahead(engine: PrefetchingEngine, prompts_of: Callable[[int], list[str]], index: int, n: int,

@@ -3,10 +3,12 @@ interface, flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process
 
 A backend has the model's ``config`` and ``tokenizer`` (the trainer compares them with its own at connect), the
 ``device`` its weights live on (NCCL pushes when both sides are on GPUs), the HF model's parameter ``shapes`` by name,
-and three methods: :meth:`generate` (each row's response token ids and sampler log-probs, prompt-major),
-:meth:`load` (a pushed weight stream into the model) and :meth:`held` (a weight as the model holds it, by its pushed
-name, whose digest the trainer compares with what it pushed). Both backends check every pushed weight against those
-names and shapes; one that is not there is logged and not loaded, and the trainer, told how many were, reports it.
+the ``vocab_size`` and ``max_model_len`` (the context, None: unknown) a token-in request is checked against, and four
+methods: :meth:`generate` and, token-in, :meth:`generate_from_ids` (each row's response token ids and sampler
+log-probs, prompt-major), :meth:`load` (a pushed weight stream into the model) and :meth:`held` (a weight as the
+model holds it, by its pushed name, whose digest the trainer compares with what it pushed). Both backends check every
+pushed weight against those names and shapes; one that is not there is logged and not loaded, and the trainer, told
+how many were, reports it.
 Sampling draws from the process's global generators, which the server seeds per request.
 
 A LoRA policy pushed as an adapter (``rollout.server_lora_push: adapter``) goes through :class:`ServedAdapter`, the
@@ -61,6 +63,8 @@ class HFServerBackend:
         self.engine = HFRolloutEngine(self.model, self.tokenizer)
         self.parameters = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names are pushed
         self.shapes = {name: p.shape for name, p in self.parameters.items()}
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_model_len = getattr(self.config, "max_position_embeddings", None)
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  rollout_batch_size: int | None) -> tuple[Rows, bool]:
@@ -70,6 +74,22 @@ class HFServerBackend:
         rows = [(ids[keep].tolist(), logprobs[keep].tolist())  # the mask covers the response up to its EOS only
                 for ids, logprobs, keep in zip(batch.input_ids, batch.rollout_logprobs, batch.response_mask.bool())]
         return rows, engine.saw_nonfinite_logits
+
+    def generate_from_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                          max_new_tokens: int, rollout_batch_size: int | None) -> tuple[Rows, bool]:
+        """Token-in: ``n`` samples of each prompt's ids (:meth:`HFRolloutEngine.generate_from_ids`), at most
+        ``rollout_batch_size`` rows per decoding batch."""
+        engine = self.engine
+        engine.max_new_tokens, engine.top_p = max_new_tokens, top_p
+        rows_in = [ids for ids in prompt_ids for _ in range(n)]
+        per_call = rollout_batch_size or len(rows_in)
+        rows, nonfinite = [], False
+        for start in range(0, len(rows_in), per_call):
+            chunk = rows_in[start:start + per_call]
+            sampled = engine.generate_from_ids(chunk, [max_new_tokens] * len(chunk), temperature)
+            rows += zip(sampled.ids, sampled.logprobs)
+            nonfinite |= engine.saw_nonfinite_logits
+        return rows, nonfinite
 
     def load(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         known = _Known(weights, self.shapes, self.backbone)
@@ -111,14 +131,21 @@ class VllmServerBackend:
         self.device = torch.device("cuda" if on_gpu and tensor_parallel_size == 1 else "cpu")
         self.llm = build_llm(path, torch_dtype(dtype), 0, on_gpu, gpu_memory_utilization, max_model_len,
                              tensor_parallel_size=tensor_parallel_size)
+        self.vocab_size = self.config.vocab_size
+        self.max_model_len = self.llm.model_config.max_model_len
         # a fresh engine's first generation is slow (once over 20 s on a loaded 2-core CPU, later ones about 1 s):
         # it runs here, before the server listens, not inside a trainer's first request and its timeout
         sample(self.llm, [[self.tokenizer.eos_token_id or 0]], 1, sampling_params(None, 1, 0.0, 1.0))
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  rollout_batch_size: int | None) -> tuple[Rows, bool]:
-        encoded = self.tokenizer(prompts)
-        rows = sample(self.llm, encoded["input_ids"], n,
+        return self.generate_from_ids(self.tokenizer(prompts)["input_ids"], n, temperature, top_p, max_new_tokens,
+                                      rollout_batch_size)
+
+    def generate_from_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                          max_new_tokens: int, rollout_batch_size: int | None) -> tuple[Rows, bool]:
+        """``n`` samples of each prompt's ids, handed to vLLM as they are."""
+        rows = sample(self.llm, prompt_ids, n,
                       sampling_params(self.tokenizer.eos_token_id, max_new_tokens, temperature, top_p))
         nonfinite = not bool(torch.isfinite(torch.tensor([p for _, logprobs in rows for p in logprobs])).all())
         return rows, nonfinite

@@ -65,7 +65,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from torch.distributed import ReduceOp
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -76,11 +76,9 @@ from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.errors import ConfigError, RunError
 from flowkit.llm.bounded_http import ReplyTooLarge, open_before, read_at_most
 from flowkit.llm.packing import pack_response_rows
+from flowkit.llm.rollout_engine import EngineSetup, TokenRollouts
 from flowkit.llm.server_protocol import RUN_HEADER, authorization, read_token
 from flowkit.llm.vllm_engine import adapter_weights, lora_layout, policy_weights
-
-if TYPE_CHECKING:
-    from flowkit.llm.rollout_engine import EngineSetup
 
 NOT_IDENTITY = frozenset({
     "_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache",
@@ -545,8 +543,9 @@ class ReplyCheck:
     def bytes_for(self, request: dict) -> int:
         """The bound of a reply to ``request``: every row the longest prompt and ``max_new_tokens`` long,
         :data:`REPLY_BYTES_PER_TOKEN` each (a reply padded past it is refused before it is read whole)."""
-        longest = max(len(ids) for ids in self.tokenizer(request["prompts"])["input_ids"])
-        rows = len(request["prompts"]) * request["n"]
+        prompt_ids = request.get("prompt_ids") or self.tokenizer(request["prompts"])["input_ids"]
+        longest = max(len(ids) for ids in prompt_ids)
+        rows = len(prompt_ids) * request["n"]
         return SMALL_REPLY_BYTES + rows * (longest + self.max_new_tokens) * REPLY_BYTES_PER_TOKEN
 
     def check(self, share: _Share, reply: dict) -> None:
@@ -760,13 +759,32 @@ class ServerRolloutEngine:
         return self._agreed(lambda: self._batch(self._replies(prompts, n, temperature), prompts, n, answers),
                             "generation")
 
-    def _ask(self, prompts: list[str], n: int, temperature: float, worker: Callable[[ServerLink], ThreadPoolExecutor],
-             slices: list[tuple[ServerLink, int, int]] | None = None) -> list[_Share]:
+    @torch.no_grad()
+    def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
+                          temperature: float | None = None) -> TokenRollouts:
+        """Token-in/token-out (:class:`~flowkit.llm.rollout_engine.TokenInEngine`): the ids go to this rank's servers
+        (``prompt_ids``, split as :meth:`generate` splits prompts) and their sampled ids come back as they are, each
+        row cut at its own ``max_new_tokens`` and tagged with the version of the server that sampled it. Never
+        prefetched, and no collective: ranks run different numbers of turns, so a failure raises on this rank."""
+        self._ensure_pushed()
+        temperature = self.temperature if temperature is None else temperature
+        limits = [min(limit, self.max_new_tokens) for limit in max_new_tokens]
+        replies = self._collect(self._ask(prompts, 1, temperature, lambda server: self._requests, limits=limits))
+        self.saw_nonfinite_logits = any(reply["nonfinite"] for _, reply in replies)
+        return _token_rollouts(replies, limits)
+
+    def _ask(self, prompts: list[str] | list[list[int]], n: int, temperature: float,
+             worker: Callable[[ServerLink], ThreadPoolExecutor],
+             slices: list[tuple[ServerLink, int, int]] | None = None, limits: list[int] | None = None) -> list[_Share]:
         """Send each server its slice of the prompts (``slices``, by default :meth:`_split`'s) through
-        ``worker(server)``."""
+        ``worker(server)``; with ``limits`` (each prompt's ``max_new_tokens``) the prompts are token ids."""
         shares = []
         for server, start, stop in (self._split(len(prompts)) if slices is None else slices):
-            request = self._generation_request(prompts[start:stop], n, temperature)
+            request = self._generation_request(n, temperature)
+            if limits is None:
+                request["prompts"] = prompts[start:stop]
+            else:
+                request["prompt_ids"], request["max_new_tokens"] = prompts[start:stop], max(limits[start:stop])
             reply = worker(server).submit(server.request, "POST", "/generate", request, self.replies.bytes_for(request))
             shares.append(_Share(server, start, stop, request["min_version"], (stop - start) * n, reply))
         return shares
@@ -817,11 +835,11 @@ class ServerRolloutEngine:
             replies.append((share, reply))
         return replies
 
-    def _generation_request(self, prompts: list[str], n: int, temperature: float) -> dict:
-        """The request; the server waits (bounded) until it holds at least the weights last pushed (``min_version``:
-        a server pushed by another rank may still be receiving them)."""
+    def _generation_request(self, n: int, temperature: float) -> dict:
+        """The request but its prompts; the server waits (bounded) until it holds at least the weights last pushed
+        (``min_version``: a server pushed by another rank may still be receiving them)."""
         seed = int(torch.randint(0, 2**32, ())) if temperature > 0 else 0  # NumPy's seed range (vLLM draws from it)
-        return {"prompts": prompts, "n": n, "temperature": temperature, "top_p": self.top_p,
+        return {"n": n, "temperature": temperature, "top_p": self.top_p,
                 "max_new_tokens": self.max_new_tokens, "rollout_batch_size": self.rollout_batch_size, "seed": seed,
                 "min_version": self.pushed_version or 0, "wait_s": self.timeout_s / 2}  # the server's error first
 
@@ -848,6 +866,18 @@ class ServerRolloutEngine:
             server.close()
         self._pending.clear()
         self.served_layout = None
+
+
+def _token_rollouts(replies: list[tuple[_Share, dict]], limits: list[int]) -> TokenRollouts:
+    """The shares' rows in prompt order, each cut at its prompt's limit, with the version of the server that
+    sampled it."""
+    rollouts = TokenRollouts([], [], [])
+    for share, reply in replies:
+        for row, (ids, logprobs) in enumerate(zip(reply["tokens"], reply["logprobs"]), share.start):
+            rollouts.ids.append(ids[:limits[row]])
+            rollouts.logprobs.append(logprobs[:limits[row]])
+            rollouts.versions.append(reply["version"])
+    return rollouts
 
 
 def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:

@@ -87,26 +87,61 @@ def json_object(body: Any, what: str = "the body") -> dict:
     return body
 
 
-def generation_request(body: Any, max_tokens: int) -> dict:
-    """``POST /generate``'s body, checked: ``prompts`` (a non-empty list of strings), ``n``, ``temperature``,
-    ``top_p``, ``max_new_tokens``, ``rollout_batch_size`` (optional), ``seed``, ``min_version``, ``wait_s``; and
-    ``n × prompts × max_new_tokens`` at most ``max_tokens`` (the server's ``--max-request-tokens``)."""
+def generation_request(body: Any, max_tokens: int, vocab_size: int, max_model_len: int | None = None) -> dict:
+    """``POST /generate``'s body, checked: the prompts, ``n``, ``temperature``, ``top_p``, ``max_new_tokens``,
+    ``rollout_batch_size`` (optional), ``seed``, ``min_version``, ``wait_s``. The prompts are ``prompts`` (a
+    non-empty list of strings, which the server tokenizes) or, token-in, ``prompt_ids`` (a non-empty list of non-empty
+    lists of token ids in ``[0, vocab_size)``, generated from as they are; each prompt's ids plus ``max_new_tokens``
+    at most ``max_model_len``, the model's context, when known). The tokens a request may cost are at most
+    ``max_tokens`` (the server's ``--max-request-tokens``): ``n × prompts × max_new_tokens``, token-in
+    ``n × (prompt ids + prompts × max_new_tokens)``."""
     body = json_object(body)
-    prompts = _field(body, "prompts", (list,), "a non-empty list of strings")
-    if not prompts or not all(isinstance(prompt, str) for prompt in prompts):
-        raise RequestError("field 'prompts' must be a non-empty list of strings")
-    request = {"prompts": prompts, "n": integer(body, "n", 1), "temperature": number(body, "temperature", 0),
+    request = {"n": integer(body, "n", 1), "temperature": number(body, "temperature", 0),
                "top_p": number(body, "top_p", 0, 1, open_low=True),
                "max_new_tokens": integer(body, "max_new_tokens", 1),
                "rollout_batch_size": integer(body, "rollout_batch_size", 1, optional=True),
                "seed": integer(body, "seed", 0, SEED_RANGE - 1), "min_version": integer(body, "min_version", 0),
                "wait_s": number(body, "wait_s", 0)}
+    if "prompt_ids" in body:
+        if "prompts" in body:
+            raise RequestError("the body carries both 'prompts' and 'prompt_ids': send one of them")
+        request["prompt_ids"] = _token_prompts(body["prompt_ids"], request, max_tokens, vocab_size, max_model_len)
+        return request
+    prompts = _field(body, "prompts", (list,), "a non-empty list of strings")
+    if not prompts or not all(isinstance(prompt, str) for prompt in prompts):
+        raise RequestError("field 'prompts' must be a non-empty list of strings")
+    request["prompts"] = prompts
     tokens = request["n"] * len(prompts) * request["max_new_tokens"]
     if tokens > max_tokens:
         raise RequestError(f"n × prompts × max_new_tokens = {request['n']} × {len(prompts)} × "
                            f"{request['max_new_tokens']} = {tokens} is over this server's --max-request-tokens "
                            f"{max_tokens}: send fewer rows per request (more servers, or a smaller batch)")
     return request
+
+
+def _token_prompts(prompts: Any, request: dict, max_tokens: int, vocab_size: int,
+                   max_model_len: int | None) -> list[list[int]]:
+    """``prompt_ids`` checked in order of cost: its shape and lengths (counts only), then every id's value."""
+    if not (isinstance(prompts, list) and prompts
+            and all(isinstance(ids, list) and ids for ids in prompts)):
+        raise RequestError("field 'prompt_ids' must be a non-empty list of non-empty lists of token ids")
+    n, max_new_tokens = request["n"], request["max_new_tokens"]
+    tokens = n * (sum(map(len, prompts)) + len(prompts) * max_new_tokens)
+    if tokens > max_tokens:
+        raise RequestError(f"n × (prompt ids + prompts × max_new_tokens) = {n} × ({sum(map(len, prompts))} + "
+                           f"{len(prompts)} × {max_new_tokens}) = {tokens} is over this server's "
+                           f"--max-request-tokens {max_tokens}: send fewer or shorter prompts per request")
+    longest = max(range(len(prompts)), key=lambda index: len(prompts[index]))
+    if max_model_len is not None and len(prompts[longest]) + max_new_tokens > max_model_len:
+        raise RequestError(f"prompt_ids[{longest}] has {len(prompts[longest])} ids: with max_new_tokens "
+                           f"{max_new_tokens}, over the model's context of {max_model_len} tokens")
+    for index, ids in enumerate(prompts):
+        for position, token in enumerate(ids):
+            if type(token) is not int or not 0 <= token < vocab_size:
+                got = f"{token!r:.40}" if type(token) is int else json_type(token)
+                raise RequestError(f"prompt_ids[{index}][{position}] must be a token id in [0, {vocab_size}), got "
+                                   f"{got}")
+    return prompts
 
 
 def connect_request(body: Any) -> dict:

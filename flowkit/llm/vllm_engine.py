@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import random
 from collections.abc import Iterable, Iterator
@@ -30,6 +31,7 @@ from flowkit.batch import RolloutBatch
 from flowkit.distributed import zero3_sharded
 from flowkit.errors import ConfigError
 from flowkit.llm.packing import pack_response_rows
+from flowkit.llm.rollout_engine import TokenRollouts
 
 
 def require_vllm(who: str = "PolicyModule.rollout.engine 'vllm'", instead: str = "use rollout.engine: hf") -> None:
@@ -226,7 +228,7 @@ def sampling_params(eos_token_id: int | None, max_new_tokens: int, temperature: 
 
 def sample(llm, prompt_ids: list[list[int]], n: int, params) -> list[tuple[list[int], list[float]]]:
     """``n`` samples of each prompt (token ids), prompt-major as the HF engine orders them: each row's response token
-    ids and their sampler log-probs."""
+    ids and their sampler log-probs. ``params``: one ``SamplingParams`` for every row, or a list of one per row."""
     from vllm.inputs import TokensPrompt
 
     requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids for _ in range(n)]
@@ -501,3 +503,20 @@ class VllmRolloutEngine:
         self.saw_nonfinite_logits = not bool(torch.isfinite(batch.rollout_logprobs[batch.response_mask.bool()]).all())
         batch.policy_versions = torch.full((batch.batch_size,), self.policy_version)
         return batch.to(next(self.model.parameters()).device)
+
+    @torch.no_grad()
+    def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
+                          temperature: float | None = None) -> TokenRollouts:
+        """Token-in/token-out (:class:`~flowkit.llm.rollout_engine.TokenInEngine`): the ids go to vLLM as they are
+        (``TokensPrompt``), each row with its own ``max_tokens`` (its ``max_new_tokens``, at most the engine's), and
+        vLLM's sampled ids and processed log-probs come back as they are."""
+        temperature = self.temperature if temperature is None else temperature
+        self._ready_to_generate()
+        params = [sampling_params(self.tokenizer.eos_token_id, min(limit, self.max_new_tokens), temperature, self.top_p)
+                  for limit in max_new_tokens]
+        with self._randomness.active():
+            rows = sample(self.llm, prompts, 1, params)
+        self._sleep()
+        self.saw_nonfinite_logits = not all(math.isfinite(p) for _, logprobs in rows for p in logprobs)
+        return TokenRollouts([ids for ids, _ in rows], [logprobs for _, logprobs in rows],
+                             [self.policy_version] * len(rows))

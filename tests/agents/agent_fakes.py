@@ -1,5 +1,6 @@
-"""Fakes for the episode runner's tests: a chat tokenizer whose decode→encode round trip is not the identity, and a
-scripted policy that samples character by character (ids the tokenizer's own encoding never produces)."""
+"""Fakes for the episode runner's tests: a chat tokenizer whose decode→encode round trip is not the identity, a
+scripted policy that samples character by character (ids the tokenizer's own encoding never produces), and a model
+over that tokenizer that samples such ids through a real rollout engine."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import string
 import threading
 from collections.abc import Callable
 
+import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from flowkit.agents import Sample
 
@@ -42,6 +44,46 @@ def drift_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
                                    pad_token="<pad>", unk_token="<unk>", chat_template=TEMPLATE,
                                    clean_up_tokenization_spaces=False)
+
+
+DRIFT_LOGITS = {"a": 2.0, "d": 2.0, "<eos>": 1.5}
+"""The drift model's next-token logits, whatever the context (every other token's: :data:`OTHER_LOGIT`): turns of
+about five tokens, mostly ``a`` and ``d``, which the tokenizer merges (``ad``, ``add``) when their text is encoded."""
+OTHER_LOGIT = -4.0
+
+
+def drift_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    """A Qwen2 (the bundled tiny_adder's shapes, one layer, fp32: vLLM builds it too) over ``tokenizer`` whose
+    next-token distribution is the same after any context: ``softmax`` of :data:`DRIFT_LOGITS`. Every embedding is
+    the ones vector and the layer adds nothing (its output projections are zero), so the final norm hands the head
+    the ones vector, and each head row is its token's logit spread evenly over the hidden size."""
+    hidden = 128
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    logits = _drift_logits(tokenizer)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.copy_(logits[:, None].expand(-1, hidden) / hidden)
+    return model
+
+
+def drift_logprobs(tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+    """The drift model's log-probability of each token id (the final norm's epsilon scales the logits)."""
+    return torch.log_softmax(_drift_logits(tokenizer) / (1 + 1e-6) ** 0.5, dim=0)
+
+
+def _drift_logits(tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+    logits = torch.full((len(tokenizer),), OTHER_LOGIT)
+    for token, logit in DRIFT_LOGITS.items():
+        logits[tokenizer.convert_tokens_to_ids(token)] = logit
+    return logits
 
 
 def conversation(text: str) -> list[tuple[str, str]]:

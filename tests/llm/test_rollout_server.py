@@ -107,6 +107,22 @@ def test_the_servers_greedy_decode_is_the_trained_policys_and_max_staleness_0_is
     assert greedy(HFRolloutEngine(initial, tokenizer, max_new_tokens=24)).responses != mine.responses
 
 
+def test_token_ids_in_give_the_string_paths_rows_each_cut_at_its_own_limit(server, single_thread):
+    policy, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = ServerRolloutEngine(policy, tokenizer, server.url, timeout_s=TIMEOUT_S, max_new_tokens=16,
+                                 temperature=0.0)
+    batch = greedy(engine)
+    responses = batch.response_mask.bool()
+    expected = [batch.input_ids[row][responses[row]].tolist() for row in range(len(PROMPTS))]
+    rollouts = engine.generate_from_ids([tokenizer(prompt)["input_ids"] for prompt in PROMPTS],
+                                        [3] + [100] * (len(PROMPTS) - 1))  # a row's own room; the engine's bound
+    engine.close()
+    assert rollouts.ids == [expected[0][:3], *expected[1:]] and rollouts.versions == [0] * len(PROMPTS)
+    for row, logprobs in enumerate(rollouts.logprobs):
+        torch.testing.assert_close(torch.tensor(logprobs), batch.rollout_logprobs[row][responses[row]][:len(logprobs)],
+                                   rtol=0, atol=1e-6)
+
+
 class StepTimes(Callback):
     """When each step started and ended, when its rollouts were back (the training proper starts then), when each
     generation was asked for (the trainer's clock) and when the server ran it."""

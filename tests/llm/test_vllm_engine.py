@@ -103,7 +103,7 @@ def test_bad_vllm_settings_are_config_errors(option, value):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
-def test_layout_matches_hf_engine_and_sampler_logprobs_match_the_trainer(single_thread):
+def test_layout_and_token_in_rows_match_hf_engine_and_sampler_logprobs_match_the_trainer(single_thread):
     from flowkit.llm.vllm_engine import VllmRolloutEngine
 
     torch.manual_seed(0)
@@ -127,6 +127,14 @@ def test_layout_matches_hf_engine_and_sampler_logprobs_match_the_trainer(single_
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
     assert (ours.responses, ours.prompts, ours.answers) == (theirs.responses, theirs.prompts, theirs.answers)
     assert (ours.attention_mask[:, 0] == 0).any()  # left padding was exercised
+
+    # Token-in: the prompts' ids give the same greedy rows, each cut at its own limit, the engine's version on each.
+    rows = [ours.input_ids[row][ours.response_mask[row].bool()].tolist() for row in range(len(prompts))]
+    engine.policy_version = 3
+    rollouts = engine.generate_from_ids([tokenizer(prompt)["input_ids"] for prompt in prompts],
+                                        [2] + [100] * (len(prompts) - 1), temperature=0)
+    assert rollouts.ids == [rows[0][:2], *rows[1:]] and rollouts.versions == [3] * len(prompts)
+    assert [len(logprobs) for logprobs in rollouts.logprobs] == [len(ids) for ids in rollouts.ids]
 
     # Sampled, n = 4: groups in prompt order, mask up to and including EOS, log-probs only on response tokens.
     batch = engine.generate(prompts, 4, answers)
