@@ -9,8 +9,10 @@ no reward model, outcome reward ``bench_trl_race.scrambled``); then each round t
 (:meth:`~flowkit.step.PolicyUpdate.train_on`: forward, loss and backward of every micro-batch, one optimizer step
 at lr 0, so every round sees the same weights) per side, the sides alternating, on one thread. Both sides pack
 micro-batches under ``micro_batch_tokens`` = ``--token-budget``: padded, rows × longest row; padding-free, real
-tokens. Reports each side's median update and scoring-pass time, its ``perf/padding_frac`` and the ratio
-padded / padding-free (acceptance: ≥ 1.5), and appends one row to the results CSV.
+tokens. The padded side runs each group's prompt once where sound (``forward_hidden_shared_prompts``); with
+``--tapped`` the policy carries a latent tap, as under RLFR's flow reward, and no forward shares prompts. Reports each
+side's median update and scoring-pass time, its ``perf/padding_frac`` and the ratio padded / padding-free
+(acceptance: ≥ 1.5), and appends one row to the results CSV.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from common import append_csv, timestamp  # noqa: E402
 from flowkit.batch import RolloutBatch  # noqa: E402
 from flowkit.llm.backbone import load_backbone  # noqa: E402
 from flowkit.llm.hf_engine import HFRolloutEngine  # noqa: E402
+from flowkit.llm.latent_tap import LatentTap  # noqa: E402
 from flowkit.step import (  # noqa: E402
     Actor, AdvantageOptions, ExperienceMaker, LossOptions, PolicyUpdate, PromptBatch, SamplingControls,
     TorchOptimizer, UpdateOptions,
@@ -73,6 +76,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--token-budget", type=int, default=2048, help="micro_batch_tokens of both sides")
     parser.add_argument("--rounds", type=int, default=5, help="timed updates per side, alternating, after one warm-up")
+    parser.add_argument("--tapped", action="store_true",
+                        help="a latent tap on the policy, as RLFR's flow reward puts one: no shared prompts padded")
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results/results.csv)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -90,7 +95,8 @@ def main() -> None:
     updates, experiences, scoring = {}, {}, {}
     for side, padding_free in SIDES.items():
         update = UpdateOptions(micro_batch_tokens=args.token_budget, padding_free=padding_free)
-        actor = Actor(model, None, None, None, update, LossOptions())
+        tap = LatentTap(model, [0.25, 0.5, 0.75]) if args.tapped else None
+        actor = Actor(model, tap, None, None, update, LossOptions())
         maker = ExperienceMaker(actor, rollouts, grade, None, AdvantageOptions(), update, SamplingControls(), SAMPLES)
         start = time.perf_counter()
         experiences[side] = maker.make_experience(PromptBatch(prompts, [""] * len(prompts)), step=0)
@@ -114,7 +120,7 @@ def main() -> None:
     print(f"update phase padded / padding-free: {ratio:.2f}x (acceptance >= 1.5x); scoring pass "
           f"{scoring['padded'] / scoring['padding_free']:.2f}x")
     append_csv(args.csv, {"bench": "packing", "time": timestamp(), "rows": rollouts.batch.batch_size,
-                          "new_tokens": args.new_tokens, "token_budget": args.token_budget,
+                          "new_tokens": args.new_tokens, "token_budget": args.token_budget, "tapped": args.tapped,
                           "padded_update_s": median["padded"], "padding_free_update_s": median["padding_free"],
                           "padded_padding_frac": padding["padded"], "update_speedup": ratio})
 
