@@ -21,6 +21,7 @@ from flowkit.step.stats import StepStats
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.forward import forward_hidden
 from flowkit.llm.kv_cache import forward_hidden_shared_prompts
+from flowkit.llm.padding_free import PackedRows, packs_rows
 from flowkit.options import registry_entry
 from flowkit.rl.logprobs import lm_head_logprobs
 from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_aggregate, masked_sum
@@ -111,6 +112,17 @@ def _forward_hidden(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
     return forward_hidden(model, batch)
 
 
+def _forward_packed(model: torch.nn.Module, batch: RolloutBatch,
+                    tap: LatentTap | None = None) -> tuple[Tensor, Tensor | None]:
+    """The last hidden state over the batch's rows packed into one sequence (:mod:`flowkit.llm.padding_free`) and,
+    with ``tap``, the latents; both back in B×S layout (zeros on padding), so the LM head, the value head and the
+    reward model read them as the padded pass's."""
+    packed = PackedRows.of(batch.attention_mask)
+    with tap or nullcontext():
+        hidden = packed.forward_hidden(model, batch.input_ids)
+    return hidden, None if tap is None else packed.unpack(tap.latents[:, 0])
+
+
 class Actor:
     """Forward passes of the policy over rollout rows, and the per-micro-batch loss (verl's ``compute_log_prob`` /
     ``update_policy`` split, here per micro-batch so the caller owns the loop, the backward and the step).
@@ -131,7 +143,9 @@ class Actor:
     def forward(self, batch: RolloutBatch, tap: bool = False, temperature: float | None = None) -> ActorOutput:
         """Log-probs through the LM head in chunks (never B×S×V logits) at ``temperature`` (default: the sampling
         temperature), entropies, the latents (with ``tap``) and the values (with a value head) of ``batch``'s rows."""
-        if self.tap is not None:  # every forward of a tapped policy runs alike: an on-policy ratio is exactly 1
+        if self.padding_free:
+            hidden, latents = _forward_packed(self.policy, batch, self.tap if tap else None)
+        elif self.tap is not None:  # every forward of a tapped policy runs alike: an on-policy ratio is exactly 1
             with self.tap if tap else nullcontext():
                 hidden = forward_hidden(self.policy, batch)
             latents = self.tap.latents if tap else None
@@ -151,9 +165,20 @@ class Actor:
     @torch.no_grad()
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
         with self.reference.reading() as model:
-            hidden = _forward_hidden(model, batch)
+            hidden = _forward_packed(model, batch)[0] if self._packs(model) else _forward_hidden(model, batch)
             return lm_head_logprobs(hidden, model.get_output_embeddings(), batch.input_ids, batch.response_mask,
                                     self.update.temperature or 1.0, self.update.lm_head_chunk_size)[0]
+
+    def _packs(self, model: torch.nn.Module) -> bool:
+        """Whether forwards of ``model`` run padding-free: ``update.padding_free`` and a model whose attention keeps
+        packed rows apart (:func:`~flowkit.llm.padding_free.packs_rows`); else padded (with shared prompts where
+        sound, :func:`_forward_hidden`)."""
+        return self.update.padding_free and packs_rows(model)
+
+    @property
+    def padding_free(self) -> bool:
+        """Whether the policy's forwards run padding-free (micro-batches then pack real tokens to their budget)."""
+        return self._packs(self.policy)
 
     def loss(self, micro: Experience, out: ActorOutput, denominator: Tensor, tokens: Tensor,
              stats: StepStats) -> Tensor:

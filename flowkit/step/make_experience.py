@@ -186,7 +186,8 @@ class ExperienceMaker:
         length = batch.input_ids.shape[1]
         parts: dict[str, list[Tensor]] = {name: [] for name in (*SCORED, "entropy")}
         check = NonFiniteCheck()
-        for rows in micro_batch_rows(batch.attention_mask, self.update.micro_batch_size, self.update.micro_batch_tokens):
+        for rows in micro_batch_rows(batch.attention_mask, self.update.micro_batch_size, self.update.micro_batch_tokens,
+                                     padding_free=self.actor.padding_free):
             if rows is None:
                 self._padding(batch, scorer)
                 continue

@@ -213,10 +213,16 @@ class UpdateOptions(OptionGroup):
     ``train/entropy`` is over the rows the update forwards)"""
     micro_batch_tokens: int | None = bounded(None, 1)
     """pack every pass's rows into micro-batches of at most this many tokens, padding included (rows × longest row;
-    verl ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``): rows longest first, cut into runs of at most
+    with ``padding_free``, the real tokens; verl ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``): rows longest first, cut into runs of at most
     ``micro_batch_size`` rows when that is set too; ranks agree on the count. At a long-tailed length distribution
     the same peak as 8 fixed rows computes 0.52× the padded positions in 0.48× the time
     (``benchmarks/bench_token_budget.py``). null: ``micro_batch_size`` rows"""
+    padding_free: bool = False
+    """every pass over the rollouts (scoring, KL reference, policy update) runs a micro-batch's rows packed into one
+    sequence with per-row positions and attention kept per row, computing no padded position
+    (``perf/padding_frac`` 0); ``micro_batch_tokens`` then counts real tokens. Needs a transformers decoder with
+    ``sdpa``, ``eager``, ``flex_attention`` or flash-attention (others run padded). false: B × S padded rows, a
+    group's prompt run once where sound"""
     temperature: float = field(default=1.0, init=False)  # sampling.temperature, the log-probs' own: at_temperature
 
     @property

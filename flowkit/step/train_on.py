@@ -83,11 +83,14 @@ class PolicyUpdate:
         denominator = aggregation_denominator(mini.loss_mask, options.aggregation, options.max_new_tokens)
         tokens = mini.loss_mask.sum().clamp(min=1)
         for rows in micro_batch_rows(mini.attention_mask, self.update.micro_batch_size, self.update.micro_batch_tokens,
-                                     self._rows_with_gradient(mini)):
+                                     self._rows_with_gradient(mini), self.actor.padding_free):
             if rows is None:
                 loss = self.actor.padding_loss(self.actor.forward(experience.select([0]).trimmed()))
             else:
                 micro = mini.select(rows).trimmed()
+                real = float(micro.attention_mask.sum())
+                positions = real if self.actor.padding_free else micro.input_ids.numel()  # what the forward computes
+                stats.add_weighted("perf/padding_frac", 1 - real / positions, positions)
                 loss = self.actor.loss(micro, self.actor.forward(micro), denominator, tokens, stats)
             losses.note("policy loss", loss)  # a padding loss is 0 × the outputs: NaN when the weights are
             optimizer.backward(loss)

@@ -45,6 +45,8 @@ class VersionedEngine:
 class LinearActor:
     """log π(token) = −w on every response token; the loss is the plain policy gradient −Σ log π · A / denominator."""
 
+    padding_free = False  # padded forwards (Actor.padding_free)
+
     def __init__(self, nan_loss: bool = False):
         self.weight = torch.nn.Parameter(torch.tensor(0.5))
         self.options, self.reference, self.value_head, self.tap = LossOptions(), None, None, None

@@ -43,6 +43,8 @@ class FakeEngine:
 class FakeActor:
     """Log-probs that depend on one trainable weight; records every forward and the advantages each loss saw."""
 
+    padding_free = False  # padded forwards (Actor.padding_free)
+
     def __init__(self, loss: LossOptions = LossOptions()):
         self.weight = torch.nn.Parameter(torch.tensor(0.5))
         self.options, self.reference, self.value_head, self.tap = loss, None, None, None

@@ -172,6 +172,8 @@ class EventActor:
     """Log-probs through one trainable weight; appends each call that is a collective under ZeRO-3 (a forward, a
     backward) to ``events``."""
 
+    padding_free = False  # padded forwards (Actor.padding_free)
+
     def __init__(self, events: list[str]):
         self.weight = torch.nn.Parameter(torch.tensor(0.5))
         self.options = LossOptions().with_budget(MAX_NEW)
