@@ -176,8 +176,8 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tmp_path, m
     skipped, skipped_updates, _ = fit_recording_gradients(tmp_path / "skipped", monkeypatch, **options)
     rows_skipped, forwarded[:] = sum(forwarded), []
     assert rows_skipped < rows_every  # this seed's 6 groups include some with equal rewards
-    monkeypatch.setattr(train_on, "micro_batch_rows", lambda mask, rows, budget, keep=None: (
-        real_micro_batches(mask, rows, budget, keep) + ([None] * 2 if keep is not None else [])))
+    monkeypatch.setattr(train_on, "micro_batch_rows", lambda mask, rows, budget, keep=None, padding_free=False: (
+        real_micro_batches(mask, rows, budget, keep, padding_free) + ([None] * 2 if keep is not None else [])))
     padded, padded_updates, _ = fit_recording_gradients(tmp_path / "padded", monkeypatch, **options)
     assert sum(forwarded) == rows_skipped + 2 * len(padded)  # one row per padding micro-batch
     for run, run_updates in [(skipped, skipped_updates), (padded, padded_updates)]:

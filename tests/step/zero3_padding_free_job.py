@@ -68,7 +68,8 @@ class ZeroOptimizer:
 config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config)
-update = UpdateOptions(micro_batch_tokens=48, lm_head_chunk_size=5, padding_free=side == "packed")
+# two minibatches: a scoring pass runs (its log-probs are compared too) and each rank steps twice
+update = UpdateOptions(micro_batch_tokens=48, lm_head_chunk_size=5, padding_free=side == "packed", num_minibatches=2)
 actor = Actor(model, None, None, None, update, LossOptions())
 maker = ExperienceMaker(actor, HeldRows(held), grade, None, AdvantageOptions(), update, SamplingControls(), SAMPLES)
 experience = maker.make_experience(PromptBatch(PROMPTS, ["7", "130"]), step=0)
