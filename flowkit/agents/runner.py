@@ -24,7 +24,7 @@ from flowkit.agents.environment import ENVIRONMENTS
 from flowkit.agents.episode import Episode, EpisodeSetup, Sample
 from flowkit.agents.rendering import ChatRenderer
 from flowkit.agents.tools import TOOL_CALL_PARSERS, ToolBox
-from flowkit.agents.trajectory import Trajectory
+from flowkit.agents.trajectory import EpisodeReward, Trajectory
 from flowkit.errors import RunError
 from flowkit.options import OptionGroup, bounded, registered, registry_entry
 
@@ -53,6 +53,12 @@ class EpisodeOptions(OptionGroup):
     """characters of a tool's reply the model reads; a longer reply is cut (counted)"""
     workers: int = bounded(64, 1)
     """threads that run environment and tool calls; as many as the episodes in flight lets none wait for another"""
+    reward: EpisodeReward = "final"
+    """what the environment's reward of an episode is (the RL step adds its ``reward_functions`` over the final
+    answer): ``final``, the reward of the step that ended it; ``turns``, every policy turn's reward summed with
+    ``reward_gamma`` (Σ_k γ^k r_k)"""
+    reward_gamma: float = bounded(1.0, 0, 1)
+    """γ of ``reward: turns``"""
     batch_window: float = bounded(0.05, 0)
     """seconds the runner waits, once an episode is ready for its next turn, for the episodes still answering theirs
     to join the same ``generate`` call (a batched decoder takes about as long for one row as for the batch); the

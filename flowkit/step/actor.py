@@ -128,6 +128,11 @@ class Actor:
         self.policy, self.tap, self.value_head, self.reference = policy, tap, value_head, reference
         self.update, self.options = update, loss
 
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's weights are, and the rows it reads must be."""
+        return next(self.policy.parameters()).device
+
     def forward(self, batch: RolloutBatch, tap: bool = False, temperature: float | None = None) -> ActorOutput:
         """Log-probs through the LM head in chunks (never B×S×V logits) at ``temperature`` (default: the sampling
         temperature), entropies, the latents (with ``tap``) and the values (with a value head) of ``batch``'s rows."""

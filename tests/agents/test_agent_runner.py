@@ -215,7 +215,7 @@ def test_turn_and_token_bounds_end_episodes_as_truncated(tokenizer):
 
 
 def test_user_errors_are_one_line_before_any_episode(tokenizer):
-    with pytest.raises(ConfigError, match="EpisodeOptions.environment must be one of .*test_calculator, got "
+    with pytest.raises(ConfigError, match="EpisodeOptions.environment must be one of .*test_calculator.*, got "
                                           "'test_calculater'; did you mean 'test_calculator'"):
         EpisodeRunner(lambda *_: [], tokenizer, EpisodeOptions(environment="test_calculater"))
     with pytest.raises(ConfigError, match="EpisodeOptions.max_turns must be >= 1, got 0"):
