@@ -33,7 +33,8 @@ GenerateFn = Callable[[list[list[int]], list[int]], list[Sample]]
 
 @dataclass(frozen=True)
 class EpisodeOptions(OptionGroup):
-    """Which environment the episodes run in, how the model's tool calls are read, and the episodes' bounds."""
+    """Agent episodes (docs/guides/agents.md; off unless the group is given: each row then is an episode): which
+    environment they run in, how the model's tool calls are read, the episodes' bounds and reward."""
 
     environment: str = registered("long_addition", ENVIRONMENTS)
     """a name of :data:`~flowkit.agents.environment.ENVIRONMENTS` (``long_addition``, ``guess_number``) or

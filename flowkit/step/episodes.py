@@ -103,11 +103,12 @@ class EpisodeRollout:
         return self.tokenizer.decode(trajectory.token_ids[last.start:last.end], skip_special_tokens=True)
 
     def _summary(self, trajectory: Trajectory) -> dict[str, Any]:
-        """The ``episode`` column of a row: its turns after the prompt (whose, and their text), how it ended, its
-        environment reward and counters (completion logs show it turn by turn)."""
-        return {"turns": [{"role": turn.role, "text": self.tokenizer.decode(trajectory.token_ids[turn.start:turn.end],
-                                                                            skip_special_tokens=False)}
-                          for turn in trajectory.turns[1:]],
+        """The ``episode`` column of a row: its turns after the prompt (whose, their text and token count), how it
+        ended, its environment reward and counters (completion logs show it turn by turn)."""
+        ids = trajectory.token_ids
+        return {"turns": [{"role": turn.role, "text": self.tokenizer.decode(ids[turn.start:turn.end],
+                                                                            skip_special_tokens=False),
+                           "tokens": turn.end - turn.start} for turn in trajectory.turns[1:]],
                 "stop_reason": trajectory.stop_reason, "error": trajectory.error,
                 "environment_reward": trajectory.reward(self.options.reward, self.options.reward_gamma),
                 "counters": dict(trajectory.counters)}
