@@ -43,7 +43,7 @@ def _row_html(row: dict, lowest: float) -> str:
         alpha = min(1.0, reward / lowest) if reward < 0 else 0.0
         hover = f"{role}: " * (role != "policy") + f"reward {reward:.4g}" + (
             "" if deviation is None else f", deviation {deviation:.4g}")
-        cells.append(f"<span class='{role}' style='background:rgba(220,40,40,{alpha:.2f})' title='{hover}'>"
+        cells.append(f"<span style='background:rgba(220,40,40,{alpha:.2f})' class='{role}' title='{hover}'>"
                      f"{html.escape(token)}</span>")
     label = f"<div class='label'>{html.escape(row['label'])}</div>" if row.get("label") else ""
     return f"<div class='row'>{label}<span class='prompt'>{html.escape(row['prompt'])}</span>{''.join(cells)}</div>"

@@ -23,9 +23,9 @@ from flowkit.rewards.base import PretrainsOnLatents, TokenRewardModel
 from flowkit.rewards.flow.options import reference_tables
 from flowkit.rewards.functions import OutcomeReward
 
-__all__ = ["AdvantageOptions", "EpisodeOptions", "FlowPretrainOptions", "GROUPS", "LossOptions", "MOVED_OPTIONS", "OptimOptions",
-           "RolloutOptions", "SFTOptions", "SamplingControls", "SamplingOptions", "UpdateOptions", "ValidationOptions",
-           "check_options", "option_tables"]
+__all__ = ["AdvantageOptions", "EpisodeOptions", "FlowPretrainOptions", "GROUPS", "LossOptions", "MOVED_OPTIONS",
+           "OptimOptions", "RolloutOptions", "SFTOptions", "SamplingControls", "SamplingOptions", "UpdateOptions",
+           "ValidationOptions", "check_options", "option_tables"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ class SFTOptions(OptionGroup):
 
 
 # Saved in the hyper-parameters of a checkpoint, which Lightning and flowkit load with weights_only.
-torch.serialization.add_safe_globals([OptimOptions, FlowPretrainOptions, ValidationOptions, SFTOptions, EpisodeOptions])
+torch.serialization.add_safe_globals([OptimOptions, FlowPretrainOptions, ValidationOptions, SFTOptions,
+                                      EpisodeOptions])
 
 # PolicyModule's groups by key, in the order of its signature (and of the option reference's tables).
 GROUPS: dict[str, type] = {

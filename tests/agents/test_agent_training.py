@@ -315,3 +315,22 @@ def test_an_environment_failing_every_episode_is_one_line_before_any_update(toke
 def test_an_engine_without_a_token_in_path_is_one_line(tokenizer):
     with pytest.raises(ConfigError, match="token-in path"):
         EpisodeRollout(object(), tokenizer, EpisodeOptions("test_tool_sum"))
+
+
+def test_the_turns_reward_sums_each_turns_reward_with_its_discount(tokenizer):
+    engine = ScriptedEngine(tokenizer, policy_script())
+    options = EpisodeOptions("test_tool_sum", reward="turns", reward_gamma=0.5, batch_window=5.0)
+    rollout = EpisodeRollout(engine, tokenizer, options)
+    batch, trajectories = rollout.generate(RECORDS, 3, torch.device("cpu"))
+    Grader("none")(batch)
+    rollout.grade(batch, trajectories)
+    assert [t.turn_rewards for t in trajectories[:3]] == [(0.0, 1.0), (0.0, 1.0), (0.0, 0.0)]  # the tool turn: 0
+    assert batch.outcome_rewards.tolist() == [0.5, 0.5, 0.0, 0.5, 0.5, 0.0]
+
+
+def test_prompts_longer_than_the_episode_budget_are_one_line(tokenizer):
+    rollout = EpisodeRollout(ScriptedEngine(tokenizer, policy_script()), tokenizer,
+                             EpisodeOptions("test_tool_sum", max_tokens=4))
+    with pytest.raises(RunError, match="no episode of environment 'test_tool_sum' reached the policy's first turn "
+                                       r"\(episodes.max_tokens 4 below the prompts\?\); the first: max_tokens"):
+        rollout.generate(RECORDS, 2, torch.device("cpu"))
