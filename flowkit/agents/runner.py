@@ -25,7 +25,7 @@ from flowkit.agents.episode import Episode, EpisodeSetup, Sample
 from flowkit.agents.rendering import ChatRenderer
 from flowkit.agents.tools import TOOL_CALL_PARSERS, ToolBox
 from flowkit.agents.trajectory import EpisodeReward, Trajectory
-from flowkit.errors import RunError
+from flowkit.errors import ConfigError, RunError
 from flowkit.options import OptionGroup, bounded, registered, registry_entry
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[Sample]]
@@ -33,12 +33,12 @@ GenerateFn = Callable[[list[list[int]], list[int]], list[Sample]]
 
 @dataclass(frozen=True)
 class EpisodeOptions(OptionGroup):
-    """Agent episodes (docs/guides/agents.md; off unless the group is given: each row then is an episode): which
+    """Agent episodes (docs/guides/agents.md; off while ``environment`` is null, else each row is an episode): which
     environment they run in, how the model's tool calls are read, the episodes' bounds and reward."""
 
-    environment: str = registered("long_addition", ENVIRONMENTS)
+    environment: str | None = registered(None, ENVIRONMENTS)
     """a name of :data:`~flowkit.agents.environment.ENVIRONMENTS` (``long_addition``, ``guess_number``) or
-    ``module.name``: the environment importing ``module`` registers"""
+    ``module.name``: the environment importing ``module`` registers; null: no episodes (one response per row)"""
     tool_parser: str = registered("hermes", TOOL_CALL_PARSERS)
     """how tool calls are read from the model's text: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5) or
     another registered parser"""
@@ -87,6 +87,8 @@ class EpisodeRunner:
     def __init__(self, generate: GenerateFn, tokenizer: Any, options: EpisodeOptions,
                  stop_ids: Iterable[int] | None = None):
         options.check("EpisodeOptions")
+        if options.environment is None:
+            raise ConfigError("EpisodeOptions.environment is null: name the environment the episodes run in")
         environment = registry_entry(ENVIRONMENTS, options.environment)
         toolbox = ToolBox(tuple(getattr(environment, "tools", ())), options.call_timeout, options.max_tool_reply_chars,
                           options.max_tool_calls)

@@ -95,7 +95,7 @@ class PolicyModule(L.LightningModule):
         validation: validation's sampling.
         sft: an SFT start before RL.
         episodes: each row an agent episode in ``episodes.environment`` (docs/guides/agents.md), rewarded by it
-            and ``reward_functions`` (``outcome_reward: none``); None (the default): one response per row.
+            and ``reward_functions`` (``outcome_reward: none``); environment null (the default): one response per row.
         peak_flops: the device's peak FLOP/s for ``perf/mfu`` (6·N·tokens / step time / peak); None: the dense bf16
             peak of the CUDA device from :data:`flowkit.step.throughput.DEVICE_PEAK_FLOPS` (vendor datasheets),
             and no ``perf/mfu`` on a CPU or an unknown GPU.
@@ -124,7 +124,7 @@ class PolicyModule(L.LightningModule):
         flow_pretrain: FlowPretrainOptions = FlowPretrainOptions(),
         validation: ValidationOptions = ValidationOptions(),
         sft: SFTOptions = SFTOptions(),
-        episodes: EpisodeOptions | None = None,
+        episodes: EpisodeOptions = EpisodeOptions(),
         peak_flops: float | None = None,
     ):
         super().__init__()
@@ -139,7 +139,7 @@ class PolicyModule(L.LightningModule):
         self.save_hyperparameters(ignore=["reward_model"])
         self.automatic_optimization = False
         self.reward_functions = build_reward_functions(reward_functions)
-        if outcome_reward == "none" and not self.reward_functions and reward_model is None and episodes is None:
+        if outcome_reward == "none" and not self.reward_functions and reward_model is None and not episodes.environment:
             raise ConfigError(f"{OWNER}.outcome_reward 'none' needs a reward_model, episodes or at least one "
                               "entry in reward_functions")
         self.policy, self.tokenizer = load_backbone(backbone, dtype, trust_remote_code)
@@ -180,10 +180,9 @@ class PolicyModule(L.LightningModule):
         reference = KLReference(self.policy, self.reference, snapshot_adapter=self.sft.epochs > 0) if with_kl else None
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
         grader = Grader(self.hparams.outcome_reward, self.reward_functions, self.hparams.grader_timeout)
-        episodes = None if self.episodes is None else EpisodeRollout(self.rollout_engine, self.tokenizer, self.episodes)
         experience = ExperienceMaker(self.actor, self.rollout_engine, grader, self.reward_model, self.advantage,
                                      self.update, self.controls, sampling.num_samples, stream=DataModulePrompts(self),
-                                     episodes=episodes)
+                                     episodes=EpisodeRollout.of(self.rollout_engine, self.tokenizer, self.episodes))
         self.rl_step = RLStep(experience, PolicyUpdate(self.actor, self.update))
 
     def step_optimizer(self) -> LightningOptimizer:

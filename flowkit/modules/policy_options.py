@@ -103,20 +103,20 @@ GROUPS: dict[str, type] = {
 def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_reward: str, grader_timeout: float,
                   peak_flops: float | None, lora: LoraSettings | None, groups: dict[str, OptionGroup]) -> None:
     """A one-line ConfigError for any of PolicyModule's options out of its range, before the backbone loads;
-    ``groups`` holds every group by its key in :data:`GROUPS` (``episodes`` None: off)."""
+    ``groups`` holds every group by its key in :data:`GROUPS`."""
     check_range(owner, "grader_timeout", grader_timeout, 0, open_low=True)
     check_range(owner, "peak_flops", peak_flops, 0, open_low=True)
     if outcome_reward not in literal_values(OutcomeReward):
         raise ConfigError(f"{owner}.outcome_reward must be one of {', '.join(literal_values(OutcomeReward))}, got "
                           f"{outcome_reward!r}")
     for key, group in groups.items():
-        if key not in ("controls", "rollout") and group is not None:  # controls, rollout: checked below
+        if key not in ("controls", "rollout"):  # checked against the sampling group below
             group.check(f"{owner}.{key}")
     sampling, rollout, flow_pretrain = groups["sampling"], groups["rollout"], groups["flow_pretrain"]
     episodes = groups["episodes"]
-    groups["controls"].check_within(f"{owner}.controls", sampling.max_new_tokens if episodes is None
-                                    else episodes.max_tokens)
-    if episodes is not None:
+    groups["controls"].check_within(f"{owner}.controls", episodes.max_tokens if episodes.environment
+                                    else sampling.max_new_tokens)
+    if episodes.environment:
         check_episodes(owner, episodes, outcome_reward, rollout)
     if groups["controls"].dynamic_sampling_max_draws is not None and sampling.num_samples < 2:
         raise ConfigError(f"{owner}.controls.dynamic_sampling_max_draws keeps the groups whose outcomes differ, which "

@@ -35,6 +35,11 @@ class EpisodeRollout:
         self.runner = EpisodeRunner(engine_generate(engine), tokenizer, options)
         self.tokenizer, self.options = tokenizer, options
 
+    @staticmethod
+    def of(engine: RolloutEngine, tokenizer: Any, options: EpisodeOptions) -> EpisodeRollout | None:
+        """The episodes of ``options`` over ``engine``; None while ``options.environment`` is null (no episodes)."""
+        return None if options.environment is None else EpisodeRollout(engine, tokenizer, options)
+
     def generate(self, prompts: PromptBatch, n: int, device: torch.device) -> tuple[RolloutBatch, list[Trajectory]]:
         """``n`` episodes per prompt (rows prompt-major, a group per prompt), each from the record ``{prompt,
         answer, **columns}``, and every episode's trajectory. An episode that ended before the policy's first turn

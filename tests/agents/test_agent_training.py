@@ -14,7 +14,7 @@ import torch
 from agent_fakes import ScriptedPolicy, drift_tokenizer
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flowkit.agents import EnvStep, EpisodeOptions, register_environment
+from flowkit.agents import ENVIRONMENTS, EnvStep, EpisodeOptions
 from flowkit.agents.envs.long_addition import add, boxed_answer
 from flowkit.errors import ConfigError, RunError
 from flowkit.llm.latent_tap import LatentTap
@@ -35,7 +35,6 @@ def flood() -> str:
     return "x" * 10_000_000
 
 
-@register_environment("test_tool_sum")
 class ToolSum:
     """Add the record's numbers with the ``add`` tool and box the sum; reward 1 for it. ``record["fault"]`` makes
     ``reset`` or ``step`` fail."""
@@ -197,6 +196,14 @@ def run_step(tokenizer, noise, advantage, loss):
 @pytest.fixture(scope="module")
 def tokenizer():
     return drift_tokenizer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tool_sum_environment():
+    """Registered while this module's tests run only (the option reference lists the registry's environments)."""
+    ENVIRONMENTS["test_tool_sum"] = ToolSum
+    yield
+    del ENVIRONMENTS["test_tool_sum"]
 
 
 @pytest.mark.parametrize("case", CASES)
