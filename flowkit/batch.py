@@ -16,7 +16,8 @@ class RolloutBatch:
     Each row is ``[left padding][prompt][response][right padding]``, S positions in all (the layout HF
     ``generate`` produces; positions come from ``attention_mask``): every response starts at the same column,
     the batch's longest prompt length. ``response_mask`` marks response tokens (including the EOS token when one
-    was generated).
+    was generated). In an agent episode's row the response is every token after the first prompt, the
+    environment's among them; ``policy_mask`` then marks the tokens the policy sampled.
 
     Shapes: B rows, S positions, P layer percentiles, d hidden size.
     """
@@ -35,7 +36,10 @@ class RolloutBatch:
     advantages: Tensor | None = None  # B×S float
     old_logprobs: Tensor | None = None  # B×S float, logprob of token s under the sampling policy (aligned to input_ids)
     rollout_logprobs: Tensor | None = None  # B×S float, the rollout engine's own log-probs of its samples, same alignment
-    policy_versions: Tensor | None = None  # B long, the policy version (optimizer steps) whose weights sampled each row
+    policy_versions: Tensor | None = None  # B long (B×S: per token, an episode's), the policy version (optimizer
+    #                                        steps) whose weights sampled each row (token)
+    policy_mask: Tensor | None = None  # B×S float, 1 on the tokens the policy sampled (None: every response token)
+    truncated: Tensor | None = None  # B bool, rows a bound cut (None: the step tells them by their EOS)
     ref_logprobs: Tensor | None = None  # B×S float, same under the frozen reference (KL only)
     entropy: Tensor | None = None  # B float, mean token entropy of the response
     token_entropy: Tensor | None = None  # B×S float, token entropies (a micro-batch's, for token-level flow metrics)
@@ -53,8 +57,9 @@ class RolloutBatch:
 
     @property
     def loss_mask(self) -> Tensor:
-        """The tokens a policy loss trains on: every response token (the policy wrote them all)."""
-        return self.response_mask
+        """The tokens a policy loss trains on and a reward model scores: those the policy sampled (``policy_mask``;
+        without one, every response token)."""
+        return self.response_mask if self.policy_mask is None else self.policy_mask
 
     def _map(self, tensor_fn, list_fn) -> RolloutBatch:
         values = {}

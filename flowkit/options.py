@@ -96,7 +96,7 @@ class OptionGroup:
             if not option.init:
                 continue
             value = getattr(self, option.name)
-            if "registry" in option.metadata:
+            if "registry" in option.metadata and not (value is None and option.default is None):  # null: off
                 self._check_registered(f"{owner}.{option.name}", value, option.metadata["registry"])
             allowed = literal_values(hints[option.name])
             if allowed and value not in allowed:

@@ -24,8 +24,8 @@ from flowkit.agents.environment import ENVIRONMENTS
 from flowkit.agents.episode import Episode, EpisodeSetup, Sample
 from flowkit.agents.rendering import ChatRenderer
 from flowkit.agents.tools import TOOL_CALL_PARSERS, ToolBox
-from flowkit.agents.trajectory import Trajectory
-from flowkit.errors import RunError
+from flowkit.agents.trajectory import EpisodeReward, Trajectory
+from flowkit.errors import ConfigError, RunError
 from flowkit.llm.rollout_engine import RolloutEngine, check_token_in
 from flowkit.options import OptionGroup, bounded, registered, registry_entry
 
@@ -34,11 +34,12 @@ GenerateFn = Callable[[list[list[int]], list[int]], list[Sample]]
 
 @dataclass(frozen=True)
 class EpisodeOptions(OptionGroup):
-    """Which environment the episodes run in, how the model's tool calls are read, and the episodes' bounds."""
+    """Agent episodes (docs/guides/agents.md; off while ``environment`` is null, else each row is an episode): which
+    environment they run in, how the model's tool calls are read, the episodes' bounds and reward."""
 
-    environment: str = registered("long_addition", ENVIRONMENTS)
+    environment: str | None = registered(None, ENVIRONMENTS)
     """a name of :data:`~flowkit.agents.environment.ENVIRONMENTS` (``long_addition``, ``guess_number``) or
-    ``module.name``: the environment importing ``module`` registers"""
+    ``module.name``: the environment importing ``module`` registers; null: no episodes (one response per row)"""
     tool_parser: str = registered("hermes", TOOL_CALL_PARSERS)
     """how tool calls are read from the model's text: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5) or
     another registered parser"""
@@ -54,6 +55,12 @@ class EpisodeOptions(OptionGroup):
     """characters of a tool's reply the model reads; a longer reply is cut (counted)"""
     workers: int = bounded(64, 1)
     """threads that run environment and tool calls; as many as the episodes in flight lets none wait for another"""
+    reward: EpisodeReward = "final"
+    """what the environment's reward of an episode is (the RL step adds its ``reward_functions`` over the final
+    answer): ``final``, the reward of the step that ended it; ``turns``, every policy turn's reward summed with
+    ``reward_gamma`` (Σ_k γ^k r_k)"""
+    reward_gamma: float = bounded(1.0, 0, 1)
+    """γ of ``reward: turns``"""
     batch_window: float = bounded(0.05, 0)
     """seconds the runner waits, once an episode is ready for its next turn, for the episodes still answering theirs
     to join the same ``generate`` call (a batched decoder takes about as long for one row as for the batch); the
@@ -82,6 +89,8 @@ class EpisodeRunner:
     def __init__(self, generate: GenerateFn, tokenizer: Any, options: EpisodeOptions,
                  stop_ids: Iterable[int] | None = None):
         options.check("EpisodeOptions")
+        if options.environment is None:
+            raise ConfigError("EpisodeOptions.environment is null: name the environment the episodes run in")
         environment = registry_entry(ENVIRONMENTS, options.environment)
         toolbox = ToolBox(tuple(getattr(environment, "tools", ())), options.call_timeout, options.max_tool_reply_chars,
                           options.max_tool_calls)

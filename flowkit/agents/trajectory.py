@@ -15,6 +15,7 @@ Role = Literal["prompt", "policy", "environment", "tool"]
 # Why an episode ended: the environment said done; a bound (turns, tokens) cut it; a call faulted.
 StopReason = Literal["done", "max_turns", "max_tokens", "tool_timeout", "env_timeout", "env_error"]
 TRUNCATIONS = ("max_turns", "max_tokens")
+EpisodeReward = Literal["final", "turns"]
 COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_replies_truncated", "tool_calls_over_limit",
             "env_errors", "env_timeouts")
 
@@ -62,8 +63,20 @@ class Trajectory:
         apply."""
         return self.stop_reason in TRUNCATIONS
 
+    @property
+    def success(self) -> bool:
+        """The environment ended the episode with a positive reward."""
+        return self.done and self.final_reward > 0
+
     def policy_turns(self) -> list[Turn]:
         return [turn for turn in self.turns if turn.role == "policy"]
+
+    def reward(self, kind: EpisodeReward = "final", gamma: float = 1.0) -> float:
+        """The environment's reward of the episode: ``final``, that of the step that ended it; ``turns``, the policy
+        turns' rewards summed with discount ``gamma`` (Σ_k γ^k r_k)."""
+        if kind == "final":
+            return self.final_reward
+        return sum(gamma**turn * reward for turn, reward in enumerate(self.turn_rewards))
 
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -73,7 +86,7 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     count = max(len(trajectories), 1)
     totals = {name: sum(t.counters[name] for t in trajectories) for name in COUNTERS}
     metrics = {
-        "episodes/success_rate": sum(t.done and t.final_reward > 0 for t in trajectories) / count,
+        "episodes/success_rate": sum(t.success for t in trajectories) / count,
         "episodes/turns_mean": sum(len(t.policy_turns()) for t in trajectories) / count,
         "episodes/tool_error_rate": totals["tool_errors"] / max(totals["tool_calls"], 1),
         "episodes/done_rate": sum(t.done for t in trajectories) / count,

@@ -22,11 +22,13 @@ from flowkit.errors import check_range
 def render_html(rows: list[dict], title: str = "flowkit flow rewards",
                 caption: str = "Tokens shaded by flow reward r_k (eq. 10); hover for the value.") -> str:
     """Response tokens shaded by their dense reward (darker red = larger penalty), prompt in grey; a row's optional
-    ``label`` heads it and its optional ``deviations`` (R_CFM) join each token's hover text."""
+    ``label`` heads it, its optional ``deviations`` (R_CFM) join each token's hover text and its optional ``roles``
+    (an agent episode's) set the environment's and the tools' tokens in blue, apart from the policy's."""
     lowest = min((min(r["rewards"], default=0.0) for r in rows), default=0.0) or -1.0
     parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>",
              "<style>body{font-family:monospace;max-width:60em;margin:2em auto}"
-             ".row{margin:1.5em 0;white-space:pre-wrap}.prompt{color:#888}.label{color:#446;font-weight:bold}</style>",
+             ".row{margin:1.5em 0;white-space:pre-wrap}.prompt{color:#888}.label{color:#446;font-weight:bold}"
+             ".environment,.tool{color:#36c}</style>",
              f"<h1>{html.escape(title)}</h1><p>{html.escape(caption)}</p>"]
     for row in rows:
         parts.append(_row_html(row, lowest))
@@ -35,11 +37,14 @@ def render_html(rows: list[dict], title: str = "flowkit flow rewards",
 
 def _row_html(row: dict, lowest: float) -> str:
     deviations = row.get("deviations") or [None] * len(row["tokens"])
+    roles = row.get("roles") or ["policy"] * len(row["tokens"])
     cells = []
-    for token, reward, deviation in zip(row["tokens"], row["rewards"], deviations):
+    for token, reward, deviation, role in zip(row["tokens"], row["rewards"], deviations, roles):
         alpha = min(1.0, reward / lowest) if reward < 0 else 0.0
-        hover = f"reward {reward:.4g}" + ("" if deviation is None else f", deviation {deviation:.4g}")
-        cells.append(f"<span style='background:rgba(220,40,40,{alpha:.2f})' title='{hover}'>{html.escape(token)}</span>")
+        hover = f"{role}: " * (role != "policy") + f"reward {reward:.4g}" + (
+            "" if deviation is None else f", deviation {deviation:.4g}")
+        cells.append(f"<span style='background:rgba(220,40,40,{alpha:.2f})' class='{role}' title='{hover}'>"
+                     f"{html.escape(token)}</span>")
     label = f"<div class='label'>{html.escape(row['label'])}</div>" if row.get("label") else ""
     return f"<div class='row'>{label}<span class='prompt'>{html.escape(row['prompt'])}</span>{''.join(cells)}</div>"
 
@@ -47,7 +52,8 @@ def _row_html(row: dict, lowest: float) -> str:
 def completion_rows(batch: RolloutBatch, tokenizer, count: int, step: int) -> list[dict[str, Any]]:
     """``count`` rollouts of ``batch`` spread over its prompts: the first sample of every group, then the second of
     every group, ... (so 8 rows of a step of 16 prompts show 8 prompts, not one prompt's group): prompt, completion,
-    outcome reward, correctness, response tokens and their dense rewards (``None`` without a reward model)."""
+    outcome reward, correctness, response tokens and their dense rewards (``None`` without a reward model); an agent
+    episode's row also its ``episode`` (its turns, whose tokens each is, how it ended) and each token's ``role``."""
     order = spread_over_groups(batch.group_ids.cpu())[:count].tolist()
     rows = []
     for i in order:
@@ -63,6 +69,10 @@ def completion_rows(batch: RolloutBatch, tokenizer, count: int, step: int) -> li
             "tokens": [tokenizer.decode([int(batch.input_ids[i, p])]) for p in positions],
             "token_rewards": rewards,
         })
+        if "episode" in batch.columns:  # an agent episode's row: its turns, and whose each response token is
+            episode = batch.columns["episode"][i]
+            rows[-1]["episode"] = episode
+            rows[-1]["roles"] = [turn["role"] for turn in episode["turns"] for _ in range(turn["tokens"])]
     return rows
 
 
@@ -131,7 +141,11 @@ class CompletionLogs(L.Callback):
 def _heat_map_row(row: dict[str, Any]) -> dict[str, Any]:
     rewards = row["token_rewards"] or [0.0] * len(row["tokens"])
     label = f"group {row['group']} · outcome reward {row['outcome_reward']:.4g} · {'correct' if row['correct'] else 'wrong'}"
-    return {"prompt": row["prompt"], "tokens": row["tokens"], "rewards": rewards, "label": label}
+    if "episode" in row:
+        turns = sum(turn["role"] == "policy" for turn in row["episode"]["turns"])
+        label += f" · {turns} policy turns, ended: {row['episode']['stop_reason']}"
+    return {"prompt": row["prompt"], "tokens": row["tokens"], "rewards": rewards, "label": label,
+            "roles": row.get("roles")}
 
 
 TABLE_COLUMNS = ["step", "group", "prompt", "completion", "outcome_reward", "correct", "dense_reward_sum"]

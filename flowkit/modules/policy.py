@@ -16,6 +16,7 @@ from flowkit.step import (
     Actor, AdvantageOptions, Experience, ExperienceMaker, Grader, KLReference, LossOptions, NonFiniteStep,
     PolicyUpdate, PromptBatch, RLStep, SamplingControls, SamplingOptions, UpdateOptions,
 )
+from flowkit.step.episodes import EpisodeRollout
 from flowkit.step.throughput import device_peak_flops, model_flops_utilization
 from flowkit.errors import ConfigError, NonFiniteTraining
 from flowkit.llm.backbone import load_backbone
@@ -30,7 +31,7 @@ from flowkit.modules.policy_checkpoints import (
 from flowkit.modules.policy_optimizer import LightningOptimizer
 from flowkit.modules.policy_optimizers import build_optimizer, pretrain_reward_model, pretrain_unless_resuming
 from flowkit.modules.policy_options import (
-    MOVED_OPTIONS, FlowPretrainOptions, OptimOptions, SFTOptions, ValidationOptions, check_options,
+    MOVED_OPTIONS, EpisodeOptions, FlowPretrainOptions, OptimOptions, SFTOptions, ValidationOptions, check_options,
 )
 from flowkit.modules.policy_validation import PolicyValidator
 from flowkit.modules.step_guard import StepGuard
@@ -93,6 +94,8 @@ class PolicyModule(L.LightningModule):
         flow_pretrain: the offline start of the reward model.
         validation: validation's sampling.
         sft: an SFT start before RL.
+        episodes: each row an agent episode in ``episodes.environment`` (docs/guides/agents.md), rewarded by it
+            and ``reward_functions`` (``outcome_reward: none``); environment null (the default): one response per row.
         peak_flops: the device's peak FLOP/s for ``perf/mfu`` (6·N·tokens / step time / peak); None: the dense bf16
             peak of the CUDA device from :data:`flowkit.step.throughput.DEVICE_PEAK_FLOPS` (vendor datasheets),
             and no ``perf/mfu`` on a CPU or an unknown GPU.
@@ -121,22 +124,24 @@ class PolicyModule(L.LightningModule):
         flow_pretrain: FlowPretrainOptions = FlowPretrainOptions(),
         validation: ValidationOptions = ValidationOptions(),
         sft: SFTOptions = SFTOptions(),
+        episodes: EpisodeOptions = EpisodeOptions(),
         peak_flops: float | None = None,
     ):
         super().__init__()
         check_options(OWNER, reward_model, outcome_reward, grader_timeout, peak_flops, lora, dict(
             sampling=sampling, advantage=advantage, loss=loss, update=update, optim=optim, controls=controls,
-            rollout=rollout, flow_pretrain=flow_pretrain, validation=validation, sft=sft))
+            rollout=rollout, flow_pretrain=flow_pretrain, validation=validation, sft=sft, episodes=episodes))
         self.sampling, self.advantage, self.optim, self.controls = sampling, advantage, optim, controls
         self.rollout, self.flow_pretrain, self.validation, self.sft = rollout, flow_pretrain, validation, sft
+        self.episodes = episodes
         self.loss_options = loss.with_budget(sampling.max_new_tokens)
         self.update = update.at_temperature(sampling.temperature)
         self.save_hyperparameters(ignore=["reward_model"])
         self.automatic_optimization = False
         self.reward_functions = build_reward_functions(reward_functions)
-        if outcome_reward == "none" and not self.reward_functions and reward_model is None:
-            raise ConfigError(f"{OWNER}.outcome_reward 'none' needs a reward_model or at least one entry in "
-                              "reward_functions")
+        if outcome_reward == "none" and not self.reward_functions and reward_model is None and not episodes.environment:
+            raise ConfigError(f"{OWNER}.outcome_reward 'none' needs a reward_model, episodes or at least one "
+                              "entry in reward_functions")
         self.policy, self.tokenizer = load_backbone(backbone, dtype, trust_remote_code)
         self.policy.train()  # from_pretrained returns eval mode; RL trains in train mode, as after flow pretraining
         self.reference = None  # the frozen initial policy of the KL, without LoRA (a checkpoint key)
@@ -176,7 +181,8 @@ class PolicyModule(L.LightningModule):
         self.actor = Actor(self.policy, self.tap, self.value_head, reference, self.update, self.loss_options)
         grader = Grader(self.hparams.outcome_reward, self.reward_functions, self.hparams.grader_timeout)
         experience = ExperienceMaker(self.actor, self.rollout_engine, grader, self.reward_model, self.advantage,
-                                     self.update, self.controls, sampling.num_samples, stream=DataModulePrompts(self))
+                                     self.update, self.controls, sampling.num_samples, stream=DataModulePrompts(self),
+                                     episodes=EpisodeRollout.of(self.rollout_engine, self.tokenizer, self.episodes))
         self.rl_step = RLStep(experience, PolicyUpdate(self.actor, self.update))
 
     def step_optimizer(self) -> LightningOptimizer:

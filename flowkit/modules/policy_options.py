@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 
+from flowkit.agents import EpisodeOptions
 from flowkit.step.options import AdvantageOptions, LossOptions, SamplingControls, SamplingOptions, UpdateOptions
 from flowkit.errors import ConfigError, check_range
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
@@ -22,9 +23,9 @@ from flowkit.rewards.base import PretrainsOnLatents, TokenRewardModel
 from flowkit.rewards.flow.options import reference_tables
 from flowkit.rewards.functions import OutcomeReward
 
-__all__ = ["AdvantageOptions", "FlowPretrainOptions", "GROUPS", "LossOptions", "MOVED_OPTIONS", "OptimOptions",
-           "RolloutOptions", "SFTOptions", "SamplingControls", "SamplingOptions", "UpdateOptions", "ValidationOptions",
-           "check_options", "option_tables"]
+__all__ = ["AdvantageOptions", "EpisodeOptions", "FlowPretrainOptions", "GROUPS", "LossOptions", "MOVED_OPTIONS",
+           "OptimOptions", "RolloutOptions", "SFTOptions", "SamplingControls", "SamplingOptions", "UpdateOptions",
+           "ValidationOptions", "check_options", "option_tables"]
 
 
 @dataclass(frozen=True)
@@ -88,14 +89,15 @@ class SFTOptions(OptionGroup):
 
 
 # Saved in the hyper-parameters of a checkpoint, which Lightning and flowkit load with weights_only.
-torch.serialization.add_safe_globals([OptimOptions, FlowPretrainOptions, ValidationOptions, SFTOptions])
+torch.serialization.add_safe_globals([OptimOptions, FlowPretrainOptions, ValidationOptions, SFTOptions,
+                                      EpisodeOptions])
 
 # PolicyModule's groups by key, in the order of its signature (and of the option reference's tables).
 GROUPS: dict[str, type] = {
     "sampling": SamplingOptions, "advantage": AdvantageOptions, "loss": LossOptions, "update": UpdateOptions,
     "optim": OptimOptions, "controls": SamplingControls, "rollout": RolloutOptions,
     "flow_pretrain": FlowPretrainOptions,
-    "validation": ValidationOptions, "sft": SFTOptions,
+    "validation": ValidationOptions, "sft": SFTOptions, "episodes": EpisodeOptions,
 }
 
 def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_reward: str, grader_timeout: float,
@@ -111,7 +113,11 @@ def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_rew
         if key not in ("controls", "rollout"):  # checked against the sampling group below
             group.check(f"{owner}.{key}")
     sampling, rollout, flow_pretrain = groups["sampling"], groups["rollout"], groups["flow_pretrain"]
-    groups["controls"].check_within(f"{owner}.controls", sampling.max_new_tokens)
+    episodes = groups["episodes"]
+    groups["controls"].check_within(f"{owner}.controls", episodes.max_tokens if episodes.environment
+                                    else sampling.max_new_tokens)
+    if episodes.environment:
+        check_episodes(owner, episodes, outcome_reward, rollout)
     if groups["controls"].dynamic_sampling_max_draws is not None and sampling.num_samples < 2:
         raise ConfigError(f"{owner}.controls.dynamic_sampling_max_draws keeps the groups whose outcomes differ, which "
                           f"a group of {owner}.sampling.num_samples 1 never has: use num_samples >= 2, or "
@@ -127,6 +133,18 @@ def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_rew
                           f"pretrain (flowkit.rewards.PretrainsOnLatents, e.g. a FlowReward); "
                           f"{type(reward_model).__name__ if reward_model else None} has no {missing}; "
                           "set flow_pretrain.steps 0")
+
+
+def check_episodes(owner: str, episodes: EpisodeOptions, outcome_reward: str, rollout: RolloutOptions) -> None:
+    """Episodes take their outcome reward from the environment (plus ``reward_functions``) and run on the step's
+    weights."""
+    if outcome_reward != "none":
+        raise ConfigError(f"{owner}.episodes rewards an episode with its environment's reward (and reward_functions "
+                          f"over the final answer), not the math grader: set {owner}.outcome_reward none, got "
+                          f"{outcome_reward!r}")
+    if rollout.max_staleness:
+        raise ConfigError(f"{owner}.episodes run on the step's weights; {owner}.rollout.max_staleness "
+                          f"{rollout.max_staleness} (generation ahead of training) does not run episodes yet: set 0")
 
 
 _RENAMED = {

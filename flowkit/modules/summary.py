@@ -23,6 +23,9 @@ from flowkit.modules.callbacks import ExportArtifacts
 # Logged metrics that measure the model on data it does not train on: PolicyModule's `val/<set>/pass@k`, the
 # explanation module's `val/*` and `final/*`, the selector's `eval/*`.
 HELD_OUT_PREFIXES = ("val/", "final/", "eval/")
+# What a fit over agent episodes reports of them (flowkit.agents.episode_metrics), as the summary names it.
+EPISODE_METRICS = {"episodes/success_rate": "success rate", "episodes/turns_mean": "turns per episode",
+                   "episodes/tool_error_rate": "tool-call error rate"}
 
 
 class ParameterSummary(ModelSummary):
@@ -48,6 +51,7 @@ class RunSummary(L.Callback):
         fit summary: 60 steps (0 → 60) in 349 s
           val/heldout: pass@1 0.3625, pass@4 0.805
           outcome reward: 0.3055 over steps 1-10, 0.3953 over steps 51-60
+          episodes: success rate 0.25 → 0.375, turns per episode 2.1 → 2.4, tool-call error rate 0.1 → 0.05
           skipped steps: 0
           checkpoint: runs/rlfr_tiny/checkpoints/last.ckpt
           export: runs/rlfr_tiny/version_0/export
@@ -55,7 +59,8 @@ class RunSummary(L.Callback):
 
     The held-out lines are every logged ``val/``, ``final/`` and ``eval/`` metric of the last evaluation, one line
     per eval set; the outcome reward is the mean of ``reward_metric`` over the first and the last ``window`` steps
-    of this fit (fewer when the fit is shorter than ``2 * window`` steps, so the two never overlap). A line whose
+    of this fit (fewer when the fit is shorter than ``2 * window`` steps, so the two never overlap), and so are the
+    episodes' success rate, turns and tool-call error rate of a fit over agent episodes. A line whose
     numbers a module does not log is left out (the flow, selector and explanation modules have no outcome reward).
     The time counts from the fit's setup (offline flow pretraining included); paths under the working directory
     are shown relative to it.
@@ -71,6 +76,7 @@ class RunSummary(L.Callback):
         self.window = window
         self.reward_metric = reward_metric
         self._rewards: dict[int, float] = {}
+        self._episodes: dict[str, dict[int, float]] = {}
         self._start_step: int | None = None
         self._start_time = 0.0
         self._log_dir: Path | None = None
@@ -80,7 +86,7 @@ class RunSummary(L.Callback):
             return
         # Before the module's setup, so the time includes offline flow pretraining. `log_dir` is a broadcast: every
         # rank asks here, where all of them run (only rank 0 prints at the end).
-        self._rewards, self._start_step, self._start_time = {}, None, time.monotonic()
+        self._rewards, self._episodes, self._start_step, self._start_time = {}, {}, None, time.monotonic()
         self._log_dir = Path(trainer.log_dir or trainer.default_root_dir)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -91,6 +97,8 @@ class RunSummary(L.Callback):
         reward = trainer.callback_metrics.get(self.reward_metric)
         if reward is not None:
             self._rewards[trainer.global_step] = float(reward)
+        for key in EPISODE_METRICS.keys() & trainer.callback_metrics.keys():
+            self._episodes.setdefault(key, {})[trainer.global_step] = float(trainer.callback_metrics[key])
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
@@ -103,7 +111,10 @@ class RunSummary(L.Callback):
                  f"in {time.monotonic() - self._start_time:.0f} s"]
         lines += [f"  {group}: {values}" for group, values in _held_out(trainer.callback_metrics).items()]
         if self._rewards:
-            lines.append(f"  outcome reward: {self._reward_trend()}")
+            lines.append(f"  outcome reward: {self._trend(self._rewards)}")
+        if self._episodes:
+            lines.append("  episodes: " + ", ".join(f"{name} {self._trend(self._episodes[key], arrow=True)}"
+                                                     for key, name in EPISODE_METRICS.items() if key in self._episodes))
         if "train/skipped_steps" in trainer.callback_metrics:
             lines.append(f"  skipped steps: {int(trainer.callback_metrics['train/skipped_steps'])}")
         for checkpoint in trainer.checkpoint_callbacks:
@@ -122,14 +133,16 @@ class RunSummary(L.Callback):
                 lines.append(f"  logs ({type(logger).__name__}): {_shown(logger.log_dir or logger.save_dir)}")
         return lines
 
-    def _reward_trend(self) -> str:
-        steps = sorted(self._rewards)
+    def _trend(self, values: dict[int, float], arrow: bool = False) -> str:
+        """The mean of ``values`` over the first and the last ``window`` steps (``arrow``: ``a → b`` alone)."""
+        steps = sorted(values)
         if len(steps) == 1:
-            return f"{self._rewards[steps[0]]:.4g} at step {steps[0]}"
+            return f"{values[steps[0]]:.4g}" + ("" if arrow else f" at step {steps[0]}")
         n = min(self.window, len(steps) // 2)
         first, last = steps[:n], steps[-n:]
-        return (f"{_mean(self._rewards, first):.4g} over {_span(first)}, "
-                f"{_mean(self._rewards, last):.4g} over {_span(last)}")
+        if arrow:
+            return f"{_mean(values, first):.4g} → {_mean(values, last):.4g}"
+        return f"{_mean(values, first):.4g} over {_span(first)}, {_mean(values, last):.4g} over {_span(last)}"
 
 
 def _held_out(metrics: dict[str, Any]) -> dict[str, str]:

@@ -48,15 +48,24 @@ def group_normalized_advantage(outcome_rewards: Tensor, group_ids: Tensor, eps: 
     return centered / (var.sqrt()[inverse] + eps)
 
 
+def masked_first(mask: Tensor) -> Tensor:
+    """B×S column order putting each row's ``mask`` positions first, in their order: a sequence estimator gathered
+    through it runs over the masked tokens as one contiguous sequence (an agent episode's policy tokens, the
+    environment's between them left out), and its result is scattered back through it."""
+    return torch.sort((mask <= 0).to(torch.int8), dim=-1, stable=True).indices
+
+
 def reward_to_go(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """Σ_{s≥k} γ^{s−k} r_s along the sequence dimension, restricted to ``mask``."""
-    rewards = token_rewards.float() * mask
+    """Σ γ^{j} r over the masked tokens from k on (the j-th after k), 0 off ``mask``: tokens off the mask (an
+    episode's environment tokens) neither add a reward nor a discount step."""
+    order = masked_first(mask)
+    rewards = (token_rewards.float() * mask).gather(-1, order)
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for k in range(rewards.shape[1] - 1, -1, -1):
         running = rewards[:, k] + gamma * running
         returns[:, k] = running
-    return returns * mask
+    return _unpacked(returns, order) * mask
 
 
 def token_advantages(outcome_advantages: Tensor, response_mask: Tensor, token_rewards: Tensor | None = None,
@@ -107,15 +116,22 @@ def gae(rewards: Tensor, values: Tensor, dones: Tensor, last_value: Tensor, gamm
 
 
 def sequence_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    """:func:`gae` along each row's response tokens (B×S, contiguous under ``mask``): the episode ends at the last
-    response token, V = 0 after it. Returns (advantages, returns), both 0 off the mask."""
-    mask = mask.float()
+    """:func:`gae` along each row's masked tokens (B×S) as one sequence (:func:`masked_first`: an episode's
+    environment tokens are no steps of it): it ends at the last masked token, V = 0 after it. Returns (advantages,
+    returns), both 0 off the mask."""
+    order = masked_first(mask)
+    mask = mask.float().gather(-1, order)
     positions = torch.arange(mask.shape[1], device=mask.device)
     last = torch.where(mask > 0, positions, -1).amax(-1, keepdim=True)
-    done = (positions >= last).float()  # the last response token and the padding after it end the episode
-    advantages, returns = gae((rewards.float() * mask).T, (values.float() * mask).T, done.T,
-                              torch.zeros(mask.shape[0], device=mask.device), gamma, lam)
-    return advantages.T * mask, returns.T * mask
+    done = (positions >= last).float()  # the last masked token and the padding after it end the episode
+    advantages, returns = gae((rewards.float().gather(-1, order) * mask).T, (values.float().gather(-1, order) * mask).T,
+                              done.T, torch.zeros(mask.shape[0], device=mask.device), gamma, lam)
+    return _unpacked(advantages.T * mask, order), _unpacked(returns.T * mask, order)
+
+
+def _unpacked(packed: Tensor, order: Tensor) -> Tensor:
+    """``packed`` (gathered through :func:`masked_first`'s ``order``) back at its columns."""
+    return torch.zeros_like(packed).scatter(-1, order, packed)
 
 
 def whitened(values: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:

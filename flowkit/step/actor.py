@@ -140,6 +140,11 @@ class Actor:
         self.policy, self.tap, self.value_head, self.reference = policy, tap, value_head, reference
         self.update, self.options = update, loss
 
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's weights are, and the rows it reads must be."""
+        return next(self.policy.parameters()).device
+
     def forward(self, batch: RolloutBatch, tap: bool = False, temperature: float | None = None) -> ActorOutput:
         """Log-probs through the LM head in chunks (never B×S×V logits) at ``temperature`` (default: the sampling
         temperature), entropies, the latents (with ``tap``) and the values (with a value head) of ``batch``'s rows."""
@@ -190,10 +195,11 @@ class Actor:
         minibatch's ``tokens`` (``gae``). The shares add up to the minibatch loss whatever the micro-batch size."""
         options = self.options
         old_logprobs = out.logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
-        if micro.entropy is None:  # no scoring pass: this forward measures the rows' entropy
-            mask = micro.response_mask
-            rows = (out.entropy.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            stats.add_weighted("train/entropy", rows.mean(), float(micro.batch_size))
+        if micro.entropy is None:  # no scoring pass: this forward measures the entropy of the rows it trains on
+            mask, trained = micro.loss_mask, micro.loss_mask.any(-1)
+            if trained.any():
+                rows = (out.entropy.detach() * mask).sum(-1)[trained] / mask.sum(-1)[trained]
+                stats.add_weighted("train/entropy", rows.mean(), float(trained.sum()))
         anchor, weights = old_logprobs, None
         if micro.rollout_logprobs is not None:
             anchor, weights = self._rollout_correction(micro, old_logprobs, out, stats)

@@ -46,9 +46,10 @@ class Experience:
     """One RL step's rows, ready for the update. B rows, S positions (RolloutBatch's layout: left-padded prompt, then
     the response); every B×S tensor aligned to ``input_ids`` (position s holds token s's value).
 
-    ``loss_mask`` is 1 on the tokens the policy loss trains on: today the response tokens of the rows kept in the loss
-    (``controls.mask_truncated`` drops truncated rows); a trajectory with tokens the policy did not write (an
-    environment's) has 0 there while ``response_mask`` still marks every token after the prompt.
+    ``loss_mask`` is 1 on the tokens the policy loss trains on: the tokens the policy sampled
+    (:attr:`RolloutBatch.loss_mask <flowkit.batch.RolloutBatch.loss_mask>`) of the rows kept in the loss
+    (``controls.mask_truncated`` drops truncated rows); an agent episode's row has 0 on the environment's tokens while
+    ``response_mask`` still marks every token after the prompt.
     """
 
     input_ids: Tensor  # B×S long
@@ -114,12 +115,15 @@ class Experience:
     @staticmethod
     def of(batch: RolloutBatch, sample_index: Tensor, loss_mask: Tensor, reward_step: StepScorer | None,
            metrics: dict[str, float]) -> Experience:
-        """The finished record of a graded and scored ``batch`` (a row's policy version on each of its tokens)."""
+        """The finished record of a graded and scored ``batch`` (a row's policy version on each of its tokens, unless
+        the batch has one per token)."""
         versions = batch.policy_versions.to(batch.input_ids.device)
+        if versions.dim() == 1:
+            versions = versions[:, None].expand_as(batch.input_ids)
         return Experience(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, response_mask=batch.response_mask,
             loss_mask=loss_mask, group_ids=batch.group_ids, sample_index=sample_index,
-            policy_versions=versions[:, None].expand_as(batch.input_ids).long(),
+            policy_versions=versions.long(),
             old_logprobs=batch.old_logprobs, advantages=batch.advantages, outcome_rewards=batch.outcome_rewards,
             correct=batch.correct, entropy=batch.entropy, rollout_logprobs=batch.rollout_logprobs,
             ref_logprobs=batch.ref_logprobs, token_rewards=batch.token_rewards, old_values=batch.old_values,

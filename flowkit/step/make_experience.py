@@ -30,6 +30,7 @@ from flowkit.rewards.base import PadsScoring, StepScorer, TokenRewardModel, chec
 from flowkit.rl.advantages import ESTIMATORS, AdvantageInputs, entropy_shaped_advantages, whitened
 from flowkit.rl.losses import kl_shaped_rewards
 from flowkit.step.actor import Actor
+from flowkit.step.episodes import EpisodeRollout
 from flowkit.step.experience import Experience, PromptBatch, PromptSource
 from flowkit.step.finite import NonFiniteCheck, raise_if_nonfinite
 from flowkit.step.micro_batches import longest_first, micro_batch_rows, sequence_lengths
@@ -50,15 +51,17 @@ class ExperienceMaker:
         advantage, update, controls: option groups (``update``: the micro-batching of the scoring pass).
         num_samples: responses per prompt.
         stream: where dynamic sampling draws more prompts (:class:`~flowkit.step.PromptSource`); None without it.
+        episodes: generates the rows as agent episodes (:class:`~flowkit.step.episodes.EpisodeRollout`, over
+            ``rollout``'s token-in path); None: one response per row.
     """
 
     def __init__(self, actor: Actor, rollout: RolloutEngine, grader: Callable[[RolloutBatch], dict[str, Tensor]],
                  reward_model: TokenRewardModel | None,
                  advantage: AdvantageOptions, update: UpdateOptions, controls: SamplingControls, num_samples: int,
-                 stream: PromptSource | None = None):
+                 stream: PromptSource | None = None, episodes: EpisodeRollout | None = None):
         self.actor, self.rollout, self.grader, self.reward_model = actor, rollout, grader, reward_model
         self.advantage, self.update, self.controls, self.num_samples = advantage, update, controls, num_samples
-        self.stream = stream
+        self.stream, self.episodes = stream, episodes
         self.estimator, self.estimator_context = registry_entry(ESTIMATORS, advantage.estimator), advantage.context()
 
     def make_experience(self, prompts: PromptBatch, step: int) -> Experience:
@@ -84,21 +87,26 @@ class ExperienceMaker:
         else:
             self._advantages(batch)
         metrics["time/score_s"] = time.perf_counter() - start
-        loss_mask = batch.response_mask if in_loss is None else batch.response_mask * in_loss[:, None]
+        loss_mask = batch.loss_mask if in_loss is None else batch.loss_mask * in_loss[:, None]
         return Experience.of(batch, order, loss_mask, scorer, metrics)
 
     # ------------------------------------------------------------------------------------------ sampling controls
     def _generated(self, prompts: PromptBatch, metrics: dict[str, float]) -> RolloutBatch:
-        """``num_samples`` responses per prompt, graded (the generation time added to ``metrics``)."""
+        """``num_samples`` responses (or episodes) per prompt, graded (the generation time added to ``metrics``)."""
         start = time.perf_counter()
-        batch = self.rollout.generate(prompts.prompts, self.num_samples, prompts.answers)
-        batch.columns = {key: [value for value in values for _ in range(self.num_samples)]  # rows are prompt-major
-                         for key, values in prompts.columns.items()}
+        if self.episodes is not None:
+            batch, trajectories = self.episodes.generate(prompts, self.num_samples, self.actor.device)
+        else:
+            batch = self.rollout.generate(prompts.prompts, self.num_samples, prompts.answers)
+            batch.columns = {key: [value for value in values for _ in range(self.num_samples)]  # prompt-major rows
+                             for key, values in prompts.columns.items()}
         if batch.policy_versions is None:  # an engine that does not count versions samples with the current weights
             batch.policy_versions = torch.full((batch.batch_size,), self.rollout.policy_version)
         metrics["time/generate_s"] += time.perf_counter() - start
         raise_if_nonfinite(["generation logits"] if self.rollout.saw_nonfinite_logits else [])
         metrics.update(self.grader(batch))
+        if self.episodes is not None:
+            metrics.update(self.episodes.grade(batch, trajectories))
         return batch
 
     def _dynamic_sampling(self, batch: RolloutBatch, step: int, metrics: dict[str, float]) -> RolloutBatch:
@@ -144,13 +152,23 @@ class ExperienceMaker:
             kept = int(batch.group_ids[_informative_rows(batch)].unique().numel())
             metrics["train/zero_advantage_group_frac"] = 1.0 - kept / max(1, drawn)
         if controls.overlong_buffer_length is not None:
+            lengths, limit = self._lengths(batch)
             batch.outcome_rewards = batch.outcome_rewards.float() + overlong_penalty(
-                batch.response_lengths, self.actor.options.max_new_tokens, controls.overlong_buffer_length,
-                controls.overlong_penalty)
+                lengths, limit, controls.overlong_buffer_length, controls.overlong_penalty)
         return (~truncated).float() if controls.mask_truncated else None
 
+    def _lengths(self, batch: RolloutBatch) -> tuple[Tensor, int]:
+        """B lengths the overlong buffer reads and their limit: the responses against ``max_new_tokens``; episodes
+        (prompt and every turn) against their token budget."""
+        if self.episodes is None:
+            return batch.response_lengths, self.actor.options.max_new_tokens
+        return batch.attention_mask.sum(-1), self.episodes.options.max_tokens
+
     def _truncated(self, batch: RolloutBatch) -> Tensor:
-        """B bool: responses without an EOS token (cut at ``max_new_tokens``; without an EOS id: that long)."""
+        """B bool: rows a bound cut (episodes: the runner's turn or token bound), else responses without an EOS
+        token (cut at ``max_new_tokens``; without an EOS id: that long)."""
+        if batch.truncated is not None:
+            return batch.truncated
         eos = self.rollout.tokenizer.eos_token_id
         if eos is None:
             return batch.response_lengths >= self.actor.options.max_new_tokens
@@ -169,13 +187,13 @@ class ExperienceMaker:
         """The advantages of a step without a scoring pass: the estimator over the outcomes alone (its old log-probs
         and entropies stay None: the update's forward gives them)."""
         outcome = self.estimator.outcome(batch.outcome_rewards, batch.group_ids, self.estimator_context)
-        inputs = AdvantageInputs(outcome, batch.response_mask, None, None)
+        inputs = AdvantageInputs(outcome, batch.loss_mask, None, None)
         batch.advantages, batch.returns = self.estimator.tokens(inputs, self.estimator_context)
         check = NonFiniteCheck()
-        check.note("advantages", batch.advantages, batch.response_mask.bool())
+        check.note("advantages", batch.advantages, batch.loss_mask.bool())
         raise_if_nonfinite(check.nonfinite())
         if self.estimator.whiten:
-            batch.advantages = whitened(batch.advantages, batch.response_mask)
+            batch.advantages = whitened(batch.advantages, batch.loss_mask)
 
     @torch.no_grad()
     def _score(self, batch: RolloutBatch, scorer: StepScorer | None) -> None:
@@ -192,7 +210,7 @@ class ExperienceMaker:
                 self._padding(batch, scorer)
                 continue
             micro = self._scored(batch.select(rows).trimmed(), rows, outcome, scorer)
-            response = micro.response_mask.bool()
+            response = micro.loss_mask.bool()
             for name, values in (("log-probs", micro.old_logprobs), ("advantages", micro.advantages),
                                  ("token rewards", micro.token_rewards)):
                 if values is not None:
@@ -206,14 +224,15 @@ class ExperienceMaker:
         for name, values in parts.items():
             setattr(batch, name, torch.cat(values) if values else None)
         if self.estimator.whiten:
-            batch.advantages = whitened(batch.advantages, batch.response_mask)
+            batch.advantages = whitened(batch.advantages, batch.loss_mask)
 
     def _scored(self, micro: RolloutBatch, rows: Tensor, outcome: Tensor, scorer: StepScorer | None) -> RolloutBatch:
         """A micro-batch's forward, then what the update needs of it: old log-probs, entropies, reference log-probs,
-        token rewards (the reward model reads the latents, then they go), values and advantages."""
+        token rewards (the reward model reads the latents, then they go), values and advantages, over the tokens
+        the policy sampled (``loss_mask``; an episode's environment tokens are read by the forward only)."""
         out = self.actor.forward(micro, tap=scorer is not None)
         micro.old_logprobs = out.logprobs.detach()
-        mask = micro.response_mask
+        mask = micro.loss_mask
         micro.entropy = (out.entropy.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         if self.actor.reference is not None:
             micro.ref_logprobs = self.actor.reference_logprobs(micro)

@@ -41,7 +41,7 @@ def column_adder(messages):
 def test_long_addition_is_solved_with_one_add_call_per_column(tokenizer):
     records = long_addition_records("val")
     records = [r for r in records if r["prompt"].endswith("9=")][:2] + records[:6]
-    runner = EpisodeRunner(ScriptedPolicy(tokenizer, column_adder), tokenizer, EpisodeOptions())
+    runner = EpisodeRunner(ScriptedPolicy(tokenizer, column_adder), tokenizer, EpisodeOptions("long_addition"))
     trajectories = runner.run(records)
     for record, trajectory in zip(records, trajectories):
         assert trajectory.done and trajectory.counters["tool_calls"] == 3 and trajectory.counters["tool_errors"] == 0

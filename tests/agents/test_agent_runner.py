@@ -10,7 +10,9 @@ import threading
 import pytest
 from agent_fakes import TEMPLATE, ScriptedPolicy, drift_tokenizer
 
-from flowkit.agents import EnvStep, EpisodeOptions, EpisodeRunner, episode_metrics, register_environment, tool_schema
+from flowkit.agents import (
+    ENVIRONMENTS, EnvStep, EpisodeOptions, EpisodeRunner, episode_metrics, register_environment, tool_schema,
+)
 from flowkit.agents.envs.long_addition import add, boxed_answer
 from flowkit.errors import ConfigError, RunError
 
@@ -27,6 +29,15 @@ def release_hung_calls():
     HANG.clear()
     yield
     HANG.set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def calculator_environment():
+    """The test environments are registered while this module's tests run only (the option reference lists the
+    registry's environments)."""
+    register_environment("test_calculator")(Calculator)
+    yield
+    del ENVIRONMENTS["test_calculator"]
 
 
 def explode(reason: str) -> str:
@@ -53,7 +64,6 @@ def hang() -> str:
     return "late"
 
 
-@register_environment("test_calculator")
 class Calculator:
     """Answer ``record["answer"]`` in a box; reward 1 for it. Its ``reset`` / ``step`` fail as the record asks."""
 
@@ -215,7 +225,7 @@ def test_turn_and_token_bounds_end_episodes_as_truncated(tokenizer):
 
 
 def test_user_errors_are_one_line_before_any_episode(tokenizer):
-    with pytest.raises(ConfigError, match="EpisodeOptions.environment must be one of .*test_calculator, got "
+    with pytest.raises(ConfigError, match="EpisodeOptions.environment must be one of .*test_calculator.*, got "
                                           "'test_calculater'; did you mean 'test_calculator'"):
         EpisodeRunner(lambda *_: [], tokenizer, EpisodeOptions(environment="test_calculater"))
     with pytest.raises(ConfigError, match="EpisodeOptions.max_turns must be >= 1, got 0"):
@@ -224,7 +234,7 @@ def test_user_errors_are_one_line_before_any_episode(tokenizer):
         EpisodeRunner(lambda *_: [], tokenizer, EpisodeOptions(environment="test_calculator", tool_parser="json"))
 
 
-def test_an_episode_waits_for_the_engine_not_for_another_episodes_tool(tokenizer):
+def test_an_episode_waits_for_the_engine_not_for_another_episodes_tool(tokenizer, monkeypatch):
     """The slow episode's tool blocks until the fast episode has been given its third turn: a runner that waited for
     every tool before generating again would never get there (the tool would time out after 30 s)."""
     released = threading.Event()
@@ -233,9 +243,10 @@ def test_an_episode_waits_for_the_engine_not_for_another_episodes_tool(tokenizer
         """Wait until the other episode has moved on."""
         return "released" if released.wait(30) else "still blocked"
 
-    @register_environment("test_two_speeds")
     class TwoSpeeds(Calculator):
         tools = (add, wait_for_release)
+
+    monkeypatch.setitem(ENVIRONMENTS, "test_two_speeds", TwoSpeeds)
 
     def policy(messages):
         prompt = next(content for role, content in messages if role == "user")

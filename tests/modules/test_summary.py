@@ -70,8 +70,7 @@ def test_console_has_no_litlogger_tip_flops_or_checkpointing_deprecation(tiny_ru
 ])
 def test_reward_trend_compares_the_first_and_last_window_of_steps(steps, expected):
     summary = RunSummary(window=10)
-    summary._rewards = {step: float(step) for step in range(1, steps + 1)}  # the reward of step s is s
-    assert summary._reward_trend() == expected
+    assert summary._trend({step: float(step) for step in range(1, steps + 1)}) == expected  # step s's reward: s
 
 
 def _fit_with_summary(module, data, tmp_path, *callbacks, **trainer_args):

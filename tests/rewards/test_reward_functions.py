@@ -85,7 +85,8 @@ def test_the_grader_adds_the_functions_to_the_outcome_reward(single_thread):
     assert metrics == {"train/reward/boxed_format_reward": pytest.approx(2 / 3)}
     assert batch.correct.tolist() == [True, False, False]  # accuracy stays the grader's verdict
 
-    with pytest.raises(ConfigError, match="outcome_reward 'none' needs a reward_model or at least one entry in reward_functions"):
+    with pytest.raises(ConfigError, match="outcome_reward 'none' needs a reward_model, episodes or at least one "
+                                          "entry in reward_functions"):
         PolicyModule(outcome_reward="none")
 
 

@@ -15,6 +15,7 @@ from flowkit.rl.advantages import (
     reinforce_tokens,
     reward_to_go,
     rloo_outcome,
+    sequence_gae,
     token_advantages,
 )
 
@@ -159,3 +160,21 @@ def test_token_stages_by_hand():
     advantages, returns = gae_tokens(valued, AdvantageContext(gamma=0.5, lam=1.0))
     torch.testing.assert_close(advantages, torch.tensor([[0.0, -0.2, 0.6]]))
     torch.testing.assert_close(returns, torch.tensor([[0.0, 0.3, 0.8]]))
+
+
+def test_sequence_estimators_skip_the_tokens_off_the_mask_as_if_they_were_not_there():
+    """An agent episode's policy tokens with the environment's between them: reward-to-go and GAE step from one
+    policy token to the next (no discount, no value, no reward at the environment's), as over the policy tokens
+    alone."""
+    policy = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0, 1, 1]]).float()
+    rewards, values = torch.randn(2, 8), torch.randn(2, 8)
+    for row in range(2):
+        tokens = policy[row].bool()
+        alone = torch.ones(1, int(tokens.sum()))
+        torch.testing.assert_close(reward_to_go(rewards, policy, 0.9)[row, tokens],
+                                   reward_to_go(rewards[row:row + 1, tokens], alone, 0.9)[0])
+        advantages, returns = sequence_gae(rewards, values, policy, 0.9, 0.8)
+        expected = sequence_gae(rewards[row:row + 1, tokens], values[row:row + 1, tokens], alone, 0.9, 0.8)
+        torch.testing.assert_close(advantages[row, tokens], expected[0][0])
+        torch.testing.assert_close(returns[row, tokens], expected[1][0])
+        assert not advantages[row, ~tokens].any() and not returns[row, ~tokens].any()

@@ -51,7 +51,7 @@ class FlowStep:
 
     def __init__(self, reward: StepReward, step: int, batch: RolloutBatch):
         self.reward, self.step = reward, step
-        counts = reward.scored_token_counts(batch.response_mask).long().cpu()
+        counts = reward.scored_token_counts(batch.loss_mask).long().cpu()
         self.token_offsets = [0, *torch.cumsum(counts, 0).tolist()]
         self.candidates: list[_Candidate] = []
         self.micro_batches: list[tuple[int, int]] = []  # (first row, rows) of each scored micro-batch
@@ -88,14 +88,14 @@ class FlowStep:
         return torch.ones_like(batch.correct, dtype=torch.bool)
 
     def _keep_candidates(self, batch: RolloutBatch, first_row: int, micro_batch: int) -> None:
-        """Keep, on CPU, the latents (up to the last response token) of the rows the online update may use
+        """Keep, on CPU, the latents (up to the last policy token) of the rows the online update may use
         (:meth:`_candidate_rows`); everything else is dropped with the micro-batch. A fixed number of host syncs per
         micro-batch whatever its rows: one for the rows and lengths, then one copy each of their latents, masks (and
         token entropies); the per-row cuts happen on the CPU."""
         online = self.reward.online
         if not online.online_update:
             return
-        mask = batch.response_mask
+        mask = batch.loss_mask  # the policy's tokens: an episode's environment tokens are no flow targets
         positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
         lengths = torch.where(mask.bool(), positions, 0).amax(-1)  # 0: no response token
         keep = self._candidate_rows(batch) & (lengths > 0)

@@ -129,12 +129,14 @@ class FlowReward(TokenRewardModel):
     @torch.no_grad()
     def token_rewards(self, batch: RolloutBatch, step: int, token_offset: int = 0,
                       sums: dict[str, Tensor] | None = None) -> Tensor:
-        """Eq. 10 rewards of ``batch``'s rows at step ``step``, whose first scored token is noise slot
+        """Eq. 10 rewards of ``batch``'s rows at step ``step`` on the tokens the policy sampled (``loss_mask``: an
+        agent episode's environment tokens condition the latents and are never scored), whose first scored token is
+        noise slot
         ``token_offset``. With ``sums``, the logged sums of deviations, rewards, nonzero and scored tokens are added
         to it, on the device (float64, as Python floats add): no host sync per micro-batch."""
-        scores = self.deviation_scores(batch.latents, batch.response_mask, flow_noise_seed(self.seed, step),
+        scores = self.deviation_scores(batch.latents, batch.loss_mask, flow_noise_seed(self.seed, step),
                                        token_offset)
-        scored = scored_token_mask(batch.response_mask, self.latents.condition)
+        scored = scored_token_mask(batch.loss_mask, self.latents.condition)
         scoring = self.scoring
         rewards = flow_token_rewards(scores, scored, scoring.eta, scoring.beta, scoring.top_k, scoring.normalization,
                                      scoring.score_power)

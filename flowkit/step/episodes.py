@@ -1,0 +1,130 @@
+"""Agent episodes as the rows of an RL step (docs/guides/agents.md): the episode runner over the rollout engine's
+token-in path, its trajectories laid out as a :class:`~flowkit.batch.RolloutBatch`, graded with the environment's
+reward.
+
+A row is one episode, laid out as a single-turn row is: its first prompt (left-padded), then every later token as
+the response — the policy's turns exactly as the engine sampled them and the environment's answers as the chat
+template rendered them. ``policy_mask`` marks the policy's tokens: the loss, the estimators, the rollout
+corrections and the reward model read them alone (:attr:`RolloutBatch.loss_mask
+<flowkit.batch.RolloutBatch.loss_mask>`), while the forward reads every token, so the environment's condition the
+policy's log-probs and latents. ``rollout_logprobs`` and per-token ``policy_versions`` come from the sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowkit.agents import EpisodeOptions, EpisodeRunner, Trajectory, engine_generate, episode_metrics
+from flowkit.batch import RolloutBatch
+from flowkit.errors import RunError
+from flowkit.llm.rollout_engine import RolloutEngine
+from flowkit.step.experience import PromptBatch
+
+
+class EpisodeRollout:
+    """Generates a step's rows as episodes with ``engine``'s token-in path ``generate_from_ids`` (an engine plugs
+    in by implementing it: :func:`~flowkit.agents.engine_generate`); a one-line error when it has none."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, options: EpisodeOptions):
+        self.runner = EpisodeRunner(engine_generate(engine), tokenizer, options)
+        self.tokenizer, self.options = tokenizer, options
+
+    @staticmethod
+    def of(engine: RolloutEngine, tokenizer: Any, options: EpisodeOptions) -> EpisodeRollout | None:
+        """The episodes of ``options`` over ``engine``; None while ``options.environment`` is null (no episodes)."""
+        return None if options.environment is None else EpisodeRollout(engine, tokenizer, options)
+
+    def generate(self, prompts: PromptBatch, n: int, device: torch.device) -> tuple[RolloutBatch, list[Trajectory]]:
+        """``n`` episodes per prompt (rows prompt-major, a group per prompt), each from the record ``{prompt,
+        answer, **columns}``, and every episode's trajectory. An episode that ended before the policy's first turn
+        (its environment failed to start) is no row; when none is left, :class:`~flowkit.errors.RunError`."""
+        columns = {key: [value for value in values for _ in range(n)] for key, values in prompts.columns.items()}
+        records = [{"prompt": prompt, "answer": answer} for prompt, answer in zip(prompts.prompts, prompts.answers)
+                   for _ in range(n)]
+        for index, record in enumerate(records):
+            record.update({key: values[index] for key, values in columns.items()})
+        trajectories = self.runner.run(records)
+        rows = [index for index, trajectory in enumerate(trajectories) if _reached_the_policy(trajectory)]
+        if not rows:
+            first = next((t.error or t.stop_reason for t in trajectories), "no episode")
+            raise RunError(f"no episode of environment {self.options.environment!r} reached the policy's first turn "
+                           f"(episodes.max_tokens {self.options.max_tokens} below the prompts?); the first: {first}")
+        kept = [trajectories[index] for index in rows]
+        batch = self._rows(kept, torch.tensor([index // n for index in rows]), device)
+        batch.columns = {key: [values[index] for index in rows] for key, values in columns.items()}
+        batch.columns["episode"] = [self._summary(trajectory) for trajectory in kept]
+        return batch, trajectories
+
+    def grade(self, batch: RolloutBatch, trajectories: list[Trajectory]) -> dict[str, float]:
+        """Adds each row's environment reward (``options.reward``) to the graded ``batch``'s outcome rewards (the
+        reward functions' over the final answer) and makes ``correct`` the episode's success; returns the metrics
+        of every episode, rows or not (:func:`~flowkit.agents.episode_metrics`), and the rows' mean environment
+        reward."""
+        device = batch.input_ids.device
+        rows = [trajectory for trajectory in trajectories if _reached_the_policy(trajectory)]
+        rewards = torch.tensor([t.reward(self.options.reward, self.options.reward_gamma) for t in rows])
+        batch.outcome_rewards = batch.outcome_rewards.float() + rewards.to(device)
+        batch.correct = torch.tensor([t.success for t in rows], device=device)
+        return {**episode_metrics(trajectories), "train/reward/environment": float(rewards.mean())}
+
+    def _rows(self, trajectories: list[Trajectory], group_ids: Tensor, device: torch.device) -> RolloutBatch:
+        """The trajectories as B×S rows: the first prompt left-padded to the longest, every later token after it.
+        A token the policy did not sample carries the policy version of the turn before it (the prompt, the
+        first turn's), so staleness metrics read whole rows."""
+        prompt_lengths = [trajectory.turns[0].end for trajectory in trajectories]
+        width = max(prompt_lengths)
+        length = width + max(len(t.token_ids) - p for t, p in zip(trajectories, prompt_lengths))
+        shape = (len(trajectories), length)
+        input_ids = torch.full(shape, self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        attention, response, policy, logprobs = (torch.zeros(shape) for _ in range(4))
+        versions = torch.zeros(shape, dtype=torch.long)
+        for row, (trajectory, prompt) in enumerate(zip(trajectories, prompt_lengths)):
+            span = slice(width - prompt, width - prompt + len(trajectory.token_ids))
+            input_ids[row, span] = torch.tensor(trajectory.token_ids)
+            attention[row, span] = 1.0
+            response[row, width:span.stop] = 1.0
+            policy[row, span] = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
+            logprobs[row, span] = torch.tensor(trajectory.logprobs)
+            versions[row, span] = _carried_forward(torch.tensor(trajectory.versions))
+        return RolloutBatch(
+            input_ids=input_ids.to(device), attention_mask=attention.long().to(device),
+            response_mask=response.to(device), group_ids=group_ids.to(device),
+            prompts=[self.tokenizer.decode(t.token_ids[:p], skip_special_tokens=False)
+                     for t, p in zip(trajectories, prompt_lengths)],
+            responses=[self._final_answer(trajectory) for trajectory in trajectories],
+            answers=[str(trajectory.record["answer"]) for trajectory in trajectories],
+            rollout_logprobs=logprobs.to(device), policy_versions=versions.to(device), policy_mask=policy.to(device),
+            truncated=torch.tensor([trajectory.truncated for trajectory in trajectories], device=device))
+
+    def _final_answer(self, trajectory: Trajectory) -> str:
+        """The text of the policy's last turn: what the reward functions grade."""
+        last = trajectory.policy_turns()[-1]
+        return self.tokenizer.decode(trajectory.token_ids[last.start:last.end], skip_special_tokens=True)
+
+    def _summary(self, trajectory: Trajectory) -> dict[str, Any]:
+        """The ``episode`` column of a row: its turns after the prompt (whose, their text and token count), how it
+        ended, its environment reward and counters (completion logs show it turn by turn)."""
+        ids = trajectory.token_ids
+        return {"turns": [{"role": turn.role, "text": self.tokenizer.decode(ids[turn.start:turn.end],
+                                                                            skip_special_tokens=False),
+                           "tokens": turn.end - turn.start} for turn in trajectory.turns[1:]],
+                "stop_reason": trajectory.stop_reason, "error": trajectory.error,
+                "environment_reward": trajectory.reward(self.options.reward, self.options.reward_gamma),
+                "counters": dict(trajectory.counters)}
+
+
+def _reached_the_policy(trajectory: Trajectory) -> bool:
+    return any(trajectory.loss_mask)
+
+
+def _carried_forward(versions: Tensor) -> Tensor:
+    """Each token's version, or that of the last sampled token before it (-1: none; the tokens before the first
+    sampled one take its version)."""
+    sampled = versions >= 0
+    index = torch.where(sampled, torch.arange(len(versions)), 0).cummax(0).values
+    filled = versions[index]
+    first = versions[sampled][0] if sampled.any() else torch.tensor(0)
+    return torch.where(filled >= 0, filled, first)
