@@ -3,7 +3,9 @@ interface, flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process
 
 A backend has the model's ``config`` and ``tokenizer`` (the trainer compares them with its own at connect), the
 ``device`` its weights live on (NCCL pushes when both sides are on GPUs), the HF model's parameter ``shapes`` by name,
-and three methods: :meth:`generate` (each row's response token ids and sampler log-probs, prompt-major),
+and three methods: :meth:`generate` (each row's response token ids, sampler log-probs and the policy version each
+token was sampled from, prompt-major; it asks ``held_version()`` before each decoding step, which lets a push due
+meanwhile land: partial rollouts),
 :meth:`load` (a pushed weight stream into the model) and :meth:`held` (a weight as the model holds it, by its pushed
 name, whose digest the trainer compares with what it pushed). Both backends check every pushed weight against those
 names and shapes; one that is not there is logged and not loaded, and the trainer, told how many were, reports it.
@@ -17,7 +19,8 @@ them, then hands the backend the merged weights as one ordinary push.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -31,7 +34,8 @@ from flowkit.llm.vllm_engine import (
 
 log = logging.getLogger(__name__)
 
-Rows = list[tuple[list[int], list[float]]]
+Rows = list[tuple[list[int], list[float], list[int]]]
+"""Each row's response token ids, their sampler log-probs and the policy version each was sampled from."""
 
 
 class _Known:
@@ -58,17 +62,20 @@ class HFServerBackend:
         model, self.tokenizer = load_backbone(backbone, dtype)
         self.model = model.to(self.device).eval()
         self.config = self.model.config
-        self.engine = HFRolloutEngine(self.model, self.tokenizer)
         self.parameters = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names are pushed
         self.shapes = {name: p.shape for name, p in self.parameters.items()}
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 rollout_batch_size: int | None) -> tuple[Rows, bool]:
-        engine = self.engine
-        engine.max_new_tokens, engine.top_p, engine.rollout_batch_size = max_new_tokens, top_p, rollout_batch_size
+                 rollout_batch_size: int | None, held_version: Callable[[], int]) -> tuple[Rows, bool]:
+        """A push between two tokens lands in the model's parameters in place; the rows in flight then have their
+        KV cache recomputed under the new weights (:class:`HFRolloutEngine`'s ``held_version``)."""
+        engine = HFRolloutEngine(self.model, self.tokenizer, max_new_tokens, top_p=top_p,
+                                 rollout_batch_size=rollout_batch_size)
+        engine.held_version = held_version
         batch = engine.generate(prompts, n, temperature=temperature)
-        rows = [(ids[keep].tolist(), logprobs[keep].tolist())  # the mask covers the response up to its EOS only
-                for ids, logprobs, keep in zip(batch.input_ids, batch.rollout_logprobs, batch.response_mask.bool())]
+        rows = [(ids[keep].tolist(), logprobs[keep].tolist(), versions[keep].tolist())  # the response up to its EOS
+                for ids, logprobs, versions, keep in zip(batch.input_ids, batch.rollout_logprobs,
+                                                         batch.policy_versions, batch.response_mask.bool())]
         return rows, engine.saw_nonfinite_logits
 
     def load(self, weights: Iterable[tuple[str, Tensor]]) -> int:
@@ -116,11 +123,13 @@ class VllmServerBackend:
         sample(self.llm, [[self.tokenizer.eos_token_id or 0]], 1, sampling_params(None, 1, 0.0, 1.0))
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 rollout_batch_size: int | None) -> tuple[Rows, bool]:
-        encoded = self.tokenizer(prompts)
-        rows = sample(self.llm, encoded["input_ids"], n,
-                      sampling_params(self.tokenizer.eos_token_id, max_new_tokens, temperature, top_p))
-        nonfinite = not bool(torch.isfinite(torch.tensor([p for _, logprobs in rows for p in logprobs])).all())
+                 rollout_batch_size: int | None, held_version: Callable[[], int]) -> tuple[Rows, bool]:
+        """vLLM's engine stepped one decoding step at a time (``LLM.generate``'s own loop, :func:`sample_in_steps`),
+        so that a push lands between two steps."""
+        prompt_ids = [ids for ids in self.tokenizer(prompts)["input_ids"] for _ in range(n)]
+        rows = sample_in_steps(self.llm, prompt_ids, held_version,
+                               sampling_params(self.tokenizer.eos_token_id, max_new_tokens, temperature, top_p))
+        nonfinite = not bool(torch.isfinite(torch.tensor([p for _, logprobs, _ in rows for p in logprobs])).all())
         return rows, nonfinite
 
     def load(self, weights: Iterable[tuple[str, Tensor]]) -> int:
@@ -133,6 +142,50 @@ class VllmServerBackend:
         None for one its loader fused or sharded into its own, ``qkv_proj``, ...)."""
         shape = self.shapes.get(name)
         return None if shape is None else held_weight(self.llm, name, shape)
+
+
+def sample_in_steps(llm, prompt_ids: list[list[int]], held_version: Callable[[], int], params) -> Rows:
+    """One sample of each prompt (token ids), vLLM's engine stepped as ``LLM.generate`` steps it, asking
+    ``held_version()`` before each step. When the version changed (a push landed between two steps), the requests in
+    flight are aborted and added again with what they generated appended to their prompt and the rest of their
+    ``max_tokens``, after the prefix cache is reset: vLLM computes their KV cache anew under the new weights (its
+    ``pause_generation(mode="keep")`` would keep the old weights' KV, and is the async engine's only), so each token
+    is sampled, and its log-prob taken, as the new weights alone would."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine, call = llm.llm_engine, uuid.uuid4().hex
+    tokens: list[list[int]] = [[] for _ in prompt_ids]
+    logprobs: list[list[float]] = [[] for _ in prompt_ids]
+    versions: list[list[int]] = [[] for _ in prompt_ids]
+    live: dict[str, int] = {}  # request id → its row
+
+    def add(row: int) -> None:
+        request = params.clone()
+        request.max_tokens, request.output_kind = params.max_tokens - len(tokens[row]), RequestOutputKind.DELTA
+        request_id = f"{call}-{row}-{len(tokens[row])}"
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids[row] + tokens[row]), request)
+        live[request_id] = row
+
+    for row in range(len(prompt_ids)):
+        add(row)
+    version = held_version()
+    while live:
+        now = held_version()
+        if now != version:
+            engine.abort_request(list(live))
+            llm.reset_prefix_cache()  # no block of the old weights' KV is reused
+            for row in [live.pop(request_id) for request_id in list(live)]:
+                add(row)
+            version = now
+        for output in engine.step():
+            row, sample = live[output.request_id], output.outputs[0]
+            tokens[row] += sample.token_ids
+            logprobs[row] += [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+            versions[row] += [version] * len(sample.token_ids)
+            if output.finished:
+                del live[output.request_id]
+    return list(zip(tokens, logprobs, versions))
 
 
 class ServedAdapter:

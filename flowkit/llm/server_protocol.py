@@ -89,7 +89,8 @@ def json_object(body: Any, what: str = "the body") -> dict:
 
 def generation_request(body: Any, max_tokens: int) -> dict:
     """``POST /generate``'s body, checked: ``prompts`` (a non-empty list of strings), ``n``, ``temperature``,
-    ``top_p``, ``max_new_tokens``, ``rollout_batch_size`` (optional), ``seed``, ``min_version``, ``wait_s``; and
+    ``top_p``, ``max_new_tokens``, ``rollout_batch_size`` (optional), ``seed``, ``min_version``, ``wait_s``,
+    ``partial`` (optional, false: a push waits for the generation; true: it lands between two tokens); and
     ``n × prompts × max_new_tokens`` at most ``max_tokens`` (the server's ``--max-request-tokens``)."""
     body = json_object(body)
     prompts = _field(body, "prompts", (list,), "a non-empty list of strings")
@@ -100,7 +101,9 @@ def generation_request(body: Any, max_tokens: int) -> dict:
                "max_new_tokens": integer(body, "max_new_tokens", 1),
                "rollout_batch_size": integer(body, "rollout_batch_size", 1, optional=True),
                "seed": integer(body, "seed", 0, SEED_RANGE - 1), "min_version": integer(body, "min_version", 0),
-               "wait_s": number(body, "wait_s", 0)}
+               "wait_s": number(body, "wait_s", 0), "partial": body.get("partial", False)}
+    if not isinstance(request["partial"], bool):
+        raise RequestError(f"field 'partial' must be a boolean, got {json_type(request['partial'])}")
     tokens = request["n"] * len(prompts) * request["max_new_tokens"]
     if tokens > max_tokens:
         raise RequestError(f"n × prompts × max_new_tokens = {request['n']} × {len(prompts)} × "

@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback
+from transformers import AutoModelForCausalLM
 
 from flowkit.cli import FlowkitCLI
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
+from flowkit.llm.forward import forward_logits
 from flowkit.llm.engines import RolloutOptions
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import ServerRolloutEngine
@@ -105,6 +107,62 @@ def test_the_servers_greedy_decode_is_the_trained_policys_and_max_staleness_0_is
     torch.testing.assert_close(served.rollout_logprobs, mine.rollout_logprobs, rtol=0, atol=1e-6)
     # and that decode is the trained weights': the backbone's is another
     assert greedy(HFRolloutEngine(initial, tokenizer, max_new_tokens=24)).responses != mine.responses
+
+
+PARTIAL_TOKENS = 400  # long enough that a push made once the generation runs lands before it ends
+
+
+def eos_free_weights(seed: int) -> torch.nn.Module:
+    """tiny_adder's architecture with random weights of ``seed`` whose EOS logit is 0 (its tied embedding zeroed):
+    below the largest of 24 random logits, so greedy rows run their whole length."""
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model.config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tokenizer.eos_token_id] = 0
+    return model
+
+
+def in_flight(url: str) -> int:
+    request = urllib.request.Request(url + "/info", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        return json.loads(response.read())["in_flight"]
+
+
+def test_a_push_lands_mid_generation_and_each_token_decodes_as_the_weights_of_its_version(server, single_thread):
+    """``partial_rollouts``: weights of version 2 pushed while the server generates greedily from version 1 land
+    between two tokens; each row's tokens carry 1 up to the push and 2 after it, and every token is the greedy choice
+    of its version's weights given all before it, with that version's log-prob (the KV cache was recomputed at the
+    push: a kept one, computed under version 1, would give other log-probs after it)."""
+    weights = [eos_free_weights(seed) for seed in (1, 2)]
+    _, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = ServerRolloutEngine(weights[0], tokenizer, server.url, timeout_s=TIMEOUT_S, temperature=0,
+                                 max_new_tokens=PARTIAL_TOKENS, max_staleness=1, partial_rollouts=True)
+    engine.sync_weights(weights[0], 1)
+    engine.prefetch(PROMPTS, 1)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not in_flight(server.url):
+        assert time.monotonic() < deadline, "the prefetched generation did not start"
+        time.sleep(0.01)
+    engine.sync_weights(weights[1], 2)
+    batch = engine.generate(PROMPTS, 1)
+    engine.close()
+
+    response = batch.response_mask.bool()
+    assert bool(response.sum(-1).eq(PARTIAL_TOKENS).all())
+    versions = [row[keep].tolist() for row, keep in zip(batch.policy_versions, response)]
+    assert all(row == sorted(row) and set(row) <= {1, 2} for row in versions), versions
+    assert all(set(row) == {1, 2} for row in versions), [row.count(1) for row in versions]  # the push landed mid-way
+    with torch.no_grad():  # V×B×S×vocab: position s predicts token s + 1
+        logits = torch.stack([forward_logits(model, batch) for model in weights])
+    predicted = logits.log_softmax(-1)[:, :, :-1].gather(-1, batch.input_ids[None, :, 1:, None].expand(2, -1, -1, 1))
+    sampled_by = batch.policy_versions[:, 1:] - 1
+    expected = predicted[..., 0].gather(0, sampled_by[None])[0]
+    greedy_choice = logits[:, :, :-1].argmax(-1).gather(0, sampled_by[None])[0]
+    on = response[:, 1:]
+    assert torch.equal(greedy_choice[on], batch.input_ids[:, 1:][on])
+    torch.testing.assert_close(batch.rollout_logprobs[:, 1:][on], expected[on], rtol=0,
+                               atol=1e-4 if server.backend == "hf" else 2e-3)
 
 
 class StepTimes(Callback):
@@ -737,6 +795,9 @@ def test_two_addresses_of_one_server_are_a_config_error(server):
     (RolloutOptions(max_staleness=1),
      r"^PolicyModule.rollout.max_staleness 1 needs a rollout engine that generates apart from training"),
     (RolloutOptions(max_staleness=-1), r"^PolicyModule.rollout.max_staleness must be >= 0"),
+    (RolloutOptions(partial_rollouts=True), r"^PolicyModule.rollout.partial_rollouts lands weight pushes "
+                                            r"mid-generation on rollout servers and needs PolicyModule.rollout.engine: "
+                                            r"server, got 'hf'$"),
     (RolloutOptions(engine="server", server_url="http://127.0.0.1:8000", server_lora_push="adapter"),
      r"^PolicyModule.rollout.server_lora_push 'adapter' pushes a LoRA policy's adapters alone and needs "
      r"PolicyModule.lora; without LoRA use rollout.server_lora_push: merged$"),
