@@ -720,7 +720,7 @@ def test_one_rank_generates_on_two_servers_in_prompt_order_and_pushes_both(two_s
     served = greedy(engine, prompts)  # 3 prompts to server 0, 2 to server 1
     assert served.responses == mine.responses
     assert torch.equal(served.input_ids, mine.input_ids)
-    assert served.policy_versions.tolist() == [3] * 5
+    assert served.policy_versions.shape == served.input_ids.shape and bool(served.policy_versions.eq(3).all())
     assert set(shares.requests[-2:]) == {(urls[0], tuple(prompts[:3]), instances[0]),
                                          (urls[1], tuple(prompts[3:]), instances[1])}
 

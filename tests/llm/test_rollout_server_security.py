@@ -282,6 +282,7 @@ def test_a_one_gib_body_is_refused_from_its_length_unread(guarded):
     ({"seed": -1}, r"^field 'seed' must be an integer in \[0, 4294967295\], got -1$"),
     ({"min_version": True}, r"^field 'min_version' must be an integer >= 0, got a boolean$"),
     ({"max_new_tokens": None}, r"^field 'max_new_tokens' must be an integer >= 1, got null$"),
+    ({"partial": 1}, r"^field 'partial' must be a boolean, got an integer$"),
 ])
 def test_wrong_generation_fields_are_400_in_one_line(guarded, change, message):
     status, reply = call(guarded.url, "POST", "/generate", {**GENERATE, **change}, timeout=TIMEOUT_S)
