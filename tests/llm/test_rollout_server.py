@@ -203,19 +203,26 @@ class StepTimes(Callback):
         self.end[batch_idx] = time.time()
 
 
-def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, tmp_path, monkeypatch, single_thread):
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, partial, tmp_path, monkeypatch,
+                                                                       single_thread):
+    """With ``partial_rollouts`` too: a row's staleness is its oldest token's, so the rows are as far behind; its
+    tokens after a push that landed mid-row are one version fresher (``mixed_rows``: the step's tokens then average
+    less than 1 behind)."""
     monkeypatch.chdir(tmp_path)
     times = StepTimes()
     cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "4", "--trainer.max_steps", "4",
               "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
               "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "1",
-              callbacks=[times])
+              "--model.init_args.rollout.partial_rollouts", str(partial).lower(), callbacks=[times])
     steps = metrics(cli)
     assert sorted(steps) == [1, 2, 3, 4]
     assert steps[1]["rollout/staleness_max"] == 0.0  # step 1: nothing prefetched yet, its own asked for first
     for step in (2, 3, 4):
         # prefetched while the previous step trained: from the weights one version before the ones that trained on it
-        assert steps[step]["rollout/staleness_max"] == 1.0
+        assert steps[step]["rollout/staleness_max"] == 1.0 and steps[step]["rollout/staleness_1"] == 1.0
+        mixed, behind = steps[step]["rollout/mixed_rows"], steps[step]["rollout/token_staleness_mean"]
+        assert (mixed == 0.0) == (behind == 1.0) and 0.0 <= behind <= 1.0 and (partial or mixed == 0.0), (mixed, behind)
     assert steps[4]["rollout/regenerated_rows"] == 0.0
     for step in (0, 1, 2):  # batch indices (0-based) of the trainer's hooks
         upcoming = times.start[step + 1][1]
