@@ -117,7 +117,7 @@ class RolloutService:
         self.joined = threading.Event()  # set once a trainer's channel is formed (or failed to form)
         self.ready = threading.Condition()  # guards the model and the version; notified when a push ends
         self.push_due = threading.Event()  # a push waits for the model: a partial generation hands it over
-        self.turn = threading.Lock()  # one generation at a time (a partial one's requests stay in vLLM's engine)
+        self.turn = threading.Lock()  # one generation at a time (a paused one's requests stay in vLLM's engine)
         self.in_flight = 0  # generations running
 
     def routes(self) -> dict[tuple[str, str], Route]:

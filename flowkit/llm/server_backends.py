@@ -146,11 +146,11 @@ class VllmServerBackend:
 
 def sample_in_steps(llm, prompt_ids: list[list[int]], held_version: Callable[[], int], params) -> Rows:
     """One sample of each prompt (token ids), vLLM's engine stepped as ``LLM.generate`` steps it, asking
-    ``held_version()`` before each step. When the version changed (a push landed between two steps), the requests in
-    flight are aborted and added again with what they generated appended to their prompt and the rest of their
-    ``max_tokens``, after the prefix cache is reset: vLLM computes their KV cache anew under the new weights (its
-    ``pause_generation(mode="keep")`` would keep the old weights' KV, and is the async engine's only), so each token
-    is sampled, and its log-prob taken, as the new weights alone would."""
+    ``held_version()`` before each step. When the version changed (a push landed between two steps), the prefix cache
+    is reset with the requests in flight preempted (``reset_prefix_cache(reset_running_requests=True)``, what vLLM's
+    ``pause_generation(mode="keep", clear_cache=True)`` does in its async engine): vLLM recomputes their KV cache,
+    prompt and tokens generated so far, under the new weights when it schedules them again, so each token is sampled,
+    and its log-prob taken, as the new weights alone would."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -159,24 +159,16 @@ def sample_in_steps(llm, prompt_ids: list[list[int]], held_version: Callable[[],
     logprobs: list[list[float]] = [[] for _ in prompt_ids]
     versions: list[list[int]] = [[] for _ in prompt_ids]
     live: dict[str, int] = {}  # request id → its row
-
-    def add(row: int) -> None:
-        request = params.clone()
-        request.max_tokens, request.output_kind = params.max_tokens - len(tokens[row]), RequestOutputKind.DELTA
-        request_id = f"{call}-{row}-{len(tokens[row])}"
-        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids[row] + tokens[row]), request)
-        live[request_id] = row
-
-    for row in range(len(prompt_ids)):
-        add(row)
+    request = params.clone()
+    request.output_kind = RequestOutputKind.DELTA  # each step's new tokens
+    for row, ids in enumerate(prompt_ids):
+        engine.add_request(f"{call}-{row}", TokensPrompt(prompt_token_ids=ids), request)
+        live[f"{call}-{row}"] = row
     version = held_version()
     while live:
         now = held_version()
         if now != version:
-            engine.abort_request(list(live))
-            llm.reset_prefix_cache()  # no block of the old weights' KV is reused
-            for row in [live.pop(request_id) for request_id in list(live)]:
-                add(row)
+            llm.reset_prefix_cache(reset_running_requests=True)
             version = now
         for output in engine.step():
             row, sample = live[output.request_id], output.outputs[0]
