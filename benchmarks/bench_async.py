@@ -23,7 +23,7 @@ times per mean response token (the colocated engine samples from the trainer's R
 it, so their lengths differ by chance), and the median and mean time a step waits for its rollouts (``time/generate_s``: the whole generation when it is in turn with training, the part
 not hidden behind the previous step when it overlaps), each async variant's mean step time over the synchronous one
 against the ideal bound max(G, T) / (G + T), and how long each push waited for the server's model (its log's
-``waited … s for the model``). Each part prints its numbers as it ends, with the machine's
+``waited … s for the model``; printed only). Each part prints its numbers as it ends, with the machine's
 1-minute load average at the start and then; the rows go to benchmarks/results/results.csv at the end.
 
 ``--reward-seeds`` then trains the tiny job's synchronous server run and its one-step-off run for ``--reward-steps``
@@ -201,8 +201,7 @@ def report_times(size: str, label: str, measured: dict, load: str) -> list[dict]
         rows.append({"benchmark": "async", "implementation": name, "device": "cpu",
                      "size": f"{label}, server core 0, trainer core 1", "threads": 1, **stats,
                      "rollout_wait_median_ms": wait_median, "rollout_wait_mean_ms": wait_mean,
-                     "mean_response_tokens": length, "push_wait_median_ms": 1e3 * statistics.median(pushes),
-                     "push_wait_max_ms": 1e3 * max(pushes), "n": len(values["times"]), "load_avg_1min": load})
+                     "mean_response_tokens": length, "n": len(values["times"]), "load_avg_1min": load})
     for statistic in ("median_ms", "mean_ms"):
         async_ms = summary[ASYNC][statistic]
         print(f"{size:4s} step time ({statistic[:-3]}), async k=1 / server sync: "
