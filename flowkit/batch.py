@@ -35,7 +35,8 @@ class RolloutBatch:
     advantages: Tensor | None = None  # B×S float
     old_logprobs: Tensor | None = None  # B×S float, logprob of token s under the sampling policy (aligned to input_ids)
     rollout_logprobs: Tensor | None = None  # B×S float, the rollout engine's own log-probs of its samples, same alignment
-    policy_versions: Tensor | None = None  # B long, the policy version (optimizer steps) whose weights sampled each row
+    policy_versions: Tensor | None = None  # B long, the policy version (optimizer steps) whose weights sampled each
+    #                                        row; or B×S (partial rollouts): each token's, aligned to input_ids
     ref_logprobs: Tensor | None = None  # B×S float, same under the frozen reference (KL only)
     entropy: Tensor | None = None  # B float, mean token entropy of the response
     token_entropy: Tensor | None = None  # B×S float, token entropies (a micro-batch's, for token-level flow metrics)

@@ -114,12 +114,15 @@ class Experience:
     @staticmethod
     def of(batch: RolloutBatch, sample_index: Tensor, loss_mask: Tensor, reward_step: StepScorer | None,
            metrics: dict[str, float]) -> Experience:
-        """The finished record of a graded and scored ``batch`` (a row's policy version on each of its tokens)."""
+        """The finished record of a graded and scored ``batch`` (each token's policy version: the batch's own when
+        per token, else its row's)."""
         versions = batch.policy_versions.to(batch.input_ids.device)
+        if versions.dim() == 1:
+            versions = versions[:, None].expand_as(batch.input_ids)
         return Experience(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, response_mask=batch.response_mask,
             loss_mask=loss_mask, group_ids=batch.group_ids, sample_index=sample_index,
-            policy_versions=versions[:, None].expand_as(batch.input_ids).long(),
+            policy_versions=versions.long(),
             old_logprobs=batch.old_logprobs, advantages=batch.advantages, outcome_rewards=batch.outcome_rewards,
             correct=batch.correct, entropy=batch.entropy, rollout_logprobs=batch.rollout_logprobs,
             ref_logprobs=batch.ref_logprobs, token_rewards=batch.token_rewards, old_values=batch.old_values,
