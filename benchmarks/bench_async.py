@@ -1,7 +1,8 @@
 """Step time of generation apart from training, the tiny task and a mid-size one side by side in one run: a
 ``flowkit rollout-server`` on one core, the trainer on the other, synchronous (``rollout.max_staleness: 0``) against
-one step off (``rollout.max_staleness: 1``), and today's colocated HF engine (generation and training in turn on the
-trainer's core); then the outcome reward of the synchronous and the one-step-off run, paired by seed.
+one step off (``rollout.max_staleness: 1``), one step off with partial rollouts (``rollout.partial_rollouts``: a
+push lands between two tokens of the generation in flight), and today's colocated HF engine (generation and training
+in turn on the trainer's core); then the outcome reward of the synchronous and the one-step-off run, paired by seed.
 
     python benchmarks/bench_async.py [--sizes tiny mid] [--steps 10] [--mid-steps 3] [--warmup 1] [--rounds 2]
                                      [--reward-seeds 0 1 2] [--reward-steps 60] [--reward-only]
@@ -12,15 +13,17 @@ outcome reward, lr 5e-5), ``mid`` the TRL race's mid-size job (benchmarks/bench_
 parameters, 4 prompts × 8 samples, 256 new tokens, long-tailed response lengths, the ``scrambled`` reward, lr 1e-7;
 ``--mid-prompts`` / ``--mid-new-tokens`` shrink it); both with the flow reward of rlfr_tiny.yaml and its online
 update, no offline pretraining. Each size gets its own server, pinned to the first core (``taskset``), this process
-to the second, one intra-op thread each. Per size the three variants alternate ``--rounds`` times so that a busy
-machine slows all alike; round r seeds all three with r (the same prompts, and per round other samples: a variant
+to the second, one intra-op thread each. Per size the four variants alternate ``--rounds`` times so that a busy
+machine slows all alike; round r seeds all four with r (the same prompts, and per round other samples: a variant
 with one seed would time one sample path however many rounds ran). A step's time is the wall time from the end of one step to the end of the next (the weight
 push after a step runs in the module's ``on_train_batch_end``, after a callback's, so a callback's own window would
 miss it), so ``--warmup`` must be at least 1. Mid-size steps follow their sampled lengths, so the mean step time is
 reported beside the median (ratios of both), with each variant's mean response length, the ratio of the mean step
 times per mean response token (the colocated engine samples from the trainer's RNG, the server from seeds drawn from
 it, so their lengths differ by chance), and the median and mean time a step waits for its rollouts (``time/generate_s``: the whole generation when it is in turn with training, the part
-not hidden behind the previous step when it overlaps). Each part prints its numbers as it ends, with the machine's
+not hidden behind the previous step when it overlaps), each async variant's mean step time over the synchronous one
+against the ideal bound max(G, T) / (G + T), and how long each push waited for the server's model (its log's
+``waited … s for the model``; printed only). Each part prints its numbers as it ends, with the machine's
 1-minute load average at the start and then; the rows go to benchmarks/results/results.csv at the end.
 
 ``--reward-seeds`` then trains the tiny job's synchronous server run and its one-step-off run for ``--reward-steps``
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -61,7 +65,8 @@ from flowkit.rl.rollout_correction import CorrectionMode, RolloutCorrection
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 STARTUP_S = 180
-SYNC, ASYNC, COLOCATED = "server sync", "server async k=1", "colocated hf"
+SYNC, ASYNC, PARTIAL, COLOCATED = "server sync", "server async k=1", "server async k=1 partial", "colocated hf"
+PUSH_WAIT = re.compile(r"waited ([0-9.]+) s for the model")
 
 
 class StepClock(L.Callback):
@@ -137,15 +142,20 @@ def run_steps(steps: int, settings: dict, seed: int = 0, **options) -> StepClock
 
 def variants(url: str) -> dict[str, dict]:
     server = RolloutOptions(engine="server", server_url=url, server_timeout=600.0)
-    return {COLOCATED: {}, SYNC: {"rollout": server}, ASYNC: {"rollout": replace(server, max_staleness=1)}}
+    return {COLOCATED: {}, SYNC: {"rollout": server}, ASYNC: {"rollout": replace(server, max_staleness=1)},
+            PARTIAL: {"rollout": replace(server, max_staleness=1, partial_rollouts=True)}}
 
 
-def time_size(url: str, settings: dict, steps: int, warmup: int, rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Per variant, over all rounds: step times, rollout waits and response lengths of the steps after ``warmup``."""
-    measured = {name: {"times": [], "waits": [], "lengths": []} for name in variants(url)}
+def time_size(url: str, server_log: Path, settings: dict, steps: int, warmup: int,
+              rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per variant, over all rounds: step times, rollout waits and response lengths of the steps after ``warmup``, and
+    every push's wait for the server's model (from ``server_log``)."""
+    measured = {name: {"times": [], "waits": [], "lengths": [], "push_waits": []} for name in variants(url)}
     for round_ in range(rounds):
         for name, options in variants(url).items():
+            logged = len(server_log.read_text())
             clock = run_steps(warmup + steps, settings, seed=round_, **options)
+            measured[name]["push_waits"] += [float(wait) for wait in PUSH_WAIT.findall(server_log.read_text()[logged:])]
             measured[name]["times"] += [b - a for a, b in zip(clock.ends[warmup - 1:], clock.ends[warmup:])]
             measured[name]["waits"] += clock.waits[warmup:]
             measured[name]["lengths"] += clock.lengths[warmup:]
@@ -182,7 +192,10 @@ def report_times(size: str, label: str, measured: dict, load: str) -> list[dict]
         summary[name] = stats
         wait_median, wait_mean = (1e3 * f(values["waits"]) for f in (statistics.median, statistics.mean))
         length = statistics.mean(values["lengths"])
-        print(f"{size:4s} {name:16s} median {stats['median_ms']:8.1f} ms  mean {stats['mean_ms']:8.1f}  "
+        pushes = values["push_waits"] or [float("nan")]
+        print(f"{size:4s} {name:24s} pushes waited for the model: median {1e3 * statistics.median(pushes):7.1f} ms, "
+              f"max {1e3 * max(pushes):7.1f} ms ({len(values['push_waits'])} pushes)")
+        print(f"{size:4s} {name:24s} median {stats['median_ms']:8.1f} ms  mean {stats['mean_ms']:8.1f}  "
               f"p20 {stats['p20_ms']:8.1f}  p80 {stats['p80_ms']:8.1f}  waiting for rollouts: median "
               f"{wait_median:8.1f} mean {wait_mean:8.1f} ms  mean response {length:5.1f} tokens")
         rows.append({"benchmark": "async", "implementation": name, "device": "cpu",
@@ -201,8 +214,12 @@ def report_times(size: str, label: str, measured: dict, load: str) -> list[dict]
           f"{per_token[ASYNC] / per_token[COLOCATED]:.2f}")
     generation = statistics.mean(measured[SYNC]["waits"])
     training = statistics.mean(measured[SYNC]["times"]) - generation
+    bound = max(generation, training) / (generation + training)
     print(f"{size:4s} sync server: generation {generation:.2f} s + the rest {training:.2f} s (means); "
-          f"async can reach at best max(G, T) / (G + T) = {max(generation, training) / (generation + training):.2f}")
+          f"async can reach at best max(G, T) / (G + T) = {bound:.2f}")
+    for name in (ASYNC, PARTIAL):
+        ratio = summary[name]["mean_ms"] / summary[SYNC]["mean_ms"]
+        print(f"{size:4s} {name}: mean step / sync {ratio:.2f} = {ratio / bound:.2f}x the ideal bound")
     return rows
 
 
@@ -241,7 +258,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round, tiny")
     parser.add_argument("--mid-steps", type=int, default=3, help="timed steps per variant and round, mid")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (at least 1)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the three variants")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the four variants")
     parser.add_argument("--mid-prompts", type=int, default=4)
     parser.add_argument("--mid-new-tokens", type=int, default=256)
     parser.add_argument("--reward-seeds", type=int, nargs="*", default=[],
@@ -290,8 +307,9 @@ def main() -> None:
             try:
                 steps = args.steps if size == "tiny" else args.mid_steps
                 if not args.reward_only:
-                    rows += report_times(size, labels[size], time_size(url, settings, steps, args.warmup,
-                                                                       args.rounds), load_span(load_start))
+                    measured = time_size(url, temporary / f"server_{size}.log", settings, steps, args.warmup,
+                                         args.rounds)
+                    rows += report_times(size, labels[size], measured, load_span(load_start))
                 if size == "tiny" and args.reward_seeds:
                     rewards = compare_rewards(url, settings, args.reward_seeds, args.reward_steps, correction)
                     rows += report_rewards(rewards, correction_label(correction), load_span(load_start))

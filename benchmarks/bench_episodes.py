@@ -75,7 +75,7 @@ def scripted_generate(tokenizer, step_seconds: float, calls: list[int]):
         for prompt in prompts:
             text = column_adder(tokenizer.decode(prompt, skip_special_tokens=False))
             ids = tokenizer.convert_tokens_to_ids(list(text)) + [tokenizer.eos_token_id]
-            samples.append(Sample(ids, [-0.1] * len(ids), 0))
+            samples.append(Sample(ids, [-0.1] * len(ids), [0] * len(ids)))
         time.sleep(step_seconds * max(len(sample.ids) for sample in samples))  # the decoder's steps
         return samples
 

@@ -36,8 +36,8 @@ class RolloutBatch:
     advantages: Tensor | None = None  # B×S float
     old_logprobs: Tensor | None = None  # B×S float, logprob of token s under the sampling policy (aligned to input_ids)
     rollout_logprobs: Tensor | None = None  # B×S float, the rollout engine's own log-probs of its samples, same alignment
-    policy_versions: Tensor | None = None  # B long (B×S: per token, an episode's), the policy version (optimizer
-    #                                        steps) whose weights sampled each row (token)
+    policy_versions: Tensor | None = None  # B long, the policy version (optimizer steps) whose weights sampled each
+    #                                        row; or B×S (partial rollouts, episodes): each token's, aligned to input_ids
     policy_mask: Tensor | None = None  # B×S float, 1 on the tokens the policy sampled (None: every response token)
     truncated: Tensor | None = None  # B bool, rows a bound cut (None: the step tells them by their EOS)
     ref_logprobs: Tensor | None = None  # B×S float, same under the frozen reference (KL only)

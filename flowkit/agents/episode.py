@@ -23,11 +23,11 @@ MAX_ERROR_CHARS = 300
 @dataclass(frozen=True)
 class Sample:
     """One turn the engine sampled: its token ids (ending with a stop id unless cut by length), each one's
-    log-probability under the sampler, and the policy version whose weights drew them."""
+    log-probability under the sampler, and the policy version whose weights drew each one."""
 
     ids: Sequence[int]
     logprobs: Sequence[float]
-    version: int
+    versions: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Episode:
         """Append the sampled turn as is, answer it (tools, or the environment's ``step``) and append the answer's
         rendering, or end the episode."""
         ids = list(sample.ids)[:self.room()]  # what does not fit the budget is not kept
-        self._append_policy(ids, sample.logprobs, sample.version)
+        self._append_policy(ids, sample.logprobs, sample.versions)
         if not ids or ids[-1] not in self.setup.stop_ids:
             return self._end("max_tokens")  # the turn ran out of room (the budget or the engine's length limit)
         text = self.setup.renderer.decode(ids)
@@ -133,17 +133,19 @@ class Episode:
         """Environment-side tokens; when they leave no room for a policy token, the episode ends truncated instead."""
         if len(ids) >= self.room():
             return self._end("max_tokens")
-        self._extend(ids, role, [0] * len(ids), [0.0] * len(ids), NOT_SAMPLED_VERSION)
+        self._extend(ids, role, [0] * len(ids), [0.0] * len(ids), [NOT_SAMPLED_VERSION] * len(ids))
 
-    def _append_policy(self, ids: list[int], logprobs: Sequence[float], version: int) -> None:
-        self._extend(ids, "policy", [1] * len(ids), [float(p) for p in logprobs[:len(ids)]], version)
+    def _append_policy(self, ids: list[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+        self._extend(ids, "policy", [1] * len(ids), [float(p) for p in logprobs[:len(ids)]],
+                     list(versions[:len(ids)]))
 
-    def _extend(self, ids: list[int], role: Role, mask: list[int], logprobs: list[float], version: int) -> None:
+    def _extend(self, ids: list[int], role: Role, mask: list[int], logprobs: list[float],
+                versions: list[int]) -> None:
         self.turns.append(Turn(role, len(self.ids), len(self.ids) + len(ids)))
         self.ids += ids
         self.loss_mask += mask
         self.logprobs += logprobs
-        self.versions += [version] * len(ids)
+        self.versions += versions
 
     def _end(self, reason: StopReason, error: str | None = None, counter: str | None = None) -> None:
         self.stop_reason = reason

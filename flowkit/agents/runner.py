@@ -2,10 +2,10 @@
 
 ``generate(prompts, max_new_tokens)`` takes each ready episode's token ids so far and the tokens its next turn may
 take (its room in the episode's budget) and returns one :class:`~flowkit.agents.episode.Sample` per prompt: the
-sampled ids, their sampler log-probs and the policy version (:func:`engine_generate` adapts a rollout engine's
-token-in path: ``hf``, ``vllm`` and ``server`` have one). The runner appends exactly those ids to the trajectory —
-the policy's tokens are never decoded and encoded again — and the environment's answer as the chat template's delta
-(:mod:`flowkit.agents.rendering`).
+sampled ids, their sampler log-probs and the policy version of each (:func:`engine_generate` adapts a rollout
+engine's token-in path: ``hf``, ``vllm`` and ``server`` have one). The runner appends exactly those ids to the
+trajectory — the policy's tokens are never decoded and encoded again — and the environment's answer as the chat
+template's delta (:mod:`flowkit.agents.rendering`).
 
 Environment and tool calls run in a thread pool while the engine generates: after each ``generate``, every episode
 answers its turn in its own worker, and the next ``generate`` takes every episode whose answer is ready once the
@@ -70,8 +70,9 @@ class EpisodeOptions(OptionGroup):
 def engine_generate(engine: RolloutEngine) -> GenerateFn:
     """The runner's ``generate`` over a rollout engine's token-in path
     (:meth:`~flowkit.llm.rollout_engine.TokenInEngine.generate_from_ids`: ``hf``, ``vllm``, ``server``), each sample
-    with the policy version that sampled it; an engine without one, or one that prefetches (``max_staleness`` ≥ 1),
-    is a one-line :class:`~flowkit.errors.ConfigError` here (:func:`~flowkit.llm.rollout_engine.check_token_in`)."""
+    with the policy version that sampled each token; an engine without one, or one that prefetches
+    (``max_staleness`` ≥ 1), is a one-line :class:`~flowkit.errors.ConfigError` here
+    (:func:`~flowkit.llm.rollout_engine.check_token_in`)."""
     token_in = check_token_in(engine)
 
     def generate(prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
@@ -135,8 +136,9 @@ class EpisodeRunner:
         if len(samples) != expected:
             raise RuntimeError(f"generate returned {len(samples)} samples for {expected} prompts")
         for sample in samples:
-            if len(sample.ids) != len(sample.logprobs):
-                raise RuntimeError(f"generate returned {len(sample.ids)} ids with {len(sample.logprobs)} log-probs")
+            if not len(sample.ids) == len(sample.logprobs) == len(sample.versions):
+                raise RuntimeError(f"generate returned {len(sample.ids)} ids with {len(sample.logprobs)} log-probs "
+                                   f"and {len(sample.versions)} versions")
         return samples
 
     def _check_environment(self, trajectories: list[Trajectory]) -> None:

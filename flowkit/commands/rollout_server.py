@@ -3,11 +3,13 @@
 
 It loads its own copy of the backbone and serves, over HTTP with JSON (stdlib only, :mod:`.rollout_http`)::
 
-    GET  /info              model name, identity (architecture, hidden size, layers, vocabulary), policy version
+    GET  /info              model name, identity (architecture, hidden size, layers, vocabulary), policy version,
+                            generations in flight
     POST /generate          {prompts, n, temperature, top_p, max_new_tokens, rollout_batch_size, seed, min_version,
-                            wait_s}, or token-in {prompt_ids, ...}: the prompts as token ids, generated from as
-                            they are (ids in the vocabulary, each prompt within the model's context)
-                            → per row: response token ids and sampler log-probs; the policy version they came from
+                            wait_s, partial}, or token-in {prompt_ids, ...}: the prompts as token ids, generated
+                            from as they are (ids in the vocabulary, each prompt within the model's context)
+                            → per row: response token ids, sampler log-probs and each token's policy version; the
+                            version the generation started from
     POST /weights/connect   {port, device}: join the weight channel (a TCPStore + gloo / NCCL group) of the trainer
                             run named by the request's ``Flowkit-Run`` header, its store on the host the request
                             came from; abandons a push still arriving on the earlier channel (a trainer killed or
@@ -31,10 +33,13 @@ from it. Each request is bounded: its body (``--max-body-mb``, refused from its 
 
 Generation runs on the server's own copy of the model (``--backend``, :mod:`flowkit.llm.server_backends`):
 flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process engine (``vllm``, built as the colocated
-engine builds it; the pushed weights go through vLLM's loader). A push waits for the generation in flight and
-generations wait for a push in progress (one lock), so every reply comes from one policy version; after a push that
-failed part way, whatever the failure, none is served until the next whole one. Every generation is a line of the
-log (rows, policy version, seconds). Start it before the trainer::
+engine builds it; the pushed weights go through vLLM's loader). One generation runs at a time. A push waits for the
+generation in flight and generations wait for a push in progress (one lock), so every reply comes from one policy
+version — unless the request asks for ``partial`` rollouts (``rollout.partial_rollouts``): the generation then hands
+the model to a push due between two of its tokens (the push waits one decoding step at most), and its rows go on from
+the new weights, each token carrying the version that sampled it. After a push that failed part way, whatever the
+failure, none is served until the next whole one (a partial generation it interrupted fails). Every generation is a
+line of the log (rows, policy version, seconds). Start it before the trainer::
 
     flowkit rollout-server --backbone Qwen/Qwen2.5-Math-7B --dtype bfloat16 --host 0.0.0.0 --port 8000 --backend vllm \\
         --token-file ~/.flowkit-token
@@ -111,7 +116,10 @@ class RolloutService:
         self.lease: Lease | None = None
         self.connecting = threading.Lock()  # one connect at a time: the lease is checked and taken in one piece
         self.joined = threading.Event()  # set once a trainer's channel is formed (or failed to form)
-        self.ready = threading.Condition()  # guards the model and the version; notified when a push lands
+        self.ready = threading.Condition()  # guards the model and the version; notified when a push ends
+        self.push_due = threading.Event()  # a push waits for the model: a partial generation hands it over
+        self.turn = threading.Lock()  # one generation at a time (a paused one's requests stay in vLLM's engine)
+        self.in_flight = 0  # generations running
 
     def routes(self) -> dict[tuple[str, str], Route]:
         return {("GET", "/info"): self.info, ("POST", "/generate"): self.generate,
@@ -130,30 +138,46 @@ class RolloutService:
     def info(self, request: Request) -> dict:
         self._seen(request.run)
         return {"model": self.backbone, "identity": model_identity(self.backend.config, self.tokenizer),
-                "version": self.version}
+                "version": self.version, "in_flight": self.in_flight}
 
     def generate(self, request: Request) -> dict:
         asked = generation_request(request.body, self.max_request_tokens, self.backend.vocab_size,
                                    self.backend.max_model_len)
         self._seen(request.run)
         wait_s = min(asked["wait_s"], self.timeout_s)
-        with self.ready:
+        with self.turn, self.ready:
             if not self.ready.wait_for(lambda: self.version >= asked["min_version"], timeout=wait_s):
                 raise TimeoutError(f"holds policy version {self.version}; version {asked['min_version']} was not "
                                    f"pushed within {wait_s:g} s")
-            started = time.time()
+            started, first = time.time(), self.version
             if asked["temperature"] > 0:
                 seed_sampling(asked["seed"])
             token_in = "prompt_ids" in asked
             prompts = asked["prompt_ids"] if token_in else asked["prompts"]
-            generate = self.backend.generate_from_ids if token_in else self.backend.generate
-            rows, nonfinite = generate(prompts, asked["n"], asked["temperature"], asked["top_p"],
-                                       asked["max_new_tokens"], asked["rollout_batch_size"])
-            log.info("generated %d rows (%d prompts × %d) from policy version %d in %.2f s", len(rows), len(prompts),
-                     asked["n"], self.version, time.time() - started)
-            reply = {} if token_in else {"prompt_ids": self.tokenizer(prompts)["input_ids"]}
-            return {**reply, "tokens": [tokens for tokens, _ in rows], "logprobs": [logprobs for _, logprobs in rows],
-                    "nonfinite": nonfinite, "version": self.version, "started": started, "finished": time.time()}
+            prompt_ids = prompts if token_in else self.tokenizer(prompts)["input_ids"]
+            self.in_flight += 1
+            try:
+                rows, nonfinite = self.backend.generate(
+                    prompt_ids, asked["n"], asked["temperature"], asked["top_p"], asked["max_new_tokens"],
+                    asked["rollout_batch_size"], self._between_tokens if asked["partial"] else lambda: self.version)
+            finally:
+                self.in_flight -= 1
+            log.info("generated %d rows (%d prompts × %d) from policy version %d to %d in %.2f s", len(rows),
+                     len(prompts), asked["n"], first, self.version, time.time() - started)
+            reply = {} if token_in else {"prompt_ids": prompt_ids}
+            return {**reply, "tokens": [tokens for tokens, _, _ in rows],
+                    "logprobs": [logprobs for _, logprobs, _ in rows], "nonfinite": nonfinite, "version": first,
+                    "token_versions": [versions for _, _, versions in rows], "started": started,
+                    "finished": time.time()}
+
+    def _between_tokens(self) -> int:
+        """A partial generation between two decoding steps (its thread holds the model): a push waiting for the
+        model lands now (bounded by the push's own timeout); returns the version the next step samples from."""
+        if self.push_due.is_set():
+            self.ready.wait_for(lambda: not self.push_due.is_set(), timeout=self.timeout_s)
+        if self.version == TORN:
+            raise RuntimeError("a weight push failed part way through this generation (see the log)")
+        return self.version
 
     def _holder_other_than(self, run: str) -> Lease | None:
         """The lease of another run that still holds the channel: a request from it within ``lease_s`` and its
@@ -222,7 +246,10 @@ class RolloutService:
                 log.error("push of version %d: no weight channel", version)
                 return
             channel, failed = self.channel, False
+            due = time.monotonic()
+            self.push_due.set()
             with self.ready:
+                waited = time.monotonic() - due
                 try:
                     received, loaded = channel.receive(self._loader(channel, version, lora), self.backend.held)
                 except Exception as err:  # the trainer gone or superseded, past the timeout, or a malformed push
@@ -232,11 +259,13 @@ class RolloutService:
                         self.channel = None
                 else:
                     self.version = received
+                finally:
+                    self.push_due.clear()
                     self.ready.notify_all()
             if failed:
                 channel.close()  # outside the lock: a cancelled push's operation ends within its timeout
                 return
-            log.info("policy version %d loaded (%d tensors)", received, loaded)
+            log.info("policy version %d loaded (%d tensors; waited %.3f s for the model)", received, loaded, waited)
 
         threading.Thread(target=receive, daemon=True).start()
         return {}

@@ -95,11 +95,20 @@ class RolloutOptions(OptionGroup):
     and the fraction of rows s behind, ``rollout/staleness_<s>``). The flow reward reads the latents of the
     trainer's own forward, so only the sampling distribution goes stale (``loss.rollout_correction`` weighs it).
     0: each step generates its own rollouts when it starts"""
+    partial_rollouts: bool = False
+    """(``server``) a weight push lands between two tokens of the generation in flight instead of waiting for it to
+    end: the rows in flight go on from the new weights at their next token (their KV cache recomputed), every token
+    carries the policy version that sampled it (staleness logged per token, ``rollout/token_staleness_mean``, and
+    per row, by its oldest token), ``max_staleness`` bounds a row's oldest token and ``loss.rollout_correction``
+    weighs each token by the sampler's own log-prob of it (docs/guides/rollout-engines.md)"""
 
     def check_rules(self, owner: str) -> None:
         """The ``server`` engine's addresses (:func:`~flowkit.llm.server_engine.server_urls`)."""
         if self.engine == "server":
             server_urls(self.server_url, owner)
+        elif self.partial_rollouts:
+            raise ConfigError(f"{owner}.partial_rollouts lands weight pushes mid-generation on rollout servers and "
+                              f"needs {owner}.engine: server, got {self.engine!r}")
 
     def check_group_size(self, owner: str, num_samples: int) -> None:
         """:meth:`check`, and a decoding batch holds whole groups of ``num_samples``."""

@@ -20,7 +20,7 @@ from transformers import (
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
 from flowkit.llm.forward import position_ids
-from flowkit.llm.kv_cache import cache_argument, prompt_cache
+from flowkit.llm.kv_cache import cache_argument, prompt_cache, recomputed_cache
 from flowkit.llm.packing import pack_rollouts
 from flowkit.llm.rollout_engine import TokenRollouts
 
@@ -69,6 +69,13 @@ class HFRolloutEngine:
     log-probability of each sampled token under the distribution it was drawn from (after temperature and top-p, as
     vLLM's processed log-probs; greedy: the plain softmax): the trainer's forward reproduces it up to numerics,
     which the step logs as ``rollout_corr/...``.
+
+    ``held_version`` (the rollout server's partial rollouts): called before each decoding step, it returns the policy
+    version of the weights that step samples from, after letting a weight push due meanwhile land in the model; when it
+    changed, the KV cache of the rows still decoding is computed anew under the new weights (one pass over their prompt
+    and what they generated), so each token is sampled, and its log-prob taken, as the new weights alone would. The
+    server generates through :meth:`generate_from_ids`, whose versions are per token; :meth:`generate` (the
+    colocated engine, whose weights change only between generations) tags each row with :attr:`policy_version`.
     """
 
     def __init__(
@@ -87,6 +94,7 @@ class HFRolloutEngine:
         self.rollout_batch_size = rollout_batch_size
         self.saw_nonfinite_logits = False
         self.policy_version = 0
+        self.held_version: Callable[[], int] | None = None
 
     def sync_weights(self, model: PreTrainedModel, version: int) -> None:
         """The engine samples from ``model`` itself: only the version changes."""
@@ -117,10 +125,12 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
-                          temperature: float | None = None) -> TokenRollouts:
-        """Token-in/token-out, one sample per prompt (:class:`~flowkit.llm.rollout_engine.TokenInEngine`): each
-        prompt's sampled ids (through EOS, or cut at its own ``max_new_tokens``, at most the engine's), each one's
-        log-probability under the sampler, and the engine's policy version."""
+                          temperature: float | None = None, n: int = 1) -> TokenRollouts:
+        """Token-in/token-out (:class:`~flowkit.llm.rollout_engine.TokenInEngine`): ``n`` samples of each prompt
+        (prompt i → rows i·n … i·n+n−1; one for the episode runner, the prompt encoded once per group), each row's
+        sampled ids (through EOS, or cut at its prompt's ``max_new_tokens``, at most the engine's), each one's
+        log-probability under the sampler and the policy version that sampled it (:attr:`held_version`'s, else the
+        engine's)."""
         temperature = self.temperature if temperature is None else temperature
         self.saw_nonfinite_logits = False
         device = next(self.model.parameters()).device
@@ -128,29 +138,31 @@ class HFRolloutEngine:
         encoded = {"input_ids": torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device),
                    "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts],
                                                   device=device)}
-        limits = [min(limit, self.max_new_tokens) for limit in max_new_tokens]
+        limits = [min(limit, self.max_new_tokens) for limit in max_new_tokens for _ in range(n)]
         # ranks decoding in lockstep (ZeRO-3, a collective per step) all decode to the engine's own bound
         lockstep = _zero3_partitioned(self.model) and self.whole_weights is None
-        generated, logprobs = self._decode(encoded, 1, temperature, self.max_new_tokens if lockstep else max(limits))
-        eos, samples, sample_logprobs = self.tokenizer.eos_token_id, [], []
+        generated, logprobs, step_versions = self._decode(encoded, n, temperature,
+                                                          self.max_new_tokens if lockstep else max(limits))
+        eos, rollouts = self.tokenizer.eos_token_id, TokenRollouts([], [], [])
         for row, (ids, limit) in enumerate(zip(generated.tolist(), limits)):
             length = min(ids.index(eos) + 1 if eos in ids else len(ids), limit)
-            samples.append(ids[:length])
-            sample_logprobs.append(logprobs[row, :length].tolist())
-        return TokenRollouts(samples, sample_logprobs, [self.policy_version] * len(samples))
+            rollouts.ids.append(ids[:length])
+            rollouts.logprobs.append(logprobs[row, :length].tolist())
+            rollouts.versions.append(step_versions[:length])
+        return rollouts
 
     def _generate(self, prompts: list[str], n: int, answers: list[str] | None, temperature: float) -> RolloutBatch:
         device = next(self.model.parameters()).device
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
-        generated, sampler_logprobs = self._decode(encoded, n, temperature, self.max_new_tokens)
+        generated, sampler_logprobs, _ = self._decode(encoded, n, temperature, self.max_new_tokens)
         batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
         batch.policy_versions = torch.full((batch.batch_size,), self.policy_version, device=device)
         return batch
 
     def _decode(self, encoded: dict[str, Tensor], n: int, temperature: float,
-                max_new_tokens: int) -> tuple[Tensor, Tensor]:
-        """``n`` samples of each left-padded prompt of ``encoded``: their tokens and sampler log-probs
-        (:meth:`_sample`), the policy in eval mode meanwhile."""
+                max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
+        """``n`` samples of each left-padded prompt of ``encoded``: their tokens, sampler log-probs and each step's
+        policy version (:meth:`_sample`), the policy in eval mode meanwhile."""
         was_training = self.model.training
         self.model.eval()
         synced = _zero3_partitioned(self.model) and self.whole_weights is None
@@ -163,19 +175,19 @@ class HFRolloutEngine:
         with (self.whole_weights or nullcontext)(), decoding:
             cache, pending = prompt_cache(self.model, encoded, n, shared,
                                            encoded["input_ids"].shape[1] + max_new_tokens)
-            generated, sampler_logprobs = self._sample(cache, pending,
-                                                       encoded["attention_mask"].repeat_interleave(n, dim=0),
-                                                       temperature, synced, max_new_tokens)
+            generated, sampler_logprobs, step_versions = self._sample(
+                cache, pending, encoded["input_ids"].repeat_interleave(n, dim=0),
+                encoded["attention_mask"].repeat_interleave(n, dim=0), temperature, synced, max_new_tokens)
         self.model.train(was_training)
         # out of inference mode: tensors the training forward may use
-        return generated.clone(), sampler_logprobs.clone()
+        return generated.clone(), sampler_logprobs.clone(), step_versions
 
-    def _sample(self, cache: DynamicCache, pending: Tensor, attention_mask: Tensor, temperature: float,
-                synced: bool, max_new_tokens: int) -> tuple[Tensor, Tensor]:
+    def _sample(self, cache: DynamicCache, pending: Tensor, prompt_ids: Tensor, attention_mask: Tensor,
+                temperature: float, synced: bool, max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
         """Decodes up to ``max_new_tokens`` per row: the tokens and their log-probs under the sampler (B × steps taken;
-        padding after EOS). Rows that emitted EOS leave
-        the batch and the KV cache (once an eighth of the batch has ended: dropping rows copies the cache), so the long
-        tail of a batch decodes only its own rows (HF ``generate`` decodes finished rows until the last one ends).
+        padding after EOS), and the policy version each step sampled from (:attr:`held_version`). Rows that emitted EOS
+        leave the batch and the KV cache (once an eighth of the batch has ended: dropping rows copies the cache), so the
+        long tail of a batch decodes only its own rows (HF ``generate`` decodes finished rows until the last one ends).
         ``synced`` (ZeRO-3 without whole weights): every forward is a collective, so finished rows stay and the ranks
         decode until every rank's rows have ended."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
@@ -185,8 +197,13 @@ class HFRolloutEngine:
         generated = torch.full((len(rows), max_new_tokens), pad, dtype=torch.long, device=pending.device)
         logprobs = torch.zeros(generated.shape, device=pending.device)
         positions = position_ids(attention_mask)[:, -pending.shape[1]:]
-        steps = 0
+        steps, step_versions = 0, []
         while steps < max_new_tokens:
+            version = self.policy_version if self.held_version is None else self.held_version()
+            if step_versions and version != step_versions[-1]:  # new weights: every position but the pending one
+                cache = recomputed_cache(self.model, torch.cat([prompt_ids[rows], generated[rows, :steps - 1]], 1),
+                                         attention_mask[:, :-1], prompt_ids.shape[1] + max_new_tokens)
+            step_versions.append(version)
             logits = self.model(input_ids=pending, attention_mask=attention_mask, position_ids=positions,
                                 use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
             scores, nonfinite = _next_token_scores(logits, temperature, self.top_p)
@@ -214,4 +231,4 @@ class HFRolloutEngine:
                 attention_mask, unfinished = attention_mask[keep], unfinished[keep]
             pending, positions = tokens[:, None], positions[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, torch.ones_like(pending)], dim=1)
-        return generated[:, :steps], logprobs[:, :steps]
+        return generated[:, :steps], logprobs[:, :steps], step_versions

@@ -66,6 +66,12 @@ def prompt_cache(model: PreTrainedModel, encoded: dict[str, Tensor], n: int, sha
     return cache, input_ids[:, -1:]
 
 
+def recomputed_cache(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, capacity: int) -> DynamicCache:
+    """A decoding cache (room for ``capacity`` positions) holding the KV of ``input_ids`` (left-padded rows, positioned
+    as during generation) under the model's weights now, by one decoder pass: after a weight push mid-generation."""
+    return _prefill(model, _decoding_cache(model, capacity), input_ids, attention_mask)
+
+
 class ReservedLayer(DynamicLayer):
     """A ``DynamicLayer`` whose positions are reserved up front: each decoding step writes its key and value
     into the buffer instead of concatenating a copy of the whole cache (``DynamicLayer``). ``keys`` / ``values`` are

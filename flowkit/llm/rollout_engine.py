@@ -73,11 +73,12 @@ class PrefetchingEngine(RolloutEngine, Protocol):
 class TokenRollouts(NamedTuple):
     """What :meth:`TokenInEngine.generate_from_ids` returns, one entry per prompt in order: the ids sampled (through
     the EOS that ended the row, or cut at the row's ``max_new_tokens``), each one's log-probability under the sampler
-    (after temperature and top-p, as ``rollout_logprobs``), and the policy version whose weights sampled the row."""
+    (after temperature and top-p, as ``rollout_logprobs``), and the policy version whose weights sampled each one (per
+    token: a ``server`` engine's push may land between two tokens of a row, ``rollout.partial_rollouts``)."""
 
     ids: list[list[int]]
     logprobs: list[list[float]]
-    versions: list[int]
+    versions: list[list[int]]
 
 
 @runtime_checkable
@@ -125,14 +126,24 @@ def prefetch_ahead(engine: PrefetchingEngine, prompts_of: Callable[[int], list[s
 
 def rollout_metrics(engine: RolloutEngine, batch: RolloutBatch, max_staleness: int) -> dict[str, torch.Tensor | float]:
     """How many policy versions behind the weights this step trains (``engine.policy_version``) the rows were
-    sampled: ``rollout/staleness_mean|max`` and the fraction of rows s behind, ``rollout/staleness_<s>`` for
-    s = 0 … max(``max_staleness``, the largest); for a :class:`PrefetchingEngine`, the rows regenerated so far for
-    being more than ``max_staleness`` behind (``rollout/regenerated_rows``)."""
+    sampled, ``batch``'s ``policy_versions`` per token (B×S, an :class:`~flowkit.step.Experience`'s). Per row, by its
+    oldest token (what ``max_staleness`` bounds): ``rollout/staleness_mean|max`` and the fraction of rows s behind,
+    ``rollout/staleness_<s>`` for s = 0 … max(``max_staleness``, the largest); per response token,
+    ``rollout/token_staleness_mean``; the fraction of rows whose tokens came from more than one version (partial
+    rollouts), ``rollout/mixed_rows``. For a :class:`PrefetchingEngine`, the rows regenerated so far for being more
+    than ``max_staleness`` behind (``rollout/regenerated_rows``)."""
     if batch.policy_versions is None:
         return {}
-    staleness = (engine.policy_version - batch.policy_versions).float()
+    versions, real = batch.policy_versions, batch.attention_mask.bool()
+    oldest = torch.where(real, versions, torch.iinfo(versions.dtype).max).amin(-1)
+    newest = torch.where(real, versions, torch.iinfo(versions.dtype).min).amax(-1)
+    staleness = (engine.policy_version - oldest).float()
+    response = batch.response_mask
+    token_staleness = ((engine.policy_version - versions) * response).sum() / response.sum().clamp(min=1)
     metrics: dict[str, torch.Tensor | float] = {"rollout/staleness_mean": staleness.mean(),
-                                                "rollout/staleness_max": staleness.max()}
+                                                "rollout/staleness_max": staleness.max(),
+                                                "rollout/token_staleness_mean": token_staleness,
+                                                "rollout/mixed_rows": (newest > oldest).float().mean()}
     for behind in range(max(max_staleness, int(staleness.max())) + 1):
         metrics[f"rollout/staleness_{behind}"] = (staleness == behind).float().mean()
     if isinstance(engine, PrefetchingEngine):

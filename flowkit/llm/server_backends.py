@@ -3,12 +3,14 @@ interface, flowkit's HF decoding loop (``hf``, the default) or vLLM's in-process
 
 A backend has the model's ``config`` and ``tokenizer`` (the trainer compares them with its own at connect), the
 ``device`` its weights live on (NCCL pushes when both sides are on GPUs), the HF model's parameter ``shapes`` by name,
-the ``vocab_size`` and ``max_model_len`` (the context, None: unknown) a token-in request is checked against, and four
-methods: :meth:`generate` and, token-in, :meth:`generate_from_ids` (each row's response token ids and sampler
-log-probs, prompt-major), :meth:`load` (a pushed weight stream into the model) and :meth:`held` (a weight as the
-model holds it, by its pushed name, whose digest the trainer compares with what it pushed). Both backends check every
-pushed weight against those names and shapes; one that is not there is logged and not loaded, and the trainer, told
-how many were, reports it.
+the ``vocab_size`` and ``max_model_len`` (the context, None: unknown) a token-in request is checked against, and three
+methods: :meth:`generate` (``n`` samples of each prompt's token ids, generated from as they are — the server
+tokenizes a request's strings — each row's response token ids, sampler log-probs and the policy version each token
+was sampled from, prompt-major; it asks ``held_version()`` before each decoding step, which lets a push due
+meanwhile land: partial rollouts), :meth:`load` (a pushed weight stream into the model) and :meth:`held` (a weight
+as the model holds it, by its pushed name, whose digest the trainer compares with what it pushed). Both backends
+check every pushed weight against those names and shapes; one that is not there is logged and not loaded, and the
+trainer, told how many were, reports it.
 Sampling draws from the process's global generators, which the server seeds per request.
 
 A LoRA policy pushed as an adapter (``rollout.server_lora_push: adapter``) goes through :class:`ServedAdapter`, the
@@ -19,7 +21,8 @@ them, then hands the backend the merged weights as one ordinary push.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -33,7 +36,8 @@ from flowkit.llm.vllm_engine import (
 
 log = logging.getLogger(__name__)
 
-Rows = list[tuple[list[int], list[float]]]
+Rows = list[tuple[list[int], list[float], list[int]]]
+"""Each row's response token ids, their sampler log-probs and the policy version each was sampled from."""
 
 
 class _Known:
@@ -60,34 +64,24 @@ class HFServerBackend:
         model, self.tokenizer = load_backbone(backbone, dtype)
         self.model = model.to(self.device).eval()
         self.config = self.model.config
-        self.engine = HFRolloutEngine(self.model, self.tokenizer)
         self.parameters = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names are pushed
         self.shapes = {name: p.shape for name, p in self.parameters.items()}
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_model_len = getattr(self.config, "max_position_embeddings", None)
 
-    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 rollout_batch_size: int | None) -> tuple[Rows, bool]:
-        engine = self.engine
-        engine.max_new_tokens, engine.top_p, engine.rollout_batch_size = max_new_tokens, top_p, rollout_batch_size
-        batch = engine.generate(prompts, n, temperature=temperature)
-        rows = [(ids[keep].tolist(), logprobs[keep].tolist())  # the mask covers the response up to its EOS only
-                for ids, logprobs, keep in zip(batch.input_ids, batch.rollout_logprobs, batch.response_mask.bool())]
-        return rows, engine.saw_nonfinite_logits
-
-    def generate_from_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                          max_new_tokens: int, rollout_batch_size: int | None) -> tuple[Rows, bool]:
-        """Token-in: ``n`` samples of each prompt's ids (:meth:`HFRolloutEngine.generate_from_ids`), at most
-        ``rollout_batch_size`` rows per decoding batch."""
-        engine = self.engine
-        engine.max_new_tokens, engine.top_p = max_new_tokens, top_p
-        rows_in = [ids for ids in prompt_ids for _ in range(n)]
-        per_call = rollout_batch_size or len(rows_in)
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 rollout_batch_size: int | None, held_version: Callable[[], int]) -> tuple[Rows, bool]:
+        """:meth:`HFRolloutEngine.generate_from_ids`, at most ``rollout_batch_size`` rows (whole groups of ``n``) per
+        decoding batch. A push between two tokens lands in the model's parameters in place; the rows in flight then
+        have their KV cache recomputed under the new weights (:class:`HFRolloutEngine`'s ``held_version``)."""
+        engine = HFRolloutEngine(self.model, self.tokenizer, max_new_tokens, top_p=top_p)
+        engine.held_version = held_version
+        per_call = len(prompt_ids) if rollout_batch_size is None else max(1, rollout_batch_size // n)
         rows, nonfinite = [], False
-        for start in range(0, len(rows_in), per_call):
-            chunk = rows_in[start:start + per_call]
-            sampled = engine.generate_from_ids(chunk, [max_new_tokens] * len(chunk), temperature)
-            rows += zip(sampled.ids, sampled.logprobs)
+        for start in range(0, len(prompt_ids), per_call):
+            chunk = prompt_ids[start:start + per_call]
+            sampled = engine.generate_from_ids(chunk, [max_new_tokens] * len(chunk), temperature, n)
+            rows += zip(sampled.ids, sampled.logprobs, sampled.versions)
             nonfinite |= engine.saw_nonfinite_logits
         return rows, nonfinite
 
@@ -137,17 +131,13 @@ class VllmServerBackend:
         # it runs here, before the server listens, not inside a trainer's first request and its timeout
         sample(self.llm, [[self.tokenizer.eos_token_id or 0]], 1, sampling_params(None, 1, 0.0, 1.0))
 
-    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 rollout_batch_size: int | None) -> tuple[Rows, bool]:
-        return self.generate_from_ids(self.tokenizer(prompts)["input_ids"], n, temperature, top_p, max_new_tokens,
-                                      rollout_batch_size)
-
-    def generate_from_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                          max_new_tokens: int, rollout_batch_size: int | None) -> tuple[Rows, bool]:
-        """``n`` samples of each prompt's ids, handed to vLLM as they are."""
-        rows = sample(self.llm, prompt_ids, n,
-                      sampling_params(self.tokenizer.eos_token_id, max_new_tokens, temperature, top_p))
-        nonfinite = not bool(torch.isfinite(torch.tensor([p for _, logprobs in rows for p in logprobs])).all())
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 rollout_batch_size: int | None, held_version: Callable[[], int]) -> tuple[Rows, bool]:
+        """``n`` samples of each prompt's ids, handed to vLLM as they are, its engine stepped one decoding step at a
+        time (``LLM.generate``'s own loop, :func:`sample_in_steps`), so that a push lands between two steps."""
+        rows = sample_in_steps(self.llm, [ids for ids in prompt_ids for _ in range(n)], held_version,
+                               sampling_params(self.tokenizer.eos_token_id, max_new_tokens, temperature, top_p))
+        nonfinite = not bool(torch.isfinite(torch.tensor([p for _, logprobs, _ in rows for p in logprobs])).all())
         return rows, nonfinite
 
     def load(self, weights: Iterable[tuple[str, Tensor]]) -> int:
@@ -160,6 +150,42 @@ class VllmServerBackend:
         None for one its loader fused or sharded into its own, ``qkv_proj``, ...)."""
         shape = self.shapes.get(name)
         return None if shape is None else held_weight(self.llm, name, shape)
+
+
+def sample_in_steps(llm, prompt_ids: list[list[int]], held_version: Callable[[], int], params) -> Rows:
+    """One sample of each prompt (token ids), vLLM's engine stepped as ``LLM.generate`` steps it, asking
+    ``held_version()`` before each step. When the version changed (a push landed between two steps), the prefix cache
+    is reset with the requests in flight preempted (``reset_prefix_cache(reset_running_requests=True)``, what vLLM's
+    ``pause_generation(mode="keep", clear_cache=True)`` does in its async engine): vLLM recomputes their KV cache,
+    prompt and tokens generated so far, under the new weights when it schedules them again, so each token is sampled,
+    and its log-prob taken, as the new weights alone would."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine, call = llm.llm_engine, uuid.uuid4().hex
+    tokens: list[list[int]] = [[] for _ in prompt_ids]
+    logprobs: list[list[float]] = [[] for _ in prompt_ids]
+    versions: list[list[int]] = [[] for _ in prompt_ids]
+    live: dict[str, int] = {}  # request id → its row
+    request = params.clone()
+    request.output_kind = RequestOutputKind.DELTA  # each step's new tokens
+    for row, ids in enumerate(prompt_ids):
+        engine.add_request(f"{call}-{row}", TokensPrompt(prompt_token_ids=ids), request)
+        live[f"{call}-{row}"] = row
+    version = held_version()
+    while live:
+        now = held_version()
+        if now != version:
+            llm.reset_prefix_cache(reset_running_requests=True)
+            version = now
+        for output in engine.step():
+            row, sample = live[output.request_id], output.outputs[0]
+            tokens[row] += sample.token_ids
+            logprobs[row] += [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+            versions[row] += [version] * len(sample.token_ids)
+            if output.finished:
+                del live[output.request_id]
+    return list(zip(tokens, logprobs, versions))
 
 
 class ServedAdapter:

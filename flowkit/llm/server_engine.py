@@ -36,6 +36,11 @@ the weights it holds (up to k versions behind); :meth:`ServerRolloutEngine.gener
 the same prompts, each row carrying the version of the server that generated it, and regenerates a server's share
 more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
 
+With ``rollout.partial_rollouts`` a push does not wait for the generation in flight: the server lands it between two
+decoding steps, the rows in flight go on from the new weights (their KV cache recomputed), and every token carries the
+version that sampled it (the batch's ``policy_versions`` are B×S; a row's staleness is that of its oldest token, which
+``max_staleness`` bounds as above).
+
 With ``rollout.server_lora_push: adapter`` a LoRA policy's adapters travel alone: the first push over a channel
 carries the base weights (the trainer's, unmerged: they may differ from the server's checkpoint) and the LoRA layout
 (:func:`~flowkit.llm.vllm_engine.lora_layout`: per layer its adapters' rank and scaling), every later one only the
@@ -99,7 +104,8 @@ _STORE_PING = b"\x0d"
 SMALL_REPLY_BYTES = 1 << 20
 """Bound of a reply other than rollouts (``/info``, ``/weights``, an error): a server's ``/info`` is a few KB."""
 REPLY_BYTES_PER_TOKEN = 64
-"""Bound of a ``/generate`` reply per token it may carry: a token id and its log-prob take under 32 bytes of JSON."""
+"""Bound of a ``/generate`` reply per token it may carry: a token id, its log-prob and version take under 40 bytes of
+JSON."""
 _DETAIL_CHARS = 200  # of a server's own words quoted in an error
 
 LoraPush = Literal["merged", "adapter"]
@@ -527,7 +533,8 @@ class _Pending:
 class ReplyCheck:
     """What a ``/generate`` reply may hold, checked before any of it is trained on: a policy version the trainer
     pushed, not older than its request accepted; the rows asked for, each at most ``max_new_tokens`` token ids in
-    ``[0, vocab_size)`` with one log-prob each; at most :meth:`bytes_for` its request of JSON."""
+    ``[0, vocab_size)`` with one log-prob and one policy version each (pushed versions, from the reply's on, never
+    going back); at most :meth:`bytes_for` its request of JSON."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, vocab_size: int):
         self.tokenizer, self.max_new_tokens, self.vocab_size = tokenizer, max_new_tokens, vocab_size
@@ -554,11 +561,13 @@ class ReplyCheck:
         if type(version) is not int or version not in self.versions or version < share.min_version:
             raise server.error(f": /generate answered policy version {_one_line(repr(version))}, not one the trainer "
                                f"pushed from version {share.min_version} (asked for) to {self.latest}")
-        if not (isinstance(rows, list) and isinstance(logprobs, list) and len(rows) == len(logprobs) == share.rows
+        token_versions = reply.get("token_versions")
+        if not (isinstance(rows, list) and isinstance(logprobs, list) and isinstance(token_versions, list)
+                and len(rows) == len(logprobs) == len(token_versions) == share.rows
                 and type(reply.get("nonfinite")) is bool):
-            raise server.error(f": /generate answered no {share.rows} rows of tokens and log-probs with a nonfinite "
-                               "flag")
-        for row, (tokens, numbers) in enumerate(zip(rows, logprobs)):
+            raise server.error(f": /generate answered no {share.rows} rows of tokens, log-probs and versions with a "
+                               "nonfinite flag")
+        for row, (tokens, numbers, versions) in enumerate(zip(rows, logprobs, token_versions)):
             if not (isinstance(tokens, list) and isinstance(numbers, list) and len(tokens) == len(numbers)
                     and all(type(number) in (float, int) for number in numbers)):
                 raise server.error(f": /generate row {row} is not a list of token ids and one log-prob per token")
@@ -569,6 +578,11 @@ class ReplyCheck:
             if outside:
                 raise server.error(f": /generate row {row} has token id {_one_line(repr(outside[0]))}, outside the "
                                    f"vocabulary (0 … {self.vocab_size - 1})")
+            if not (isinstance(versions, list) and len(versions) == len(tokens)
+                    and all(type(v) is int and v in self.versions for v in versions)
+                    and versions == sorted(versions) and all(v >= version for v in versions)):
+                raise server.error(f": /generate row {row} has no policy version per token, each one the trainer "
+                                   f"pushed, from the reply's {version} on and never going back")
 
 
 class ServerRolloutEngine:
@@ -589,6 +603,7 @@ class ServerRolloutEngine:
         bucket_mb: size of a weight-push bucket.
         max_staleness: accept rollouts up to this many policy versions old (0: the weights last pushed).
         rollout_batch_size: sequences per decoding batch on a server (bounds its KV cache); None: all at once.
+        partial_rollouts: a push lands between two tokens of the generation in flight instead of waiting for it.
         lora_push: a LoRA (peft) policy's weights go ``merged`` (every weight, each push) or as the ``adapter``
             (the base weights once per channel, then A and B alone; the server merges).
         token_file: the file holding the servers' secret (None: ``FLOWKIT_SERVER_TOKEN``, else no secret).
@@ -597,11 +612,12 @@ class ServerRolloutEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, urls: str | list[str],
                  timeout_s: float = 300.0, max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0,
                  sync_every: int = 1, bucket_mb: int = 256, max_staleness: int = 0,
-                 rollout_batch_size: int | None = None, lora_push: LoraPush = "merged", token_file: str | None = None):
+                 rollout_batch_size: int | None = None, lora_push: LoraPush = "merged", token_file: str | None = None,
+                 partial_rollouts: bool = False):
         if lora_push == "adapter" and not hasattr(model, "peft_config"):
             raise ValueError("lora_push 'adapter' needs a LoRA (peft) model")
         self.model, self.tokenizer, self.lora_push = model, tokenizer, lora_push
-        self.rollout_batch_size, self.timeout_s = rollout_batch_size, timeout_s
+        self.rollout_batch_size, self.timeout_s, self.partial_rollouts = rollout_batch_size, timeout_s, partial_rollouts
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.sync_every, self.bucket_bytes, self.max_staleness = sync_every, bucket_mb << 20, max_staleness
         self.saw_nonfinite_logits = False
@@ -756,15 +772,20 @@ class ServerRolloutEngine:
         for these prompts are used when at most ``max_staleness`` versions old, else regenerated."""
         self._ensure_pushed()
         temperature = self.temperature if temperature is None else temperature
-        return self._agreed(lambda: self._batch(self._replies(prompts, n, temperature), prompts, n, answers),
-                            "generation")
+
+        def batch() -> RolloutBatch:
+            replies = self._replies(prompts, n, temperature)
+            self.saw_nonfinite_logits = any(reply["nonfinite"] for _, reply in replies)
+            return _served_batch(self.tokenizer, replies, prompts, n, answers).to(next(self.model.parameters()).device)
+
+        return self._agreed(batch, "generation")
 
     @torch.no_grad()
     def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
                           temperature: float | None = None) -> TokenRollouts:
         """Token-in/token-out (:class:`~flowkit.llm.rollout_engine.TokenInEngine`): the ids go to this rank's servers
         (``prompt_ids``, split as :meth:`generate` splits prompts) and their sampled ids come back as they are, each
-        row cut at its own ``max_new_tokens`` and tagged with the version of the server that sampled it. Never
+        row cut at its own ``max_new_tokens``, each token with the version its server sampled it from. Never
         prefetched, and no collective: ranks run different numbers of turns, so a failure raises on this rank."""
         self._ensure_pushed()
         temperature = self.temperature if temperature is None else temperature
@@ -841,23 +862,8 @@ class ServerRolloutEngine:
         seed = int(torch.randint(0, 2**32, ())) if temperature > 0 else 0  # NumPy's seed range (vLLM draws from it)
         return {"n": n, "temperature": temperature, "top_p": self.top_p,
                 "max_new_tokens": self.max_new_tokens, "rollout_batch_size": self.rollout_batch_size, "seed": seed,
-                "min_version": self.pushed_version or 0, "wait_s": self.timeout_s / 2}  # the server's error first
-
-    def _batch(self, replies: list[tuple[_Share, dict]], prompts: list[str], n: int,
-               answers: list[str] | None) -> RolloutBatch:
-        """The shares' rows in prompt order, each with the version of the server that generated it."""
-        encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-        ours = [row[mask.bool()].tolist() for row, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
-        rows, versions = [], []
-        for share, reply in replies:
-            if ours[share.start:share.stop] != reply["prompt_ids"]:
-                raise share.server.error(" tokenizes the prompts differently from the trainer")
-            rows += zip(reply["tokens"], reply["logprobs"])
-            versions += [reply["version"]] * len(reply["tokens"])
-        batch = pack_response_rows(self.tokenizer, encoded, rows, prompts, n, answers)
-        self.saw_nonfinite_logits = any(reply["nonfinite"] for _, reply in replies)
-        batch.policy_versions = torch.tensor(versions, dtype=torch.long)
-        return batch.to(next(self.model.parameters()).device)
+                "min_version": self.pushed_version or 0, "wait_s": self.timeout_s / 2,  # the server's error first
+                "partial": self.partial_rollouts}
 
     def close(self) -> None:
         """Drop the prefetched rollouts and the weight channels (the servers keep running)."""
@@ -868,15 +874,39 @@ class ServerRolloutEngine:
         self.served_layout = None
 
 
+def _served_batch(tokenizer: PreTrainedTokenizerBase, replies: list[tuple[_Share, dict]], prompts: list[str], n: int,
+                  answers: list[str] | None) -> RolloutBatch:
+    """The shares' rows in prompt order, each token with the policy version that sampled it (B×S; a row's prompt and
+    padding columns hold the version its generation started from); a server that tokenized its prompts otherwise
+    than ``tokenizer`` is refused in one line."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    ours = [row[mask.bool()].tolist() for row, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
+    rows, versions = [], []
+    for share, reply in replies:
+        if ours[share.start:share.stop] != reply["prompt_ids"]:
+            raise share.server.error(" tokenizes the prompts differently from the trainer")
+        rows += zip(reply["tokens"], reply["logprobs"])
+        versions += [(reply["version"], token_versions) for token_versions in reply["token_versions"]]
+    batch = pack_response_rows(tokenizer, encoded, rows, prompts, n, answers)
+    prompt_width = encoded["input_ids"].shape[1]
+    batch.policy_versions = torch.tensor([first for first, _ in versions]).repeat_interleave(
+        batch.input_ids.shape[1]).view_as(batch.input_ids).clone()
+    for row, (_, token_versions) in enumerate(versions):
+        batch.policy_versions[row, prompt_width:prompt_width + len(token_versions)] = torch.tensor(
+            token_versions, dtype=torch.long)
+    return batch
+
+
 def _token_rollouts(replies: list[tuple[_Share, dict]], limits: list[int]) -> TokenRollouts:
-    """The shares' rows in prompt order, each cut at its prompt's limit, with the version of the server that
-    sampled it."""
+    """The shares' rows in prompt order, each cut at its prompt's limit, with the version of each token as its server
+    reported it."""
     rollouts = TokenRollouts([], [], [])
     for share, reply in replies:
-        for row, (ids, logprobs) in enumerate(zip(reply["tokens"], reply["logprobs"]), share.start):
+        rows = zip(reply["tokens"], reply["logprobs"], reply["token_versions"])
+        for row, (ids, logprobs, versions) in enumerate(rows, share.start):
             rollouts.ids.append(ids[:limits[row]])
             rollouts.logprobs.append(logprobs[:limits[row]])
-            rollouts.versions.append(reply["version"])
+            rollouts.versions.append(versions[:limits[row]])
     return rollouts
 
 
@@ -886,7 +916,8 @@ def build_server_engine(setup: EngineSetup) -> ServerRolloutEngine:
     return ServerRolloutEngine(setup.policy, setup.tokenizer, server_urls(options.server_url, "PolicyModule.rollout"),
                                options.server_timeout, setup.max_new_tokens, setup.temperature, setup.top_p,
                                options.server_sync_every, options.server_bucket_mb, options.max_staleness,
-                               options.batch_size, options.server_lora_push, options.server_token_file)
+                               options.batch_size, options.server_lora_push, options.server_token_file,
+                               options.partial_rollouts)
 
 
 def _rank_and_world() -> tuple[int, int]:

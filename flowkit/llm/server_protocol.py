@@ -89,11 +89,12 @@ def json_object(body: Any, what: str = "the body") -> dict:
 
 def generation_request(body: Any, max_tokens: int, vocab_size: int, max_model_len: int | None = None) -> dict:
     """``POST /generate``'s body, checked: the prompts, ``n``, ``temperature``, ``top_p``, ``max_new_tokens``,
-    ``rollout_batch_size`` (optional), ``seed``, ``min_version``, ``wait_s``. The prompts are ``prompts`` (a
-    non-empty list of strings, which the server tokenizes) or, token-in, ``prompt_ids`` (a non-empty list of non-empty
-    lists of token ids in ``[0, vocab_size)``, generated from as they are; each prompt's ids plus ``max_new_tokens``
-    at most ``max_model_len``, the model's context, when known). The tokens a request may cost are at most
-    ``max_tokens`` (the server's ``--max-request-tokens``): ``n × prompts × max_new_tokens``, token-in
+    ``rollout_batch_size`` (optional), ``seed``, ``min_version``, ``wait_s``, ``partial`` (optional, false: a push
+    waits for the generation; true: it lands between two tokens). The prompts are ``prompts`` (a non-empty list of
+    strings, which the server tokenizes) or, token-in, ``prompt_ids`` (a non-empty list of non-empty lists of token
+    ids in ``[0, vocab_size)``, generated from as they are; each prompt's ids plus ``max_new_tokens`` at most
+    ``max_model_len``, the model's context, when known). The tokens a request may cost are at most ``max_tokens``
+    (the server's ``--max-request-tokens``): ``n × prompts × max_new_tokens``, token-in
     ``n × (prompt ids + prompts × max_new_tokens)``."""
     body = json_object(body)
     request = {"n": integer(body, "n", 1), "temperature": number(body, "temperature", 0),
@@ -101,7 +102,9 @@ def generation_request(body: Any, max_tokens: int, vocab_size: int, max_model_le
                "max_new_tokens": integer(body, "max_new_tokens", 1),
                "rollout_batch_size": integer(body, "rollout_batch_size", 1, optional=True),
                "seed": integer(body, "seed", 0, SEED_RANGE - 1), "min_version": integer(body, "min_version", 0),
-               "wait_s": number(body, "wait_s", 0)}
+               "wait_s": number(body, "wait_s", 0), "partial": body.get("partial", False)}
+    if not isinstance(request["partial"], bool):
+        raise RequestError(f"field 'partial' must be a boolean, got {json_type(request['partial'])}")
     if "prompt_ids" in body:
         if "prompts" in body:
             raise RequestError("the body carries both 'prompts' and 'prompt_ids': send one of them")

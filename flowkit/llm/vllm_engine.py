@@ -519,4 +519,4 @@ class VllmRolloutEngine:
         self._sleep()
         self.saw_nonfinite_logits = not all(math.isfinite(p) for _, logprobs in rows for p in logprobs)
         return TokenRollouts([ids for ids, _ in rows], [logprobs for _, logprobs in rows],
-                             [self.policy_version] * len(rows))
+                             [[self.policy_version] * len(ids) for ids, _ in rows])

@@ -115,8 +115,8 @@ class Experience:
     @staticmethod
     def of(batch: RolloutBatch, sample_index: Tensor, loss_mask: Tensor, reward_step: StepScorer | None,
            metrics: dict[str, float]) -> Experience:
-        """The finished record of a graded and scored ``batch`` (a row's policy version on each of its tokens, unless
-        the batch has one per token)."""
+        """The finished record of a graded and scored ``batch`` (each token's policy version: the batch's own when
+        per token, else its row's)."""
         versions = batch.policy_versions.to(batch.input_ids.device)
         if versions.dim() == 1:
             versions = versions[:, None].expand_as(batch.input_ids)

@@ -96,7 +96,7 @@ def conversation(text: str) -> list[tuple[str, str]]:
 class ScriptedPolicy:
     """``generate`` for the runner: ``respond(messages)`` (the conversation so far as (role, content) pairs) gives
     each episode's next turn as text, sampled one character per token and closed with <eos>; each token's log-prob
-    is -(its position + 1)/100 and the version is the call's index. ``on_call(index, prompts)`` runs before each
+    is -(its position + 1)/100 and its version the call's index. ``on_call(index, prompts)`` runs before each
     call. Every sample it returned is kept in ``samples`` (with the prompt it answered)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, respond: Callable[[list[tuple[str, str]]], str],
@@ -114,7 +114,7 @@ class ScriptedPolicy:
             text = self.respond(conversation(self.tokenizer.decode(prompt, skip_special_tokens=False)))
             ids = self.tokenizer.convert_tokens_to_ids(list(text)) + [self.tokenizer.eos_token_id]
             ids = ids[:limit]
-            samples.append(Sample(ids, [-(k + 1) / 100 for k in range(len(ids))], self.calls))
+            samples.append(Sample(ids, [-(k + 1) / 100 for k in range(len(ids))], [self.calls] * len(ids)))
             self.samples.append((prompt, samples[-1]))
         self.calls += 1
         return samples

@@ -130,7 +130,7 @@ def test_the_trajectory_keeps_every_sampled_id_where_re_tokenizing_would_change_
     for turn, sample in zip(turns, sampled):
         assert list(trajectory.token_ids[turn.start:turn.end]) == list(sample.ids)
         assert list(trajectory.logprobs[turn.start:turn.end]) == list(sample.logprobs)
-        assert set(trajectory.versions[turn.start:turn.end]) == {sample.version}
+        assert list(trajectory.versions[turn.start:turn.end]) == list(sample.versions)
     # the text is the chat template's rendering of the conversation, turn separators included ...
     messages = [{"role": "user", "content": "12+47="}, {"role": "assistant", "content": CALLS["12+47="]},
                 {"role": "tool", "name": "add", "content": "59"}, {"role": "assistant", "content": "\\boxed{59}"}]

@@ -18,6 +18,7 @@ from flowkit.agents import ENVIRONMENTS, EnvStep, EpisodeOptions
 from flowkit.agents.envs.long_addition import add, boxed_answer
 from flowkit.errors import ConfigError, RunError
 from flowkit.llm.latent_tap import LatentTap
+from flowkit.llm.rollout_engine import TokenRollouts
 from flowkit.rewards import FlowReward
 from flowkit.rewards.flow.options import LatentOptions, NetworkOptions, OnlineOptions, ScoringOptions
 from flowkit.rl.rollout_correction import RolloutCorrection
@@ -82,9 +83,19 @@ class ScriptedEngine:
     def __init__(self, tokenizer, respond):
         self.tokenizer, self.script = tokenizer, ScriptedPolicy(tokenizer, respond)
 
-    def generate_from_ids(self, prompts, max_new_tokens):
+    def generate_from_ids(self, prompts, max_new_tokens, temperature=None) -> TokenRollouts:
         samples = self.script(prompts, max_new_tokens)
-        return [list(s.ids) for s in samples], [list(s.logprobs) for s in samples]
+        return TokenRollouts([list(s.ids) for s in samples], [list(s.logprobs) for s in samples],
+                             [[self.policy_version] * len(s.ids) for s in samples])
+
+    def generate(self, prompts, n=1, answers=None, temperature=None):
+        raise AssertionError("episodes generate token-in only")
+
+    def sync_weights(self, model, version) -> None:
+        self.policy_version = version
+
+    def close(self) -> None:
+        pass
 
 
 class RecordedRollout(EpisodeRollout):

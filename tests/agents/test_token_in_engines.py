@@ -113,9 +113,9 @@ def engine(request, drift):
     remote.close()
 
 
-def recorded(engine) -> dict[tuple[int, ...], tuple[list[int], list[float], int]]:
+def recorded(engine) -> dict[tuple[int, ...], tuple[list[int], list[float], list[int]]]:
     """What the engine's token-in path returns from now on, by the prompt it answered: the sampled ids, their
-    log-probs and version."""
+    log-probs and versions."""
     sampled = {}
     generate_from_ids = engine.generate_from_ids
 
@@ -144,10 +144,10 @@ def test_every_policy_token_of_every_turn_is_the_id_the_engine_sampled(engine, d
     assert any(trajectory.done for trajectory in trajectories)
     expected = drift_logprobs(tokenizer)
     for trajectory, turn in turns:
-        ids, logprobs, version = sampled[trajectory.token_ids[:turn.start]]
+        ids, logprobs, versions = sampled[trajectory.token_ids[:turn.start]]
         assert list(trajectory.token_ids[turn.start:turn.end]) == ids
-        assert list(trajectory.logprobs[turn.start:turn.end]) == logprobs and version == VERSION
-        assert set(trajectory.versions[turn.start:turn.end]) == {VERSION}
+        assert list(trajectory.logprobs[turn.start:turn.end]) == logprobs and versions == [VERSION] * len(ids)
+        assert list(trajectory.versions[turn.start:turn.end]) == versions
         assert set(trajectory.loss_mask[turn.start:turn.end]) == {1}
         assert torch.allclose(torch.tensor(logprobs), expected[ids], atol=1e-4)  # each log-prob is its own token's
     # Bypassing the runner, re-tokenizing a turn's text trains on ids the engine never sampled.

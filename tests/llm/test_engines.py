@@ -137,12 +137,22 @@ def test_prefetch_ahead_keeps_k_batches_in_flight_up_to_the_last_step(k):
 
 
 def test_rollout_metrics_by_hand():
-    """Rows 3, 1, 1, 0, 0 and 0 versions behind version 7 (k = 2): mean 5/6, max 3, and the fraction of rows at each
-    staleness from 0 to max(k, 3); a non-prefetching engine regenerates nothing and logs no count."""
-    batch = SimpleNamespace(policy_versions=torch.tensor([4, 6, 6, 7, 7, 7]))
+    """Rows whose oldest tokens are 3, 1, 1, 0, 0 and 0 versions behind version 7 (k = 2): mean 5/6, max 3, and the
+    fraction of rows at each staleness from 0 to max(k, 3), padding (version 0 here) not counted; rows 0 and 1 are
+    partial (their second response token from a newer version): 2/6 mixed, and per response token (two per row:
+    3 and 2, 1 and 0, 1 and 1, then zeros) 8/12 behind; a non-prefetching engine regenerates nothing and logs no
+    count."""
+    first = torch.tensor([4, 6, 6, 7, 7, 7])
+    versions = first[:, None].repeat(1, 4)  # [prompt][response][response][padding]
+    versions[0, 2], versions[1, 2], versions[:, 3] = 5, 7, 0
+    attention_mask = torch.tensor([[1, 1, 1, 0]] * 6)
+    response_mask = torch.tensor([[0.0, 1, 1, 0]] * 6)
+    batch = SimpleNamespace(policy_versions=versions, attention_mask=attention_mask, response_mask=response_mask)
     metrics = {name: float(value) for name, value in
                rollout_metrics(SimpleNamespace(policy_version=7), batch, max_staleness=2).items()}
     assert metrics == pytest.approx({"rollout/staleness_mean": 5 / 6, "rollout/staleness_max": 3.0,
+                                     "rollout/token_staleness_mean": (3 + 2 + 1 + 0 + 1 + 1) / 12,
+                                     "rollout/mixed_rows": 2 / 6,
                                      "rollout/staleness_0": 3 / 6, "rollout/staleness_1": 2 / 6,
                                      "rollout/staleness_2": 0.0, "rollout/staleness_3": 1 / 6})
     engine = PrefetchLog(2)

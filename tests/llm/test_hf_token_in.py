@@ -1,4 +1,4 @@
-"""The hf engine's token-in path: token ids in; the sampled ids, their sampler log-probs and the policy version out."""
+"""The hf engine's token-in path: token ids in; the sampled ids, their sampler log-probs and policy versions out."""
 
 import torch
 
@@ -15,7 +15,7 @@ def test_token_ids_in_give_what_the_string_path_samples_cut_at_each_rows_limit(s
     ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]  # different lengths: left-padded together
     engine.policy_version = 4
     samples, logprobs, versions = engine.generate_from_ids(ids, [16, 16])
-    assert samples == expected and versions == [4, 4]
+    assert samples == expected and versions == [[4] * len(sample) for sample in samples]
     assert [len(row) for row in logprobs] == [len(sample) for sample in samples]
     assert all(p <= 0 for row in logprobs for p in row)
     cut, cut_logprobs, _ = engine.generate_from_ids(ids, [3, 100])  # a row's own room; the engine's bound above it

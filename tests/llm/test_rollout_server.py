@@ -16,15 +16,18 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback
+from transformers import AutoModelForCausalLM
 
 from flowkit.cli import FlowkitCLI
 from flowkit.errors import ConfigError
 from flowkit.llm.backbone import load_backbone
+from flowkit.llm.forward import forward_logits
 from flowkit.llm.engines import RolloutOptions
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.server_engine import ServerRolloutEngine
@@ -117,11 +120,104 @@ def test_token_ids_in_give_the_string_paths_rows_each_cut_at_its_own_limit(serve
     rollouts = engine.generate_from_ids([tokenizer(prompt)["input_ids"] for prompt in PROMPTS],
                                         [3] + [100] * (len(PROMPTS) - 1))  # a row's own room; the engine's bound
     engine.close()
-    assert rollouts.ids == [expected[0][:3], *expected[1:]] and rollouts.versions == [0] * len(PROMPTS)
+    assert rollouts.ids == [expected[0][:3], *expected[1:]]
+    assert rollouts.versions == [[0] * len(ids) for ids in rollouts.ids]
     for row, logprobs in enumerate(rollouts.logprobs):
         torch.testing.assert_close(torch.tensor(logprobs), batch.rollout_logprobs[row][responses[row]][:len(logprobs)],
                                    rtol=0, atol=1e-6)
 
+
+PARTIAL_TOKENS = 400  # long enough that a push made once the generation runs lands before it ends
+
+
+def eos_free_weights(seed: int) -> torch.nn.Module:
+    """tiny_adder's architecture with random weights of ``seed`` whose EOS logit is 0 (its tied embedding zeroed):
+    below the largest of 24 random logits, so greedy rows run their whole length."""
+    model, tokenizer = load_backbone("bundled:tiny_adder")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model.config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tokenizer.eos_token_id] = 0
+    return model
+
+
+def in_flight(url: str) -> int:
+    request = urllib.request.Request(url + "/info", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        return json.loads(response.read())["in_flight"]
+
+
+def test_a_push_lands_mid_generation_and_each_token_decodes_as_the_weights_of_its_version(server, single_thread):
+    """``partial_rollouts``: weights of version 2 pushed while the server generates greedily from version 1 land
+    between two tokens; each row's tokens carry 1 up to the push and 2 after it, and every token is the greedy choice
+    of its version's weights given all before it, with that version's log-prob (the KV cache was recomputed at the
+    push: a kept one, computed under version 1, would give other log-probs after it)."""
+    weights = [eos_free_weights(seed) for seed in (1, 2)]
+    _, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = ServerRolloutEngine(weights[0], tokenizer, server.url, timeout_s=TIMEOUT_S, temperature=0,
+                                 max_new_tokens=PARTIAL_TOKENS, max_staleness=1, partial_rollouts=True)
+    engine.sync_weights(weights[0], 1)
+    engine.prefetch(PROMPTS, 1)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not in_flight(server.url):
+        assert time.monotonic() < deadline, "the prefetched generation did not start"
+        time.sleep(0.01)
+    engine.sync_weights(weights[1], 2)
+    batch = engine.generate(PROMPTS, 1)
+    engine.close()
+
+    response = batch.response_mask.bool()
+    assert bool(response.sum(-1).eq(PARTIAL_TOKENS).all())
+    versions = [row[keep].tolist() for row, keep in zip(batch.policy_versions, response)]
+    assert all(row == sorted(row) and set(row) <= {1, 2} for row in versions), versions
+    assert all(set(row) == {1, 2} for row in versions), [row.count(1) for row in versions]  # the push landed mid-way
+    with torch.no_grad():  # V×B×S×vocab: position s predicts token s + 1
+        logits = torch.stack([forward_logits(model, batch) for model in weights])
+    predicted = logits.log_softmax(-1)[:, :, :-1].gather(-1, batch.input_ids[None, :, 1:, None].expand(2, -1, -1, 1))
+    sampled_by = batch.policy_versions[:, 1:] - 1
+    expected = predicted[..., 0].gather(0, sampled_by[None])[0]
+    greedy_choice = logits[:, :, :-1].argmax(-1).gather(0, sampled_by[None])[0]
+    on = response[:, 1:]
+    assert torch.equal(greedy_choice[on], batch.input_ids[:, 1:][on])
+    torch.testing.assert_close(batch.rollout_logprobs[:, 1:][on], expected[on], rtol=0,
+                               atol=1e-4 if server.backend == "hf" else 2e-3)
+
+
+
+def test_token_ids_in_take_the_same_partial_generation(server, single_thread):
+    """A ``prompt_ids`` request with ``partial`` is generated as a ``prompts`` one: a push made meanwhile lands
+    between two tokens, every token carries its version and is its version's greedy choice, with its log-prob."""
+    weights = [eos_free_weights(seed) for seed in (1, 2)]
+    _, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = ServerRolloutEngine(weights[0], tokenizer, server.url, timeout_s=TIMEOUT_S, temperature=0,
+                                 max_new_tokens=PARTIAL_TOKENS, partial_rollouts=True)
+    engine.sync_weights(weights[0], 1)
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    body = {"prompt_ids": prompt_ids, "n": 1, "temperature": 0, "top_p": 1.0, "max_new_tokens": PARTIAL_TOKENS,
+            "seed": 0, "min_version": 1, "wait_s": TIMEOUT_S / 2, "partial": True}
+    request = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: json.loads(urllib.request.urlopen(request, timeout=TIMEOUT_S).read()))
+        deadline = time.monotonic() + TIMEOUT_S
+        while not in_flight(server.url):
+            assert time.monotonic() < deadline, "the token-in generation did not start"
+            time.sleep(0.01)
+        engine.sync_weights(weights[1], 2)
+        reply = answer.result(timeout=TIMEOUT_S)
+    engine.close()
+
+    assert reply["version"] == 1 and "prompt_ids" not in reply
+    for ids, tokens, logprobs, versions in zip(prompt_ids, reply["tokens"], reply["logprobs"],
+                                               reply["token_versions"], strict=True):
+        assert len(tokens) == PARTIAL_TOKENS and versions == sorted(versions) and set(versions) == {1, 2}
+        with torch.no_grad():  # V×T×vocab: the logits each response token was chosen from
+            logits = torch.stack([model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1] for model in weights])
+        steps = torch.arange(len(tokens))
+        own = logits[torch.tensor(versions) - 1, steps]
+        assert own.argmax(-1).tolist() == tokens
+        torch.testing.assert_close(torch.tensor(logprobs), own.log_softmax(-1)[steps, torch.tensor(tokens)], rtol=0,
+                                   atol=1e-4 if server.backend == "hf" else 2e-3)
 
 class StepTimes(Callback):
     """When each step started and ended, when its rollouts were back (the training proper starts then), when each
@@ -161,19 +257,26 @@ class StepTimes(Callback):
         self.end[batch_idx] = time.time()
 
 
-def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, tmp_path, monkeypatch, single_thread):
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_max_staleness_1_generates_the_next_step_while_this_one_trains(server, partial, tmp_path, monkeypatch,
+                                                                       single_thread):
+    """With ``partial_rollouts`` too: a row's staleness is its oldest token's, so the rows are as far behind; its
+    tokens after a push that landed mid-row are one version fresher (``mixed_rows``: the step's tokens then average
+    less than 1 behind)."""
     monkeypatch.chdir(tmp_path)
     times = StepTimes()
     cli = fit(tmp_path, "--model.init_args.sampling.num_samples", "4", "--trainer.max_steps", "4",
               "--model.init_args.rollout.engine", "server", "--model.init_args.rollout.server_url", server.url,
               "--model.init_args.rollout.server_timeout", str(TIMEOUT_S), "--model.init_args.rollout.max_staleness", "1",
-              callbacks=[times])
+              "--model.init_args.rollout.partial_rollouts", str(partial).lower(), callbacks=[times])
     steps = metrics(cli)
     assert sorted(steps) == [1, 2, 3, 4]
     assert steps[1]["rollout/staleness_max"] == 0.0  # step 1: nothing prefetched yet, its own asked for first
     for step in (2, 3, 4):
         # prefetched while the previous step trained: from the weights one version before the ones that trained on it
-        assert steps[step]["rollout/staleness_max"] == 1.0
+        assert steps[step]["rollout/staleness_max"] == 1.0 and steps[step]["rollout/staleness_1"] == 1.0
+        mixed, behind = steps[step]["rollout/mixed_rows"], steps[step]["rollout/token_staleness_mean"]
+        assert (mixed == 0.0) == (behind == 1.0) and 0.0 <= behind <= 1.0 and (partial or mixed == 0.0), (mixed, behind)
     assert steps[4]["rollout/regenerated_rows"] == 0.0
     for step in (0, 1, 2):  # batch indices (0-based) of the trainer's hooks
         upcoming = times.start[step + 1][1]
@@ -678,7 +781,7 @@ def test_one_rank_generates_on_two_servers_in_prompt_order_and_pushes_both(two_s
     served = greedy(engine, prompts)  # 3 prompts to server 0, 2 to server 1
     assert served.responses == mine.responses
     assert torch.equal(served.input_ids, mine.input_ids)
-    assert served.policy_versions.tolist() == [3] * 5
+    assert served.policy_versions.shape == served.input_ids.shape and bool(served.policy_versions.eq(3).all())
     assert set(shares.requests[-2:]) == {(urls[0], tuple(prompts[:3]), instances[0]),
                                          (urls[1], tuple(prompts[3:]), instances[1])}
 
@@ -753,6 +856,9 @@ def test_two_addresses_of_one_server_are_a_config_error(server):
     (RolloutOptions(max_staleness=1),
      r"^PolicyModule.rollout.max_staleness 1 needs a rollout engine that generates apart from training"),
     (RolloutOptions(max_staleness=-1), r"^PolicyModule.rollout.max_staleness must be >= 0"),
+    (RolloutOptions(partial_rollouts=True), r"^PolicyModule.rollout.partial_rollouts lands weight pushes "
+                                            r"mid-generation on rollout servers and needs PolicyModule.rollout.engine: "
+                                            r"server, got 'hf'$"),
     (RolloutOptions(engine="server", server_url="http://127.0.0.1:8000", server_lora_push="adapter"),
      r"^PolicyModule.rollout.server_lora_push 'adapter' pushes a LoRA policy's adapters alone and needs "
      r"PolicyModule.lora; without LoRA use rollout.server_lora_push: merged$"),

@@ -146,6 +146,20 @@ def test_a_token_id_outside_the_vocabulary_is_one_line(server, tiny, single_thre
         generate_through(server, tiny, outside)
 
 
+@pytest.mark.parametrize("versions", [[0, 1], [0, 0, 0], "0"], ids=["never-pushed", "one-too-many", "not-a-list"])
+def test_token_versions_the_trainer_never_pushed_are_one_line(server, tiny, single_thread, versions):
+    """Each token's policy version (partial rollouts: a push lands mid-row) is one the trainer pushed, one per token;
+    version 1 was never pushed here (the trainer pushed 0)."""
+    def relabelled(handler, reply):
+        reply["tokens"][1], reply["logprobs"][1] = reply["tokens"][1][:2], reply["logprobs"][1][:2]
+        reply["token_versions"][1] = versions
+        as_json(handler, reply)
+
+    with pytest.raises(ServerError, match=r": /generate row 1 has no policy version per token, each one the trainer "
+                                          r"pushed, from the reply's 0 on and never going back$"):
+        generate_through(server, tiny, relabelled)
+
+
 @pytest.mark.parametrize("declared", [True, False])
 def test_a_reply_padded_by_600_mb_is_refused_after_reading_its_bound(server, tiny, single_thread, declared):
     """The reply's bound here is about 1 MB (4 prompts × 2 rows of at most 24 tokens): a reply that declares 600 MB

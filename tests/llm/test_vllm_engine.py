@@ -133,7 +133,7 @@ def test_layout_and_token_in_rows_match_hf_engine_and_sampler_logprobs_match_the
     engine.policy_version = 3
     rollouts = engine.generate_from_ids([tokenizer(prompt)["input_ids"] for prompt in prompts],
                                         [2] + [100] * (len(prompts) - 1), temperature=0)
-    assert rollouts.ids == [rows[0][:2], *rows[1:]] and rollouts.versions == [3] * len(prompts)
+    assert rollouts.ids == [rows[0][:2], *rows[1:]] and rollouts.versions == [[3] * len(ids) for ids in rollouts.ids]
     assert [len(logprobs) for logprobs in rollouts.logprobs] == [len(ids) for ids in rollouts.ids]
 
     # Sampled, n = 4: groups in prompt order, mask up to and including EOS, log-probs only on response tokens.
