@@ -6,8 +6,9 @@ Run from the repository root (deterministic for a seed, one thread)::
     python scripts/eval_episodes.py --model export/policy --environment guess_number --samples 8
 
 ``--model``: a model directory (``flowkit export`` writes the trained policy's to ``<out>/policy``) or
-``bundled:NAME``. Plays ``--samples`` episodes per record of the first ``--records`` records of ``--split`` through
-the episode runner and the ``hf`` engine at ``--temperature`` (0: greedy) and prints the episode metrics as JSON:
+``bundled:NAME``. Plays ``--samples`` episodes per record of the first ``--records`` records of ``--split``
+through the episode runner and the ``hf`` engine at ``--temperature`` (0: greedy; the defaults are the model cards'
+measurement) and prints the episode metrics as JSON:
 ``episodes/success_rate`` (pass@1), ``episodes/pass@<samples>``, turns per episode, tool-call error rate, ...
 """
 
@@ -28,8 +29,8 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a model directory or bundled:NAME")
     parser.add_argument("--environment", required=True, choices=sorted(EPISODE_TASKS))
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
-    parser.add_argument("--records", type=int, default=500)
-    parser.add_argument("--samples", type=int, default=8, help="episodes per record")
+    parser.add_argument("--records", type=int, default=200)
+    parser.add_argument("--samples", type=int, default=4, help="episodes per record")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

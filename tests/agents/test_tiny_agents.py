@@ -1,6 +1,6 @@
 """The bundled tiny agents play their tasks through the real episode runner, the ``hf`` engine's token-in path and the
-real environments: the format they were taught parses (guesses boxed), each action follows the observations, episodes
-end; and the success measurement is a function of its seed."""
+real environments: the format they were taught parses (tool calls recognised, guesses boxed), each action follows
+the observations, episodes end; and the success measurement is a function of its seed."""
 
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ def play(name: str, environment: str, records: int, temperature: float):
     return trajectories, tokenizer
 
 
+def test_tiny_tool_adder_calls_add_once_per_column_then_answers(single_thread):
+    trajectories, tokenizer = play("tiny_tool_adder", "long_addition", 8, temperature=0.0)
+    for trajectory in trajectories:
+        assert trajectory.done and trajectory.counters["tool_calls"] == 3 and trajectory.counters["tool_errors"] == 0
+        assert [turn.role for turn in trajectory.turns] == ["prompt"] + ["policy", "tool"] * 3 + ["policy"]
+        answer = tokenizer.decode(trajectory.token_ids[trajectory.turns[-1].start:])
+        assert trajectory.final_reward == float(boxed_answer(answer) == trajectory.record["answer"])
+
+
 def test_tiny_guesser_boxes_each_guess_and_follows_the_answers(single_thread):
     trajectories, tokenizer = play("tiny_guesser", "guess_number", 8, temperature=0.0)
     for trajectory in trajectories:
@@ -35,7 +44,8 @@ def test_tiny_guesser_boxes_each_guess_and_follows_the_answers(single_thread):
             assert (guesses[1] > 50) == (secret > 50)
 
 
-@pytest.mark.parametrize("name, environment", [("tiny_guesser", "guess_number")])
+@pytest.mark.parametrize("name, environment", [("tiny_tool_adder", "long_addition"),
+                                               ("tiny_guesser", "guess_number")])
 def test_episode_success_samples_the_bundled_agents_reproducibly(single_thread, name, environment):
     model, tokenizer = load_backbone(f"bundled:{name}")
     task = EPISODE_TASKS[environment]
