@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -54,3 +55,34 @@ def tiny_qwen2(
         bos_token_id=bos_token_id, eos_token_id=eos_token_id,
     )
     return Qwen2ForCausalLM(config)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+# <bos>, a system line naming the tools (a ~1 M-parameter model cannot read their JSON schemas), then each message as
+# <|role|>content<eos>; the policy's turn opens with <|assistant|> and ends with the <eos> it samples.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>tools: {{ tools | map(attribute='function.name') | join(', ') }}"
+    "{{ eos_token }}{% endif %}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def chat_char_tokenizer(alphabet: Iterable[str]) -> PreTrainedTokenizerFast:
+    """:func:`char_tokenizer` (``<bos>`` added by the tokenizer) with a chat template (:data:`CHAT_TEMPLATE`), a
+    special token per role (``<|user|>``, ...) and the Hermes tool-call tags as ordinary tokens of their own, so
+    that decoding a turn without special tokens keeps them for the tool-call parser (as Qwen2.5's tokenizer does)."""
+    tokenizer = char_tokenizer(alphabet, add_bos=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{role}|>" for role in CHAT_ROLES]})
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_CALL_TAGS])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def parse_chat(text: str) -> list[tuple[str, str]]:
+    """(role, content) of each message of a conversation rendered by :data:`CHAT_TEMPLATE` (special tokens kept),
+    the tools' system line included; an open turn at the end comes with the text written so far."""
+    return re.findall(r"<\|(system|user|assistant|tool)\|>(.*?)(?:<eos>|$)", text, flags=re.DOTALL)
