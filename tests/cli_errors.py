@@ -1,11 +1,12 @@
-"""Test helper: run the ``flowkit`` command in a subprocess, as a user meets it, optionally under resource limits,
-and check that it ended with its one-line error."""
+"""Test helper: run the ``flowkit`` command in a subprocess, as a user meets it, optionally under resource limits (or
+in this process, for a test's further cases), and check that it ended with its one-line error."""
 
 from __future__ import annotations
 
 import resource
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import rlfr_run
@@ -26,6 +27,24 @@ def run_flowkit(cwd: Path, args: list[str], address_space: int | None = None, fi
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.run(args, cwd=cwd, env=rlfr_run.env(), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=limits, check=False)
+
+
+def run_flowkit_in_process(cwd: Path, args: list[str], capsys, monkeypatch) -> subprocess.CompletedProcess:
+    """``flowkit ARGS`` (``args[0]`` the command's name) through :func:`flowkit.cli.main` in this process, in
+    ``cwd``: what :func:`run_flowkit` returns without a second start-up of torch and Lightning, for a test that checks
+    several errors and sends one of them through the console script."""
+    from flowkit.cli import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main appends the working directory
+    capsys.readouterr()
+    try:
+        main(args[1:])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 def fit(cwd: Path, steps: int, *extra: str, **limits) -> subprocess.CompletedProcess:
