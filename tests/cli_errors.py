@@ -3,6 +3,7 @@ in this process, for a test's further cases), and check that it ended with its o
 
 from __future__ import annotations
 
+import logging
 import resource
 import signal
 import subprocess
@@ -37,6 +38,12 @@ def run_flowkit_in_process(cwd: Path, args: list[str], capsys, monkeypatch) -> s
 
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "path", list(sys.path))  # main appends the working directory
+    # A console handler (Lightning's) keeps the stderr of the test that first imported its library, closed since: this
+    # call's stderr instead, as in a process of its own
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for handler in (handler for logger in loggers for handler in getattr(logger, "handlers", ())):  # not placeholders
+        if type(handler) is logging.StreamHandler:
+            monkeypatch.setattr(handler, "stream", sys.stderr)
     capsys.readouterr()
     try:
         main(args[1:])
@@ -50,6 +57,12 @@ def run_flowkit_in_process(cwd: Path, args: list[str], capsys, monkeypatch) -> s
 def fit(cwd: Path, steps: int, *extra: str, **limits) -> subprocess.CompletedProcess:
     """The shrunk tiny RLFR job (:mod:`rlfr_run`) in ``cwd/runs/rlfr_tiny``, without validation."""
     return run_flowkit(cwd, rlfr_run.command(cwd, steps, "--data.init_args.val_path", "null", *extra), **limits)
+
+
+def fit_in_process(cwd: Path, steps: int, *extra: str, capsys, monkeypatch) -> subprocess.CompletedProcess:
+    """:func:`fit` through :func:`run_flowkit_in_process`."""
+    command = rlfr_run.command(cwd, steps, "--data.init_args.val_path", "null", *extra)
+    return run_flowkit_in_process(cwd, command, capsys, monkeypatch)
 
 
 def one_line_error(result: subprocess.CompletedProcess, max_lines: int | None = 3) -> str:
