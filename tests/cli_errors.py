@@ -1,11 +1,13 @@
-"""Test helper: run the ``flowkit`` command in a subprocess, as a user meets it, optionally under resource limits,
-and check that it ended with its one-line error."""
+"""Test helper: run the ``flowkit`` command in a subprocess, as a user meets it, optionally under resource limits (or
+in this process, for a test's further cases), and check that it ended with its one-line error."""
 
 from __future__ import annotations
 
+import logging
 import resource
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import rlfr_run
@@ -28,9 +30,39 @@ def run_flowkit(cwd: Path, args: list[str], address_space: int | None = None, fi
                           preexec_fn=limits, check=False)
 
 
+def run_flowkit_in_process(cwd: Path, args: list[str], capsys, monkeypatch) -> subprocess.CompletedProcess:
+    """``flowkit ARGS`` (``args[0]`` the command's name) through :func:`flowkit.cli.main` in this process, in
+    ``cwd``: what :func:`run_flowkit` returns without a second start-up of torch and Lightning, for a test that checks
+    several errors and sends one of them through the console script."""
+    from flowkit.cli import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main appends the working directory
+    # A console handler (Lightning's) keeps the stderr of the test that first imported its library, closed since: this
+    # call's stderr instead, as in a process of its own
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for handler in (handler for logger in loggers for handler in getattr(logger, "handlers", ())):  # not placeholders
+        if type(handler) is logging.StreamHandler:
+            monkeypatch.setattr(handler, "stream", sys.stderr)
+    capsys.readouterr()
+    try:
+        main(args[1:])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
 def fit(cwd: Path, steps: int, *extra: str, **limits) -> subprocess.CompletedProcess:
     """The shrunk tiny RLFR job (:mod:`rlfr_run`) in ``cwd/runs/rlfr_tiny``, without validation."""
     return run_flowkit(cwd, rlfr_run.command(cwd, steps, "--data.init_args.val_path", "null", *extra), **limits)
+
+
+def fit_in_process(cwd: Path, steps: int, *extra: str, capsys, monkeypatch) -> subprocess.CompletedProcess:
+    """:func:`fit` through :func:`run_flowkit_in_process`."""
+    command = rlfr_run.command(cwd, steps, "--data.init_args.val_path", "null", *extra)
+    return run_flowkit_in_process(cwd, command, capsys, monkeypatch)
 
 
 def one_line_error(result: subprocess.CompletedProcess, max_lines: int | None = 3) -> str:

@@ -29,10 +29,13 @@ EVERY_STEP = ("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callb
 
 
 @pytest.mark.parametrize("option", ["optim.lr", "sampling.temperature", "grader_timeout"])
-def test_inf_is_refused_like_any_value_out_of_range(tmp_path, option):
+def test_inf_is_refused_like_any_value_out_of_range(tmp_path, option, capsys, monkeypatch):
     """``lr: .inf`` used to train one step, print a normal summary and export 50/50 non-finite tensors;
-    ``grader_timeout: .inf`` failed mid-run (``OverflowError: timestamp out of range``)."""
-    result = cli_errors.fit(tmp_path, 1, f"--model.init_args.{option}", ".inf")
+    ``grader_timeout: .inf`` failed mid-run (``OverflowError: timestamp out of range``). ``optim.lr`` through the
+    console script as a user meets it, the others in this process (the same :func:`flowkit.cli.main`)."""
+    args = (tmp_path, 1, f"--model.init_args.{option}", ".inf")
+    result = cli_errors.fit(*args) if option == "optim.lr" else \
+        cli_errors.fit_in_process(*args, capsys=capsys, monkeypatch=monkeypatch)
     assert cli_errors.one_line_error(result) == f"error: PolicyModule.{option} must be a finite number, got inf"
     assert not (tmp_path / "runs" / "rlfr_tiny" / "checkpoints").exists()
 

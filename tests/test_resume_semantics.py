@@ -1,7 +1,8 @@
 """What a resume restores, applies and refuses, tried as a user meets it (``flowkit fit`` / ``flowkit export`` in a
-subprocess on the shrunk tiny RLFR job, 1-3 RL steps): offline flow pretraining on the placed model and never again
-on resume, changed settings applied or refused before any work, a finished run left alone, SIGTERM in the final
-validation, SLURM requeue, a moved run directory, and another number of DDP ranks."""
+subprocess on the shrunk tiny RLFR job, 1-3 RL steps; the further cases of one refusal in this process, through the
+same ``flowkit.cli.main``): offline flow pretraining on the placed model and never again on resume, changed settings
+applied or refused before any work, a finished run left alone, SIGTERM in the final validation, SLURM requeue, a
+moved run directory, and another number of DDP ranks."""
 
 import json
 import shutil
@@ -148,11 +149,16 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_a_resume_into_a_model_the_checkpoint_does_not_fit_is_one_line_before_any_work(finished_run, tmp_path, case):
+def test_a_resume_into_a_model_the_checkpoint_does_not_fit_is_one_line_before_any_work(finished_run, tmp_path, case,
+                                                                                       capsys, monkeypatch):
+    """``depth`` through the console script as a user meets it, the other cases in this process (the same
+    :func:`flowkit.cli.main`, without a start-up of torch and Lightning each)."""
     root = copy_of(finished_run, tmp_path)
     args, problem = REFUSED[case]
     last = run_dir(root) / "checkpoints" / "last.ckpt"
-    result = cli_errors.fit(root, 2, *every_step(root), *PRETRAIN, *args, "--ckpt_path", "last")
+    fit_args = (root, 2, *every_step(root), *PRETRAIN, *args, "--ckpt_path", "last")
+    result = cli_errors.fit(*fit_args) if case == "depth" else \
+        cli_errors.fit_in_process(*fit_args, capsys=capsys, monkeypatch=monkeypatch)
     assert cli_errors.one_line_error(result, max_lines=None) == (
         f"error: cannot resume {last}: {problem}; resume with the settings it was trained with, or start a new run "
         "with --trainer.default_root_dir runs/NEW_NAME")
@@ -160,7 +166,9 @@ def test_a_resume_into_a_model_the_checkpoint_does_not_fit_is_one_line_before_an
     assert load(last)["global_step"] == 1
 
 
-def test_ckpt_path_at_a_file_that_is_no_lightning_checkpoint_is_one_line(finished_run, tmp_path):
+def test_ckpt_path_at_a_file_that_is_no_lightning_checkpoint_is_one_line(finished_run, tmp_path, capsys, monkeypatch):
+    """The first through the console script as a user meets it, the others in this process (the same
+    :func:`flowkit.cli.main`, without a start-up of torch and Lightning each)."""
     root = copy_of(finished_run, tmp_path)
     pretraining = run_dir(root) / "checkpoints" / "flow_pretrain.ckpt"
     weights = run_dir(root) / "version_0" / "export" / "flow.safetensors"
@@ -168,13 +176,15 @@ def test_ckpt_path_at_a_file_that_is_no_lightning_checkpoint_is_one_line(finishe
     assert cli_errors.one_line_error(result, max_lines=None) == (
         f"error: --ckpt_path {pretraining} is no Lightning checkpoint (the state of an offline flow pretraining, which "
         "a fit without --ckpt_path continues); resume from the run's checkpoints/last.ckpt")
-    result = cli_errors.fit(root, 2, *every_step(root), *PRETRAIN, "--ckpt_path", str(weights))
+    result = cli_errors.fit_in_process(root, 2, *every_step(root), *PRETRAIN, "--ckpt_path", str(weights),
+                                       capsys=capsys, monkeypatch=monkeypatch)
     assert cli_errors.one_line_error(result, max_lines=None) == (
         f"error: --ckpt_path {weights} is a safetensors file (weights only), not a Lightning checkpoint; resume from "
         "the run's checkpoints/last.ckpt")
 
-    exported = cli_errors.run_flowkit(root, ["flowkit", "export", "--config", str(rlfr_run.CONFIG),
-                                             "--checkpoint", str(pretraining), "--out", str(root / "out")])
+    exported = cli_errors.run_flowkit_in_process(root, ["flowkit", "export", "--config", str(rlfr_run.CONFIG),
+                                                        "--checkpoint", str(pretraining), "--out", str(root / "out")],
+                                                 capsys, monkeypatch)
     assert cli_errors.one_line_error(exported, max_lines=None) == (
         f"error: checkpoint {str(pretraining)!r} is no Lightning training checkpoint (the state of an offline flow "
         "pretraining; its flow reaches export/ once the RL run that continues it saves a checkpoint); pass the run's "

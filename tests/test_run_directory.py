@@ -102,8 +102,9 @@ def read_only_directory(path: Path):
 
 
 @pytest.mark.parametrize("case", ["read-only", "a file", "a long name"])
-def test_a_run_directory_that_cannot_be_one_is_a_one_line_error(tmp_path, case):
-    """These used to be raw `OSError` / `FileExistsError` tracebacks."""
+def test_a_run_directory_that_cannot_be_one_is_a_one_line_error(tmp_path, case, capsys, monkeypatch):
+    """These used to be raw `OSError` / `FileExistsError` tracebacks. ``a file`` through the console script as a user
+    meets it, the others in this process (the same :func:`flowkit.cli.main`)."""
     if case == "a long name":
         run_dir = tmp_path / ("r" * 300)
         problem = "a name in the path is longer than the filesystem allows (300 characters: " + "r" * 40 + "...)"
@@ -116,8 +117,9 @@ def test_a_run_directory_that_cannot_be_one_is_a_one_line_error(tmp_path, case):
         problem = "it is not writable (Read-only file system)" if os.geteuid() == 0 else \
             "it is not writable (Permission denied)"
     with read_only_directory(tmp_path / "readonly") if case == "read-only" else contextlib.nullcontext():
-        result = cli_errors.run_flowkit(tmp_path, rlfr_run.command(tmp_path, 1, "--data.init_args.val_path", "null",
-                                                                   "--trainer.default_root_dir", str(run_dir)))
+        args = (tmp_path, 1, "--trainer.default_root_dir", str(run_dir))
+        result = cli_errors.fit(*args) if case == "a file" else \
+            cli_errors.fit_in_process(*args, capsys=capsys, monkeypatch=monkeypatch)
     assert cli_errors.one_line_error(result) == (
         f"error: cannot use {run_dir} as the run directory: {problem}; give the run another --trainer.default_root_dir")
 

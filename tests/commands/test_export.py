@@ -14,7 +14,9 @@ def tree(root: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
 
 
-def test_export_never_replaces_its_checkpoint_run_or_working_directory(tmp_path):
+def test_export_never_replaces_its_checkpoint_run_or_working_directory(tmp_path, capsys, monkeypatch):
+    """The first case through the console script as a user meets it, the others in this process (the same
+    :func:`flowkit.cli.main`, without a start-up of torch and Lightning each)."""
     work, run = tmp_path / "work", tmp_path / "work" / "runs" / "grpo"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "last.ckpt").write_bytes(b"the trained weights")  # refused before it is read
@@ -32,10 +34,11 @@ def test_export_never_replaces_its_checkpoint_run_or_working_directory(tmp_path)
         (other, "runs/grpo", f"holds the run directory ({run})"),
         (other, ".", f"holds the working directory ({work})"),
     ]
-    for checkpoint, out, expected in cases:
-        result = cli_errors.run_flowkit(work, ["flowkit", "export", "--config", str(CONFIG), "--checkpoint", checkpoint,
-                                               "--trainer.default_root_dir", "runs/grpo", "--out", out,
-                                               "--overwrite", "true"])
+    for i, (checkpoint, out, expected) in enumerate(cases):
+        args = ["flowkit", "export", "--config", str(CONFIG), "--checkpoint", checkpoint,
+                "--trainer.default_root_dir", "runs/grpo", "--out", out, "--overwrite", "true"]
+        result = cli_errors.run_flowkit(work, args) if i == 0 else \
+            cli_errors.run_flowkit_in_process(work, args, capsys, monkeypatch)
         line = cli_errors.one_line_error(result, max_lines=None)
         assert line.startswith(f"error: --out {out!r} ") and expected in line, line
         assert tree(tmp_path) == before, out  # nothing written, nothing removed, no staging directory
