@@ -30,29 +30,33 @@ BENCHMARKS = str(Path(__file__).resolve().parent)
 
 
 class StepTimer(L.Callback):
-    """Seconds and mean response length (tokens) of every RL step."""
+    """Seconds (on ``clock``, a name of :data:`CLOCKS`) and mean response length (tokens) of every RL step."""
 
-    def __init__(self):
+    def __init__(self, clock: str = "wall"):
+        from common import CLOCKS
+
+        self.clock = CLOCKS[clock]
         self.times: list[float] = []
         self.lengths: list[float] = []
 
     def on_train_batch_start(self, *args):
-        self._start = time.perf_counter()
+        self._start = self.clock()
 
     def on_train_batch_end(self, trainer, *args):
-        self.times.append(time.perf_counter() - self._start)
+        self.times.append(self.clock() - self._start)
         self.lengths.append(float(trainer.callback_metrics.get("train/response_length", float("nan"))))
 
 
-def time_steps(reward_model, steps: int, warmup: int, prompts: int = 16, **options) -> StepTimer:
-    """Seconds and response lengths of each of ``steps`` RL steps after ``warmup`` of the tiny job (``options``
-    override its PolicyModule settings)."""
+def time_steps(reward_model, steps: int, warmup: int, prompts: int = 16, clock: str = "wall",
+               **options) -> StepTimer:
+    """Seconds (on ``clock``) and response lengths of each of ``steps`` RL steps after ``warmup`` of the tiny job
+    (``options`` override its PolicyModule settings)."""
     L.seed_everything(0)
     settings = {"sampling": SamplingOptions(num_samples=8, max_new_tokens=28), "outcome_reward": "binary",
                 "optim": OptimOptions(lr=5e-5, flow_lr=1e-3), **options}
     module = PolicyModule(reward_model=reward_model, **settings)
     data = RolloutDataModule(val_path=None, batch_size=prompts)
-    timer = StepTimer()
+    timer = StepTimer(clock)
     trainer = L.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
                         limit_val_batches=0)

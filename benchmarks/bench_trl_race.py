@@ -1,6 +1,7 @@
 """Step-time race: flowkit's PolicyModule vs TRL's GRPOTrainer as plain GRPO, on the bundled tiny task or mid-size.
 
-    python benchmarks/bench_trl_race.py [--size tiny|mid] [--steps 12] [--warmup 2] [--rounds 2] [--trl-venv build/trl_venv]
+    python benchmarks/bench_trl_race.py [--size tiny|mid] [--steps 12] [--warmup 2] [--rounds 2] [--clock wall|process]
+                                        [--trl-venv build/trl_venv]
 
 ``--size tiny`` (default): the bundled ``tiny_adder`` policy in fp32, 16 prompts per step, 8 samples per prompt, 28
 new tokens, the binary verifier (flowkit's grader) as the reward. ``--size mid`` looks like real work: a random Qwen2
@@ -123,7 +124,7 @@ def write_prompt_stream(path: Path, steps: int, prompts: int) -> None:
 
 # ------------------------------------------------------------------------------------------------- workers
 def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size: str, policy: Path,
-                   token_budget: int) -> dict:
+                   token_budget: int, clock: str) -> dict:
     import lightning
     import torch
     import transformers
@@ -136,7 +137,7 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
     setting = SIZES[size]
     options = {} if size == "tiny" else {
         "backbone": str(policy), "outcome_reward": "none", "reward_functions": [{"function": "bench_trl_race.scrambled"}]}
-    timer = time_steps(None, steps, warmup, prompts=setting["prompts"],
+    timer = time_steps(None, steps, warmup, prompts=setting["prompts"], clock=clock,
                        sampling=SamplingOptions(num_samples=SAMPLES, max_new_tokens=setting["new_tokens"]),
                        optim=OptimOptions(lr=setting["lr"], flow_lr=1e-3),
                        update=UpdateOptions(micro_batch_tokens=token_budget or None,
@@ -145,7 +146,8 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
                                         f"transformers {transformers.__version__}, torch {torch.__version__}"}
 
 
-def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: Path, micro_batches: int) -> dict:
+def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: Path, micro_batches: int,
+               clock: str) -> dict:
     import importlib.util
 
     import torch
@@ -162,15 +164,19 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
     def binary_reward(completions, answer, **_):
         return [grader.outcome_reward(c, a, "binary", 1.0) for c, a in zip(completions, answer)]
 
+    from common import CLOCKS
+
+    tick = CLOCKS[clock]
+
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.times: list[float] = []
 
         def on_step_begin(self, *args, **kwargs):
-            self._start = time.perf_counter()
+            self._start = tick()
 
         def on_step_end(self, *args, **kwargs):
-            self.times.append(time.perf_counter() - self._start)
+            self.times.append(tick() - self._start)
 
     setting = SIZES[size]
     config = trl.GRPOConfig(
@@ -204,7 +210,8 @@ def run_worker(python: Path, side: str, args: argparse.Namespace, prompts_path: 
     out = prompts_path.parent / f"{side}.json"
     command = [python, __file__, "--worker", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--size", args.size, "--token-budget", str(args.token_budget),
-               "--trl-micro-batches", str(args.trl_micro_batches), "--prompts-file", str(prompts_path),
+               "--trl-micro-batches", str(args.trl_micro_batches), "--clock", args.clock,
+               "--prompts-file", str(prompts_path),
                "--result", str(out)]
     subprocess.run(command, check=True, env=single_thread_env(), cwd=prompts_path.parent)
     return json.loads(out.read_text())
@@ -220,6 +227,10 @@ def main() -> None:
                         help="flowkit's micro_batch_tokens (0: none; default: the size's fastest, SIZES)")
     parser.add_argument("--trl-micro-batches", type=int, default=None,
                         help="TRL's gradient-accumulation steps per step (default: the size's fastest, SIZES)")
+    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
+                        help="what a step's time is: wall seconds, or the process's CPU seconds (each side runs one "
+                             "thread, so on an idle machine the two agree; under other jobs' load only the CPU "
+                             "seconds stay comparable)")
     parser.add_argument("--trl-venv", default=str(REPO / "build" / "trl_venv"))
     parser.add_argument("--csv", default=None)
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
@@ -235,10 +246,10 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         policy = Path(args.prompts_file).parent / "mid_policy"
         result = (trl_worker(args.steps, args.warmup, Path(args.prompts_file), args.size, policy,
-                             args.trl_micro_batches)
+                             args.trl_micro_batches, args.clock)
                   if args.worker == "trl" else
                   flowkit_worker(args.steps, args.warmup, args.worker == "flowkit", args.size, policy,
-                                 args.token_budget))
+                                 args.token_budget, args.clock))
         Path(args.result).write_text(json.dumps(result))
         return
 
@@ -286,7 +297,7 @@ def main() -> None:
     for side in ("flowkit", "flowkit-every-row"):
         print(f"{side} / TRL ({args.size}): step time median {medians[side] / medians['trl']:.2f}, mean "
               f"{means[side] / means['trl']:.2f}, mean per response token {per_token[side] / per_token['trl']:.2f} "
-              f"(target <= 0.8)")
+              f"(target <= 0.8; {args.clock} clock)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import torch
 RESULTS_CSV = Path(__file__).resolve().parent / "results" / "results.csv"
 
 
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}  # process: this process's CPU seconds
+
 def _return_freed_memory_to_the_os() -> None:
     """glibc keeps freed blocks below a growing mmap threshold resident, which hides peaks from the RSS high-water
     mark; a fixed 64 KiB threshold makes tensor allocations mmap'd and unmapped on free. No-op off glibc."""
