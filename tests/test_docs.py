@@ -237,7 +237,7 @@ def test_the_scan_finds_commands_and_marks():
     assert flowkit_commands(sample) == [["rollout-server", "--port", "8000"],
                                         ["fit", "--config", "a.yaml", "--x", "1"]]
     readme_blocks = code_blocks(ROOT / "README.md")
-    assert "python -m pytest -q -n 2" in [text for _, _, _, text in readme_blocks]
+    assert "python -m pytest -q -n 2 --dist worksteal" in [text for _, _, _, text in readme_blocks]
     assert len(all_commands()) > 30
 
 
