@@ -47,7 +47,8 @@ def table(rows: list[dict]) -> str:
     samples = rows[0]["samples"]
     lines = [f"| model | seed | pass@1 | pass@{samples} | truncated | tool-call errors |", "|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['arm']} | {row['seed']} | {row['episodes/success_rate']:.4f} | "
+        seed = "-" if row["arm"] == "sft" else row["seed"]
+        lines.append(f"| {row['arm']} | {seed} | {row['episodes/success_rate']:.4f} | "
                      f"{row[f'episodes/pass@{samples}']:.3f} | {row['episodes/truncated_rate']:.3f} | "
                      f"{row['episodes/tool_error_rate']:.3f} |")
     start = next(row["episodes/success_rate"] for row in rows if row["arm"] == "sft")
@@ -79,7 +80,8 @@ def main() -> None:
         if (arm, seed) in done:
             continue
         model = START if arm == "sft" else str(train(arm, seed, args.out_dir.resolve()))
-        row = {"arm": arm, "seed": seed, **evaluate(model, args.records, args.samples)}
+        # the run's seed overrides the evaluation's (eval_episodes.py reports its own, always 0)
+        row = {**evaluate(model, args.records, args.samples), "arm": arm, "seed": seed}
         with results.open("a") as stream:
             stream.write(json.dumps(row) + "\n")
         rows.append(row)
