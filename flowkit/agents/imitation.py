@@ -37,7 +37,7 @@ class ExpertPolicy:
         for prompt, limit in zip(prompts, max_new_tokens, strict=True):
             text = self.respond(self.parse(self.tokenizer.decode(prompt, skip_special_tokens=False)))
             ids = self.tokenizer.encode(text, add_special_tokens=False)[:limit - 1] + [self.tokenizer.eos_token_id]
-            samples.append(Sample(ids, [0.0] * len(ids), 0))
+            samples.append(Sample(ids, [0.0] * len(ids), [0] * len(ids)))
         return samples
 
 
