@@ -24,7 +24,9 @@ from flowkit.llm.kv_cache import forward_hidden_shared_prompts
 from flowkit.llm.padding_free import PackedRows, packs_rows
 from flowkit.options import registry_entry
 from flowkit.rl.logprobs import lm_head_logprobs
-from flowkit.rl.losses import POLICY_LOSSES, clipped_value_loss, kl_penalty, masked_aggregate, masked_sum
+from flowkit.rl.losses import (
+    POLICY_LOSSES, aggregation_denominator, clipped_value_loss, kl_penalty, masked_aggregate, masked_sum,
+)
 from flowkit.rl.rollout_correction import (
     correction_fractions, correction_weights, mismatch_metrics, off_policy_sequence_mask, rollout_log_ratio,
 )
@@ -196,10 +198,10 @@ class Actor:
         options = self.options
         old_logprobs = out.logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
         if micro.entropy is None:  # no scoring pass: this forward measures the entropy of the rows it trains on
-            mask, trained = micro.loss_mask, micro.loss_mask.any(-1)
-            if trained.any():
-                rows = (out.entropy.detach() * mask).sum(-1)[trained] / mask.sum(-1)[trained]
-                stats.add_weighted("train/entropy", rows.mean(), float(trained.sum()))
+            rows = float(aggregation_denominator(micro.loss_mask, "seq-mean"))
+            if micro.loss_mask.any():
+                stats.add_weighted("train/entropy",
+                                   masked_aggregate(out.entropy.detach(), micro.loss_mask, "seq-mean"), rows)
         anchor, weights = old_logprobs, None
         if micro.rollout_logprobs is not None:
             anchor, weights = self._rollout_correction(micro, old_logprobs, out, stats)

@@ -86,6 +86,8 @@ class ExperienceMaker:
             self._score(batch, scorer)
         else:
             self._advantages(batch)
+        if self.estimator.whiten:  # over the whole batch, once every row has its advantages
+            batch.advantages = whitened(batch.advantages, batch.loss_mask)
         metrics["time/score_s"] = time.perf_counter() - start
         loss_mask = batch.loss_mask if in_loss is None else batch.loss_mask * in_loss[:, None]
         return Experience.of(batch, order, loss_mask, scorer, metrics)
@@ -192,8 +194,6 @@ class ExperienceMaker:
         check = NonFiniteCheck()
         check.note("advantages", batch.advantages, batch.loss_mask.bool())
         raise_if_nonfinite(check.nonfinite())
-        if self.estimator.whiten:
-            batch.advantages = whitened(batch.advantages, batch.loss_mask)
 
     @torch.no_grad()
     def _score(self, batch: RolloutBatch, scorer: StepScorer | None) -> None:
@@ -223,8 +223,6 @@ class ExperienceMaker:
         batch.entropy = torch.cat(parts.pop("entropy"))
         for name, values in parts.items():
             setattr(batch, name, torch.cat(values) if values else None)
-        if self.estimator.whiten:
-            batch.advantages = whitened(batch.advantages, batch.loss_mask)
 
     def _scored(self, micro: RolloutBatch, rows: Tensor, outcome: Tensor, scorer: StepScorer | None) -> RolloutBatch:
         """A micro-batch's forward, then what the update needs of it: old log-probs, entropies, reference log-probs,
