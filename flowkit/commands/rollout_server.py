@@ -65,6 +65,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -120,6 +121,7 @@ class RolloutService:
         self.push_due = threading.Event()  # a push waits for the model: a partial generation hands it over
         self.turn = threading.Lock()  # one generation at a time (a paused one's requests stay in vLLM's engine)
         self.in_flight = 0  # generations running
+        self.decoding_step = 0  # the step the running generation decodes (0 before its first): its progress
 
     def routes(self) -> dict[tuple[str, str], Route]:
         return {("GET", "/info"): self.info, ("POST", "/generate"): self.generate,
@@ -138,7 +140,7 @@ class RolloutService:
     def info(self, request: Request) -> dict:
         self._seen(request.run)
         return {"model": self.backbone, "identity": model_identity(self.backend.config, self.tokenizer),
-                "version": self.version, "in_flight": self.in_flight}
+                "version": self.version, "in_flight": self.in_flight, "decoding_step": self.decoding_step}
 
     def generate(self, request: Request) -> dict:
         asked = generation_request(request.body, self.max_request_tokens, self.backend.vocab_size,
@@ -155,13 +157,13 @@ class RolloutService:
             token_in = "prompt_ids" in asked
             prompts = asked["prompt_ids"] if token_in else asked["prompts"]
             prompt_ids = prompts if token_in else self.tokenizer(prompts)["input_ids"]
-            self.in_flight += 1
+            self.in_flight, self.decoding_step = self.in_flight + 1, 0
             try:
                 rows, nonfinite = self.backend.generate(
                     prompt_ids, asked["n"], asked["temperature"], asked["top_p"], asked["max_new_tokens"],
-                    asked["rollout_batch_size"], self._between_tokens if asked["partial"] else lambda: self.version)
+                    asked["rollout_batch_size"], partial(self._between_tokens, asked["partial"]))
             finally:
-                self.in_flight -= 1
+                self.in_flight, self.decoding_step = self.in_flight - 1, 0
             log.info("generated %d rows (%d prompts × %d) from policy version %d to %d in %.2f s", len(rows),
                      len(prompts), asked["n"], first, self.version, time.time() - started)
             reply = {} if token_in else {"prompt_ids": prompt_ids}
@@ -170,10 +172,11 @@ class RolloutService:
                     "token_versions": [versions for _, _, versions in rows], "started": started,
                     "finished": time.time()}
 
-    def _between_tokens(self) -> int:
-        """A partial generation between two decoding steps (its thread holds the model): a push waiting for the
-        model lands now (bounded by the push's own timeout); returns the version the next step samples from."""
-        if self.push_due.is_set():
+    def _between_tokens(self, partial_rollouts: bool) -> int:
+        """A generation between two decoding steps (its thread holds the model); for a partial one, a push waiting
+        for the model lands now (bounded by the push's own timeout). Returns the version the next step samples from."""
+        self.decoding_step += 1
+        if partial_rollouts and self.push_due.is_set():
             self.ready.wait_for(lambda: not self.push_due.is_set(), timeout=self.timeout_s)
         if self.version == TORN:
             raise RuntimeError("a weight push failed part way through this generation (see the log)")

@@ -141,10 +141,12 @@ def eos_free_weights(seed: int) -> torch.nn.Module:
     return model
 
 
-def in_flight(url: str) -> int:
+def past_first_token(url: str) -> bool:
+    """Whether the server's running generation has decoded its first token (it asks for its second)."""
     request = urllib.request.Request(url + "/info", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-        return json.loads(response.read())["in_flight"]
+        info = json.loads(response.read())
+    return info["in_flight"] > 0 and info["decoding_step"] >= 2
 
 
 def test_a_push_lands_mid_generation_and_each_token_decodes_as_the_weights_of_its_version(server, single_thread):
@@ -159,7 +161,7 @@ def test_a_push_lands_mid_generation_and_each_token_decodes_as_the_weights_of_it
     engine.sync_weights(weights[0], 1)
     engine.prefetch(PROMPTS, 1)
     deadline = time.monotonic() + TIMEOUT_S
-    while not in_flight(server.url):
+    while not past_first_token(server.url):
         assert time.monotonic() < deadline, "the prefetched generation did not start"
         time.sleep(0.01)
     engine.sync_weights(weights[1], 2)
@@ -200,7 +202,7 @@ def test_token_ids_in_take_the_same_partial_generation(server, single_thread):
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(lambda: json.loads(urllib.request.urlopen(request, timeout=TIMEOUT_S).read()))
         deadline = time.monotonic() + TIMEOUT_S
-        while not in_flight(server.url):
+        while not past_first_token(server.url):
             assert time.monotonic() < deadline, "the token-in generation did not start"
             time.sleep(0.01)
         engine.sync_weights(weights[1], 2)
@@ -845,7 +847,7 @@ def test_two_addresses_of_one_server_are_a_config_error(server):
     model, tokenizer = load_backbone("bundled:tiny_adder")
     other = server.url.replace("127.0.0.1", "localhost")
     with pytest.raises(ConfigError, match=rf"^rollout server at {other} is the one at {server.url} \(the same "
-                                          "process\): list each server once in rollout.server_url$"):
+                                          r"process\): list each server once in rollout.server_url$"):
         ServerRolloutEngine(model, tokenizer, [server.url, other], timeout_s=TIMEOUT_S)
 
 
