@@ -138,6 +138,9 @@ class RolloutDataModule(L.LightningDataModule):
             training records than ``batch_size`` is an error.
         seed: shuffling seed of the training stream; ``None`` (default): the run's global seed
             (``seed_everything``), so one seed varies the prompt order too; an int pins it.
+        record_fields: the records' other fields that each row keeps, which the reward functions and an agent
+            episode's environment read as columns (``guess_number``'s ``secret``, ``low``, ``high``,
+            ``max_guesses``); every record must have them.
     """
 
     def __init__(
@@ -155,6 +158,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_val_examples: int | None = None,
         on_error: Literal["raise", "skip"] = "raise",
         seed: int | None = None,
+        record_fields: list[str] | None = None,
     ):
         super().__init__()
         check_range("RolloutDataModule", "batch_size", batch_size, 1)
@@ -167,6 +171,11 @@ class RolloutDataModule(L.LightningDataModule):
             raise ConfigError("RolloutDataModule.eval_paths cannot name a set 'heldout', the name of val_path's set: "
                               "rename it, or pass it as val_path")
         self.prompt_key, self.answer_key, self.solution_key = prompt_key, answer_key, solution_key
+        self.record_fields = list(record_fields or [])
+        taken = sorted(set(self.record_fields) & {"prompt", "answer", "solution", "index"})
+        if taken:
+            raise ConfigError(f"RolloutDataModule.record_fields cannot name {', '.join(map(repr, taken))}: the row "
+                              "holds it already (prompt_key, answer_key and solution_key choose its source)")
         if prompt_format not in PROMPT_FORMATS:
             raise ConfigError(f"RolloutDataModule.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
                               f"got {prompt_format!r}")
@@ -198,12 +207,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _record_fields(self, prompt_key: str, answer_key: str, solution_key: str | None) -> tuple[list[str], list[str]]:
         """(the fields a record must have, its text fields besides the prompt: a number there becomes text)."""
-        return [prompt_key, answer_key], [answer_key] + ([solution_key] if solution_key else [])
+        return [prompt_key, answer_key, *self.record_fields], [answer_key] + ([solution_key] if solution_key else [])
 
     def _row(self, record: dict[str, Any], prompt: str, answer_key: str, solution_key: str | None) -> dict[str, Any]:
         """What the module reads of a checked record: its rendered ``prompt``, ``answer`` and ``solution``; every key
-        but ``prompt``, ``answer`` and ``index`` reaches the reward model as a column (``RolloutBatch.columns``)."""
-        return _normalize(record, prompt, answer_key, solution_key)
+        but ``prompt``, ``answer`` and ``index`` reaches the reward model as a column (``RolloutBatch.columns``): here
+        :attr:`record_fields`."""
+        return {**_normalize(record, prompt, answer_key, solution_key),
+                **{key: record[key] for key in self.record_fields}}
 
     def _checked_prompt(self, record: dict[str, Any], prompt_key: str, solution_key: str | None,
                         budget: tuple[int | None, int, int] | None) -> str:

@@ -85,3 +85,16 @@ def test_a_run_without_max_steps_on_the_endless_prompt_stream_is_a_config_error(
         data.train_dataloader()
     data.trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False)
     assert next(iter(data.train_dataloader()))["index"] == 0
+
+
+def test_record_fields_reach_each_row_and_every_record_must_have_them(tmp_path):
+    path = tmp_path / "games.jsonl"
+    path.write_text('{"prompt": "p", "answer": "3", "secret": 3, "low": 1}\n{"prompt": "q", "answer": "5", "secret": 5}\n')
+    data = RolloutDataModule(train_path=str(path), val_path=None, batch_size=1, record_fields=["secret"])
+    data.setup("fit")
+    assert [row["secret"] for row in data.train_records] == [3, 5]
+    with pytest.raises(RecordError, match=r"games.jsonl:2: .*'low'"):
+        RolloutDataModule(train_path=str(path), val_path=None, record_fields=["secret", "low"]).setup("fit")
+    with pytest.raises(ConfigError, match=r"^RolloutDataModule.record_fields cannot name 'answer', 'index': the row "
+                                          r"holds it already"):
+        RolloutDataModule(record_fields=["secret", "answer", "index"])
