@@ -26,6 +26,11 @@ def all_reduce_int(value: int, op: ReduceOp.RedOpType) -> int:
     return int(reduced)
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (a collective every rank calls); ``flag`` itself on one process."""
+    return bool(all_reduce_int(int(flag), ReduceOp.MAX))
+
+
 def zero3_sharded(params: Iterable[Tensor | None]) -> bool:
     """Whether any of ``params`` is a DeepSpeed ZeRO-3 partition (DeepSpeed marks those with ``ds_id``): its
     ``.data`` is empty until gathered, and every forward through it gathers it, a collective."""

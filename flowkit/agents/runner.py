@@ -30,6 +30,7 @@ from flowkit.llm.rollout_engine import RolloutEngine, check_token_in
 from flowkit.options import OptionGroup, bounded, registered, registry_entry
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[Sample]]
+AnyRank = Callable[[bool], bool]  # whether any rank passed True: a collective every rank calls together
 
 
 @dataclass(frozen=True)
@@ -101,15 +102,19 @@ class EpisodeRunner:
                                   frozenset([tokenizer.eos_token_id] if stop_ids is None else stop_ids),
                                   options.max_turns, options.max_tokens, options.call_timeout)
 
-    def run(self, records: list[dict[str, Any]]) -> list[Trajectory]:
+    def run(self, records: list[dict[str, Any]], lockstep: AnyRank | None = None) -> list[Trajectory]:
         """One trajectory per record, in order. :class:`~flowkit.errors.RunError` when every episode ended in a
-        fault of the environment or its tools (the environment cannot work as configured)."""
+        fault of the environment or its tools (the environment cannot work as configured).
+
+        ``lockstep`` (an engine whose ``generate`` is a collective: ``hf`` under ZeRO-3): the ranks make the same
+        number of ``generate`` calls, however many turns their episodes take. Before each call they agree through it
+        whether any rank still has an episode going; a rank with none ready calls ``generate`` with no prompts."""
         episodes = [Episode(record, self.setup) for record in records]
         with ThreadPoolExecutor(self.options.workers, thread_name_prefix="episode") as pool:
             in_flight = {pool.submit(episode.start): episode for episode in episodes}
-            while in_flight:
-                ready = self._next_ready(in_flight)
-                if not ready:
+            while in_flight if lockstep is None else lockstep(bool(in_flight)):
+                ready = self._next_ready(in_flight) if in_flight else []
+                if not ready and lockstep is None:
                     continue
                 samples = self.generate([list(episode.ids) for episode in ready], [episode.room() for episode in ready])
                 for episode, sample in zip(ready, self._checked(samples, len(ready)), strict=True):

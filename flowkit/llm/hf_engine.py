@@ -123,6 +123,13 @@ class HFRolloutEngine:
         batch.group_ids = torch.arange(len(prompts), device=batch.group_ids.device).repeat_interleave(n)
         return batch
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether each generation is a collective (the weights are ZeRO-3 shards: it gathers them whole once, or, with
+        no ``whole_weights``, in every decoding step), so every rank calls :meth:`generate_from_ids` together, with no
+        prompts when it has none."""
+        return _zero3_partitioned(self.model)
+
     @torch.no_grad()
     def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
                           temperature: float | None = None, n: int = 1) -> TokenRollouts:
@@ -130,21 +137,23 @@ class HFRolloutEngine:
         (prompt i → rows i·n … i·n+n−1; one for the episode runner, the prompt encoded once per group), each row's
         sampled ids (through EOS, or cut at its prompt's ``max_new_tokens``, at most the engine's), each one's
         log-probability under the sampler and the policy version that sampled it (:attr:`held_version`'s, else the
-        engine's)."""
+        engine's). No prompts: nothing, after decoding alongside the other ranks under :attr:`lockstep`."""
         temperature = self.temperature if temperature is None else temperature
         self.saw_nonfinite_logits = False
+        if not prompts and not self.lockstep:
+            return TokenRollouts([], [], [])
         device = next(self.model.parameters()).device
-        width, pad = max(map(len, prompts)), self.tokenizer.pad_token_id
-        encoded = {"input_ids": torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device),
-                   "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts],
+        # a rank with nothing to generate decodes one row of a pad token, finished at once, for the collectives
+        rows, limits = (prompts, [min(limit, self.max_new_tokens) for limit in max_new_tokens for _ in range(n)]) \
+            if prompts else ([[self.tokenizer.pad_token_id]], [0])
+        width, pad = max(map(len, rows)), self.tokenizer.pad_token_id
+        encoded = {"input_ids": torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=device),
+                   "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows],
                                                   device=device)}
-        limits = [min(limit, self.max_new_tokens) for limit in max_new_tokens for _ in range(n)]
-        # ranks decoding in lockstep (ZeRO-3, a collective per step) all decode to the engine's own bound
-        lockstep = _zero3_partitioned(self.model) and self.whole_weights is None
-        generated, logprobs, step_versions = self._decode(encoded, n, temperature,
-                                                          self.max_new_tokens if lockstep else max(limits))
+        generated, logprobs, step_versions = self._decode(encoded, n if prompts else 1, temperature,
+                                                          torch.tensor(limits, device=device))
         eos, rollouts = self.tokenizer.eos_token_id, TokenRollouts([], [], [])
-        for row, (ids, limit) in enumerate(zip(generated.tolist(), limits)):
+        for row, (ids, limit) in enumerate(zip(generated.tolist(), limits) if prompts else ()):
             length = min(ids.index(eos) + 1 if eos in ids else len(ids), limit)
             rollouts.ids.append(ids[:length])
             rollouts.logprobs.append(logprobs[row, :length].tolist())
@@ -154,18 +163,22 @@ class HFRolloutEngine:
     def _generate(self, prompts: list[str], n: int, answers: list[str] | None, temperature: float) -> RolloutBatch:
         device = next(self.model.parameters()).device
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
-        generated, sampler_logprobs, _ = self._decode(encoded, n, temperature, self.max_new_tokens)
+        limits = torch.full((len(prompts) * n,), self.max_new_tokens, device=device)
+        generated, sampler_logprobs, _ = self._decode(encoded, n, temperature, limits)
         batch = pack_rollouts(self.tokenizer, encoded, generated, prompts, n, answers, sampler_logprobs)
         batch.policy_versions = torch.full((batch.batch_size,), self.policy_version, device=device)
         return batch
 
     def _decode(self, encoded: dict[str, Tensor], n: int, temperature: float,
-                max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
-        """``n`` samples of each left-padded prompt of ``encoded``: their tokens, sampler log-probs and each step's
-        policy version (:meth:`_sample`), the policy in eval mode meanwhile."""
+                limits: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+        """``n`` samples of each left-padded prompt of ``encoded``, sample j at most ``limits[j]`` tokens: their
+        tokens, sampler log-probs and each step's policy version (:meth:`_sample`), the policy in eval mode
+        meanwhile."""
         was_training = self.model.training
         self.model.eval()
-        synced = _zero3_partitioned(self.model) and self.whole_weights is None
+        synced = self.lockstep and self.whole_weights is None
+        # ranks decoding in lockstep may step past their own rows' limits, up to the engine's bound, for the others
+        max_new_tokens = self.max_new_tokens if synced else int(limits.max())
         shared = n > 1 and encoded["input_ids"].shape[1] > 1
         if synced:  # the prefill is a forward, a collective under ZeRO-3: every rank runs it or none
             shared = bool(all_reduce_int(int(shared), ReduceOp.MIN))
@@ -177,18 +190,19 @@ class HFRolloutEngine:
                                            encoded["input_ids"].shape[1] + max_new_tokens)
             generated, sampler_logprobs, step_versions = self._sample(
                 cache, pending, encoded["input_ids"].repeat_interleave(n, dim=0),
-                encoded["attention_mask"].repeat_interleave(n, dim=0), temperature, synced, max_new_tokens)
+                encoded["attention_mask"].repeat_interleave(n, dim=0), temperature, synced, limits, max_new_tokens)
         self.model.train(was_training)
         # out of inference mode: tensors the training forward may use
         return generated.clone(), sampler_logprobs.clone(), step_versions
 
     def _sample(self, cache: DynamicCache, pending: Tensor, prompt_ids: Tensor, attention_mask: Tensor,
-                temperature: float, synced: bool, max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
-        """Decodes up to ``max_new_tokens`` per row: the tokens and their log-probs under the sampler (B × steps taken;
-        padding after EOS), and the policy version each step sampled from (:attr:`held_version`). Rows that emitted EOS
-        leave the batch and the KV cache (once an eighth of the batch has ended: dropping rows copies the cache), so the
-        long tail of a batch decodes only its own rows (HF ``generate`` decodes finished rows until the last one ends).
-        ``synced`` (ZeRO-3 without whole weights): every forward is a collective, so finished rows stay and the ranks
+                temperature: float, synced: bool, limits: Tensor,
+                max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
+        """Decodes up to ``max_new_tokens`` steps, row j up to ``limits[j]`` tokens: the tokens and their log-probs under
+        the sampler (B × steps taken; padding after EOS or the limit), and the policy version each step sampled from
+        (:attr:`held_version`). Rows that emitted EOS or reached their limit leave the batch and the KV cache (once an
+        eighth of the batch has ended: dropping rows copies the cache), so the long tail of a batch decodes only its
+        own rows (HF ``generate`` decodes finished rows until the last one ends). ``synced`` (ZeRO-3 without whole weights): every forward is a collective, so finished rows stay and the ranks
         decode until every rank's rows have ended."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         name = cache_argument(self.model.get_decoder())
@@ -219,6 +233,7 @@ class HFRolloutEngine:
             generated[rows, steps] = tokens
             logprobs[rows, steps] = token_logprobs
             steps += 1
+            unfinished &= limits[rows] > steps
             if eos is not None:
                 unfinished &= tokens != eos
             running = int(unfinished.sum()) if not synced else all_reduce_int(int(bool(unfinished.any())), ReduceOp.MAX)

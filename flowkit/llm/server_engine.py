@@ -609,6 +609,8 @@ class ServerRolloutEngine:
         token_file: the file holding the servers' secret (None: ``FLOWKIT_SERVER_TOKEN``, else no secret).
     """
 
+    lockstep = False  # its generation runs no collective of the trainer's ranks
+
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, urls: str | list[str],
                  timeout_s: float = 300.0, max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0,
                  sync_every: int = 1, bucket_mb: int = 256, max_staleness: int = 0,

@@ -379,6 +379,8 @@ class VllmRolloutEngine:
             training gets the memory back; vLLM's CPU backend has no sleep mode, so it is ignored there.
     """
 
+    lockstep = False  # its generation runs no collective of the trainer's ranks
+
     def __init__(
         self,
         model: PreTrainedModel,

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from flowkit.agents import EpisodeOptions, EpisodeRunner, Trajectory, engine_generate, episode_metrics
 from flowkit.batch import RolloutBatch
+from flowkit.distributed import any_rank
 from flowkit.errors import RunError
-from flowkit.llm.rollout_engine import RolloutEngine
+from flowkit.llm.rollout_engine import RolloutEngine, check_token_in
 from flowkit.step.experience import PromptBatch
 
 
@@ -29,6 +30,7 @@ class EpisodeRollout:
     in by implementing it: :func:`~flowkit.agents.engine_generate`); a one-line error when it has none."""
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, options: EpisodeOptions):
+        self.engine = check_token_in(engine)
         self.runner = EpisodeRunner(engine_generate(engine), tokenizer, options)
         self.tokenizer, self.options = tokenizer, options
 
@@ -46,7 +48,7 @@ class EpisodeRollout:
                    for _ in range(n)]
         for index, record in enumerate(records):
             record.update({key: values[index] for key, values in columns.items()})
-        trajectories = self.runner.run(records)
+        trajectories = self.runner.run(records, lockstep=any_rank if self.engine.lockstep else None)
         rows = [index for index, trajectory in enumerate(trajectories) if _reached_the_policy(trajectory)]
         if not rows:
             first = next((t.error or t.stop_reason for t in trajectories), "no episode")

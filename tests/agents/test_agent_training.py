@@ -77,7 +77,7 @@ def policy_script(tool_text=None):
 class ScriptedEngine:
     """A rollout engine with only the token-in path: the scripted policy's turns (non-zero log-probs)."""
 
-    saw_nonfinite_logits = False
+    saw_nonfinite_logits, lockstep = False, False
     policy_version = 3
 
     def __init__(self, tokenizer, respond):
