@@ -145,6 +145,15 @@ def test_rlfr_qwen_tools_as_shipped_keeps_ranks_with_uneven_episodes_in_step(tmp
     assert_uneven_episodes(tmp_path)
 
 
+def test_rlfr_qwen_tools_with_hf_rollouts_keeps_ranks_with_uneven_episodes_in_step(tmp_path):
+    """The same rehearsal with HF rollouts in the main venv: under ZeRO-3 each decoding step gathers the sharded
+    weights, a collective, so the ranks decode in lockstep while their episodes need different numbers of turns (a
+    rank with no episode ready decodes a padding row); a hang fails (the run's timeout)."""
+    paper_rehearsal.run("rlfr_qwen_tools.yaml", tmp_path, 3, "--model.init_args.rollout.engine", "hf",
+                        *probed(tmp_path))
+    assert_uneven_episodes(tmp_path)
+
+
 # DAPO's controls on (3 draws, truncated rows masked, an overlong buffer of 8 at penalty 0.5) under
 # tests/uneven_groups.py's reward, by which rank 0 keeps 2 groups and rank 1, out of draws, 1 group per step
 # The official preset freezes the flow (its scripts' online loss has no graph, docs/methods/rlfr.md); these rehearsals
