@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from flowkit.data.grader import grade
 from flowkit.data.records import load_records
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.latent_tap import LatentTap
@@ -38,7 +39,6 @@ from flowkit.modules.datamodule import PromptStream, resolve_data_path
 from flowkit.modules.optim import flow_pretraining_schedule
 from flowkit.rewards import FlowReward
 from flowkit.rewards.flow import LatentOptions, NetworkOptions, ScoringOptions, PretrainingOptions
-from flowkit.rewards.grader import grade
 from flowkit.rewards.flow.scoring import flow_token_rewards
 
 try:

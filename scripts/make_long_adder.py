@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from flowkit.data.grader import grade
 from flowkit.data.long_addition import ALPHABET, DEFAULT_OPERANDS, OPERAND_COUNTS, max_new_tokens, write_splits
 from flowkit.llm.backbone import load_backbone
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.sft import completion_tensors
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
-from flowkit.rewards.grader import grade
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "flowkit/assets/long_adder"

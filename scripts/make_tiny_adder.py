@@ -23,9 +23,9 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from flowkit.data.arithmetic import ALPHABET, write_splits
+from flowkit.data.grader import extract_boxed
 from flowkit.llm.sft import completion_tensors
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
-from flowkit.rewards.grader import extract_boxed
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_NEW_TOKENS = 32  # the longest response, 99+99, is 27 tokens including <eos>

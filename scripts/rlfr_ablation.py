@@ -83,9 +83,9 @@ def train(arm: str, seed: int, max_steps: int | None):
 @torch.no_grad()
 def evaluate(module, prompts: int, samples: int, seed: int) -> dict[str, float]:
     """pass@1 at T = 1 (``samples`` per prompt) and greedy accuracy on the test split, one common seed."""
+    from flowkit.data.grader import grade
     from flowkit.data.records import load_records
     from flowkit.modules.datamodule import resolve_data_path
-    from flowkit.rewards.grader import grade
 
     records = load_records(resolve_data_path("bundled:arithmetic/test.jsonl"), ["prompt", "answer"])[:prompts]
     texts, answers = [r["prompt"] for r in records], [r["answer"] for r in records]

@@ -114,7 +114,7 @@ class HeldOutEvaluation(Callback):
 
     @torch.no_grad()
     def evaluate(self, module) -> dict:
-        from flowkit.rewards.grader import grade
+        from flowkit.data.grader import grade
 
         started, rng = time.perf_counter(), torch.get_rng_state()
         prompts, answers = [r["prompt"] for r in self.records], [r["answer"] for r in self.records]

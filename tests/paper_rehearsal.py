@@ -2,8 +2,10 @@
 after its base as a user composes it (``--config configs/rlfr_qwen.yaml --config configs/rlfr_qwen_async.yaml``).
 
 Only what a CPU machine cannot hold is overridden: the backbone (a bundled tiny model), the accelerator (cpu),
-the devices (2), the step count, the data (bundled), the lengths, and for rlfr_qwen_async.yaml the address its
-rollout server listens on (a free port of the test's). Everything else — the DeepSpeed strategy and
+the devices (2), the step count, the data (bundled), the lengths, for rlfr_qwen_async.yaml the address its
+rollout server listens on (a free port of the test's), and for rlfr_qwen_tools.yaml the environment with its data
+(the bundled tool-use policy was taught long_addition's ``add`` tool, not ``calculate``: both are multi-turn tool
+episodes graded on a boxed answer, and calculator_math is tested on its own, tests/agents/test_agent_envs.py). Everything else — the DeepSpeed strategy and
 its ZeRO config, ``bf16-mixed``, micro-batches, gradient checkpointing, the chunked LM head, the flow reward — is the
 file's. The lengths are chosen so that ranks disagree the way they do at scale: responses of different lengths,
 different numbers of accepted rollouts, and several LM-head and flow-scoring chunks per micro-batch.
@@ -69,6 +71,22 @@ OVERRIDES: dict[str, list[str]] = {
         "--data.init_args.prompt_template", "{prompt}",
         "--data.init_args.batch_size", "4",
         "--data.init_args.val_batch_size", "4",
+    ],
+    # episodes of 2-6 policy turns and 150-320 tokens (max_tokens), a rank's 16 of different lengths and turn counts
+    "rlfr_qwen_tools.yaml": [
+        "--model.init_args.backbone", "bundled:tiny_tool_adder",
+        "--model.init_args.episodes.environment", "long_addition",
+        "--model.init_args.episodes.max_tokens", "320",
+        "--model.init_args.sampling.max_new_tokens", "64",        # per turn
+        "--model.init_args.rollout.vllm_max_model_len", "320",
+        "--model.init_args.update.lm_head_chunk_size", "64",      # 1-4 LM-head chunks per micro-batch of 4
+        "--model.init_args.reward_model.init_args.network.max_rows_per_call", "192",  # 64 tokens × 3 layers per call
+        "--model.init_args.reward_model.init_args.network.max_rows_per_piece", "384",  # several flow-loss pieces
+        "--model.init_args.reward_model.init_args.online.kappa", "2",
+        "--data.init_args.train_path", "bundled:long_addition/k3/train.jsonl",
+        "--data.init_args.prompt_key", "prompt",
+        "--data.init_args.prompt_template", "{prompt}",
+        "--data.init_args.batch_size", "4",                 # 2 prompts × 8 samples per rank
     ],
     "rlfr_qwen_offline.yaml": [
         "--model.init_args.backbone", "bundled:tiny_adder",

@@ -5,7 +5,8 @@ Added through the CLI (``--trainer.callbacks+=rehearsal_probe.RehearsalProbe --t
 is called — the flow-scoring chunks and the online flow-loss pieces — and records, per call, this rank's own count
 and the count every rank then used; and every call into a Linear LM head (one per micro-batch, whatever its tokens:
 ``lm_head``), with the tokens it carried; and after each RL step the groups and rows this rank trained on
-(``kept``: dynamic sampling keeps its own groups per rank). At the end each rank writes ``probe_rank{R}.json``.
+(``kept``: dynamic sampling keeps its own groups per rank), and in an agent run each episode's policy turns, tool
+calls and tokens after the prompt (``episodes``: one list per step). At the end each rank writes ``probe_rank{R}.json``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from flowkit.rewards.flow.reward import FlowReward
 class RehearsalProbe(L.Callback):
     def __init__(self, out: str):
         self.out = Path(out)
-        self.records: dict[str, list[tuple[int, int]]] = {"lm_head": [], "flow_scoring": [], "flow_pieces": [],
-                                                           "kept": []}
+        self.records: dict[str, list] = {"lm_head": [], "flow_scoring": [], "flow_pieces": [], "kept": [],
+                                         "episodes": []}
 
     def setup(self, trainer, pl_module, stage):
         matching.agreed_call_count = self._recording(matching.agreed_call_count, "flow_scoring")
@@ -56,6 +57,10 @@ class RehearsalProbe(L.Callback):
         if outputs:  # a skipped step returns nothing
             rollouts = outputs["rollouts"]
             self.records["kept"].append((int(rollouts.group_ids.unique().numel()), rollouts.batch_size))
+            if "episode" in rollouts.columns:
+                self.records["episodes"].append([
+                    (sum(turn["role"] == "policy" for turn in episode["turns"]), episode["counters"]["tool_calls"],
+                     sum(turn["tokens"] for turn in episode["turns"])) for episode in rollouts.columns["episode"]])
 
     def on_train_end(self, trainer, pl_module):
         self.out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,10 @@ OFFLINE_OVERRIDES = {
                                                 "--model.init_args.dtype", "float32",
                                                 "--data.init_args.train_path", "bundled:arithmetic/train.jsonl"]
                                + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout.engine", "hf"]),
+    "rlfr_qwen_tools.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_tool_adder",
+                                             "--model.init_args.dtype", "float32",
+                                             "--data.init_args.train_path", "bundled:long_addition/k3/train.jsonl"]
+                            + ([] if importlib.util.find_spec("vllm") else ["--model.init_args.rollout.engine", "hf"]),
     "rlfr_qwen_offline.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:tiny_adder",
                                                "--model.init_args.dtype", "float32"],
     "explain_llama.yaml": CPU_OVERRIDES + ["--model.init_args.backbone", "bundled:explain_tiny/policy",

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import paper_rehearsal
 from rlfr_run import metrics
-from rollout_server_process import BACKENDS, RolloutServer, served_greedy
+from rollout_server_process import BACKENDS, HAS_VLLM, RolloutServer, served_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -110,6 +110,48 @@ def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_
                              if k.startswith("end/policy.")}, strict=False)
     mine = HFRolloutEngine(trained, tokenizer, max_new_tokens=28).generate(prompts, 1, temperature=0)
     assert served == [ids[mask.bool()].tolist() for ids, mask in zip(mine.input_ids, mine.response_mask)]
+
+
+def assert_uneven_episodes(root: Path) -> dict[int, dict[str, str]]:
+    """The agent rehearsal's episodes: multi-turn with tool calls, the ranks' of different lengths and turn counts
+    in every step, the policy and the flow trained, the ranks still in step; the logged metrics, by step."""
+    assert_ranks_equal_and_trained(root, ("policy.", "reward_model."))
+    records = rank_files(root, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
+    episodes = [record["episodes"] for record in records]  # per rank, per step: (policy turns, tool calls, tokens)
+    assert len(episodes[0]) == len(episodes[1]) == 3
+    rows = [row for rank in episodes for step in rank for row in step]
+    assert any(turns > 1 for turns, _, _ in rows) and any(calls > 0 for _, calls, _ in rows)
+    for mine, theirs in zip(*episodes):
+        assert sorted(row[2] for row in mine) != sorted(row[2] for row in theirs)  # tokens per episode
+    assert any(sorted(row[0] for row in mine) != sorted(row[0] for row in theirs) for mine, theirs in zip(*episodes))
+    for site in ("lm_head", "flow_scoring", "flow_pieces"):
+        assert padded(root, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
+    version = next((root / "run").glob("version_*"))
+    steps = metrics(version)
+    assert sorted(steps) == [1, 2, 3] and any(float(values["flow/loss"]) > 0 for values in steps.values())
+    assert all(float(values["episodes/tool_calls"]) > 0 and float(values["episodes/turns_mean"]) > 1
+               for values in steps.values())
+    assert (version / "export" / "flow.safetensors").is_file() and (version / "export" / "hf_policy").is_dir()
+    return steps
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_rlfr_qwen_tools_as_shipped_keeps_ranks_with_uneven_episodes_in_step(tmp_path):
+    """rlfr_qwen_tools.yaml as shipped (ZeRO-3, bf16, colocated vLLM engines, Hermes tool calls, the flow reward) on
+    2 ranks whose episodes differ in length and turn count: 3 steps and the export. Each rank's vLLM engine decodes
+    its own episodes' turns, as many generate calls as they need (run in the vLLM venv, ``-m vllm``)."""
+    paper_rehearsal.run("rlfr_qwen_tools.yaml", tmp_path, 3, *probed(tmp_path))
+    assert_uneven_episodes(tmp_path)
+
+
+def test_rlfr_qwen_tools_with_hf_rollouts_keeps_ranks_with_uneven_episodes_in_step(tmp_path):
+    """The same rehearsal with HF rollouts in the main venv: under ZeRO-3 each decoding step gathers the sharded
+    weights, a collective, so the ranks decode in lockstep while their episodes need different numbers of turns (a
+    rank with no episode ready decodes a padding row); a hang fails (the run's timeout)."""
+    paper_rehearsal.run("rlfr_qwen_tools.yaml", tmp_path, 3, "--model.init_args.rollout.engine", "hf",
+                        *probed(tmp_path))
+    assert_uneven_episodes(tmp_path)
 
 
 # DAPO's controls on (3 draws, truncated rows masked, an overlong buffer of 8 at penalty 0.5) under

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torchmetrics import MeanMetric
 
+from flowkit.data.grader import grade
 from flowkit.llm.rollout_engine import RolloutEngine
 from flowkit.modules.policy_options import ValidationOptions
 from flowkit.rewards.base import EvaluatesPolicy, TokenRewardModel
-from flowkit.rewards.grader import grade
 from flowkit.rl.metrics import pass_at_k
 
 

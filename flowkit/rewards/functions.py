@@ -37,8 +37,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from flowkit.data.grader import extract_boxed, grade, outcome_reward
 from flowkit.errors import ConfigError
-from flowkit.rewards.grader import extract_boxed, grade, outcome_reward
 
 class RewardFunctionError(ConfigError):
     """A configured reward function returned something that is not one number per completion (one line)."""

@@ -11,9 +11,11 @@ import torch
 from agent_fakes import ScriptedPolicy, drift_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flowkit.agents import EpisodeOptions, EpisodeRunner, engine_generate, episode_metrics
+from flowkit.agents import EpisodeOptions, EpisodeRunner, engine_generate, episode_metrics, tool_schema
+from flowkit.agents.envs.calculator_math import MAX_EXPRESSION_CHARS, CalculatorMath, calculate
 from flowkit.agents.envs.guess_number import guess_number_records
 from flowkit.agents.envs.long_addition import long_addition_records
+from flowkit.agents.tools import ToolBox, ToolCall
 from flowkit.llm.backbone import ASSETS
 from flowkit.llm.hf_engine import HFRolloutEngine
 
@@ -72,6 +74,82 @@ def test_the_guessing_game_answers_each_guess_and_rewards_finding_the_number(tok
     assert max(len(t.policy_turns()) for t in trajectories) > 1  # the hints were read and acted on
     [lucky] = runner.run([{"secret": 1, "low": 1, "high": 100, "max_guesses": 2}])  # 50, 25: out of guesses
     assert lucky.done and lucky.final_reward == 0.0 and len(lucky.policy_turns()) == 2
+
+
+def test_the_calculator_is_described_to_the_model_by_its_signature_and_docstring():
+    schema = tool_schema(calculate)["function"]
+    assert schema["name"] == "calculate" and schema["description"].startswith("Evaluate an arithmetic expression")
+    assert schema["parameters"]["properties"]["expression"]["type"] == "string"
+    assert schema["parameters"]["required"] == ["expression"]
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("(347 + 281) * 3 / 4", "471"), ("-3**2", "-9"), ("2 ** -1", "0.5"), ("17 // 5 + 17 % 5", "5"),
+    ("1 / 3", "0.333333333333333"), ("0.1 + 0.2", "0.3"), ("2 ** 4000 // 2 ** 3999", "2"),
+])
+def test_the_calculator_evaluates_arithmetic(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression, error", [
+    ("9**9**9", "too large"),                       # refused before it is computed: no hang
+    ("(2**4000) * (2**4000)", "too large"),
+    ("1e308 * 10", "too large"),
+    ("(-8) ** 0.5", "not a real number"),
+    ("1 / 0", "ZeroDivisionError"),
+    ("x + 1", "Name is not allowed"),
+    ("__import__('os').system('true')", "Call is not allowed"),
+    ("(1).real", "Attribute is not allowed"),
+    ("'a' * 3", "Constant is not allowed"),
+    ("True + 1", "Constant is not allowed"),
+    ("[1, 2]", "List is not allowed"),
+    ("1 +", "not an arithmetic expression"),
+    ("(" * 300 + "1" + ")" * 300, "at most 500"),
+    ("1+" * 5000 + "1", "at most 500"),
+])
+def test_hostile_expressions_are_error_observations_the_model_reads(expression, error):
+    toolbox = ToolBox(CalculatorMath.tools, timeout=5.0, max_chars=4096, max_calls=8)
+    reply = toolbox.run([ToolCall("calculate", {"expression": expression})])
+    assert reply.errors == 1 and reply.timed_out is None
+    [message] = reply.messages
+    assert message["content"].startswith("error: ") and error in message["content"]
+    assert len(message["content"]) < 200
+
+
+@pytest.mark.parametrize("action, reward", [
+    ("(347+281)*3/4 = 471, so \\boxed{471}", 1.0),
+    ("\\boxed{470}", 0.0),
+    ("the answer is 471", 0.0),                      # not boxed
+    ("\\boxed{\\frac{942}{2}}", 1.0),                 # equal by the grader, not as text
+])
+def test_the_final_answer_is_graded_by_the_math_grader(action, reward):
+    environment = CalculatorMath()
+    assert environment.reset({"prompt": "What is (347+281)*3/4?", "answer": "471"}) == [
+        {"role": "user", "content": "What is (347+281)*3/4?"}]
+    assert environment.step(action) == (([], reward, True))
+
+
+def calculator_user(messages):
+    """Asks the calculator once (a hostile expression when the problem says so), then boxes its last reply."""
+    replies = [content for role, content in messages if role == "tool"]
+    if not replies:
+        problem = next(content for role, content in messages if role == "user")
+        expression = "9**9**9" if "hostile" in problem else problem.removeprefix("compute ")
+        return "<tool_call>" + json.dumps({"name": "calculate", "arguments": {"expression": expression}}) + "</tool_call>"
+    return f"\\boxed{{{replies[-1]}}}"
+
+
+def test_a_calculator_episode_calls_the_tool_and_boxes_its_answer(tokenizer):
+    records = [{"prompt": "compute 12*(3+4)", "answer": "84"}, {"prompt": "compute 2**10-1", "answer": "1023"},
+               {"prompt": "hostile 9**9**9", "answer": "1"}]
+    runner = EpisodeRunner(ScriptedPolicy(tokenizer, calculator_user), tokenizer,
+                           EpisodeOptions("calculator_math", max_turns=3))
+    trajectories = runner.run(records)
+    assert [t.final_reward for t in trajectories] == [1.0, 1.0, 0.0]
+    assert all(t.done and len(t.policy_turns()) == 2 and t.counters["tool_calls"] == 1 for t in trajectories)
+    assert [t.counters["tool_errors"] for t in trajectories] == [0, 0, 1]
+    hostile = tokenizer.decode(trajectories[2].token_ids)
+    assert "error: ValueError: the result is too large" in hostile
 
 
 def test_the_tiny_chat_model_plays_through_the_hf_engines_token_in_path(single_thread):

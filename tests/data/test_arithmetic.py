@@ -11,10 +11,10 @@ from flowkit.data.arithmetic import (
     make_example,
     write_splits,
 )
+from flowkit.data.grader import extract_boxed
 from flowkit.llm.backbone import ASSETS, load_backbone
 from flowkit.llm.packing import encode_pairs
 from flowkit.llm.sft import completion_tensors
-from flowkit.rewards.grader import extract_boxed
 
 STEPS = re.compile(r"(\d)\+(\d)=(\d+),(\d)\+(\d)(\+1)?=(\d+)\\boxed\{(\d+)\}")
 

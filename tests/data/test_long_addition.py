@@ -8,6 +8,7 @@ import torch
 import yaml
 
 from flowkit.data import arithmetic
+from flowkit.data.grader import extract_boxed, grade
 from flowkit.data.long_addition import (
     ALPHABET,
     DEFAULT_OPERANDS,
@@ -23,7 +24,6 @@ from flowkit.llm.backbone import ASSETS, load_backbone
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.packing import encode_pairs
 from flowkit.llm.sft import completion_tensors
-from flowkit.rewards.grader import extract_boxed, grade
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CONFIGS, SCRIPTS = ROOT / "configs", ROOT / "scripts"

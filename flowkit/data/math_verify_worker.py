@@ -1,4 +1,4 @@
-"""Child process of :mod:`flowkit.rewards.grader`: answers ``{"pred", "ref"}`` JSON lines with ``1``/``0``.
+"""Child process of :mod:`flowkit.data.grader`: answers ``{"pred", "ref"}`` JSON lines with ``1``/``0``.
 
 Run as a script (not imported), so it loads only math-verify. The parent enforces the time limit by
 killing this process, which also stops work stuck inside C code where math-verify's own SIGALRM

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
+from flowkit.data.grader import extract_boxed, grade, is_absurd, is_equivalent, outcome_reward
+from flowkit.data.math_verify_worker import equivalent as math_verify_equivalent
 from flowkit.llm.backbone import ASSETS
-from flowkit.rewards.grader import extract_boxed, grade, is_absurd, is_equivalent, outcome_reward
-from flowkit.rewards.math_verify_worker import equivalent as math_verify_equivalent
 
 HANG_BOUND_S = 5.0  # generous: only catches hangs, the verdicts are what is asserted
 
