@@ -7,6 +7,7 @@ The flowkit CLI adds :class:`CompletionLogs` to every fit unless the config name
 from __future__ import annotations
 
 import html
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,11 @@ from flowkit.errors import check_range
 
 def render_html(rows: list[dict], title: str = "flowkit flow rewards",
                 caption: str = "Tokens shaded by flow reward r_k (eq. 10); hover for the value.") -> str:
-    """Response tokens shaded by their dense reward (darker red = larger penalty), prompt in grey; a row's optional
-    ``label`` heads it, its optional ``deviations`` (R_CFM) join each token's hover text and its optional ``roles``
-    (an agent episode's) set the environment's and the tools' tokens in blue, apart from the policy's."""
-    lowest = min((min(r["rewards"], default=0.0) for r in rows), default=0.0) or -1.0
+    """Response tokens shaded by their dense reward (darker red = larger penalty; a ``None`` reward is a token not
+    scored), prompt in grey; a row's optional ``label`` heads it, its optional ``deviations`` (R_CFM) join each
+    token's hover text and its optional ``roles`` (an agent episode's) set the environment's and the tools' tokens in
+    blue, apart from the policy's."""
+    lowest = min((min((r for r in row["rewards"] if r is not None), default=0.0) for row in rows), default=0.0) or -1.0
     parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>",
              "<style>body{font-family:monospace;max-width:60em;margin:2em auto}"
              ".row{margin:1.5em 0;white-space:pre-wrap}.prompt{color:#888}.label{color:#446;font-weight:bold}"
@@ -40,8 +42,8 @@ def _row_html(row: dict, lowest: float) -> str:
     roles = row.get("roles") or ["policy"] * len(row["tokens"])
     cells = []
     for token, reward, deviation, role in zip(row["tokens"], row["rewards"], deviations, roles):
-        alpha = min(1.0, reward / lowest) if reward < 0 else 0.0
-        hover = f"{role}: " * (role != "policy") + f"reward {reward:.4g}" + (
+        alpha = min(1.0, reward / lowest) if reward is not None and reward < 0 else 0.0
+        hover = f"{role}: " * (role != "policy") + ("not scored" if reward is None else f"reward {reward:.4g}") + (
             "" if deviation is None else f", deviation {deviation:.4g}")
         cells.append(f"<span style='background:rgba(220,40,40,{alpha:.2f})' class='{role}' title='{hover}'>"
                      f"{html.escape(token)}</span>")
@@ -53,7 +55,8 @@ def completion_rows(batch: RolloutBatch, tokenizer, count: int, step: int) -> li
     """``count`` rollouts of ``batch`` spread over its prompts: the first sample of every group, then the second of
     every group, ... (so 8 rows of a step of 16 prompts show 8 prompts, not one prompt's group): prompt, completion,
     outcome reward, correctness, response tokens and their dense rewards (``None`` without a reward model); an agent
-    episode's row also its ``episode`` (its turns, whose tokens each is, how it ended) and each token's ``role``."""
+    episode's row also its ``episode`` (its turns: whose, their text and token ids; how it ended), its
+    ``prompt_ids`` and each token's ``role`` — the record ``flowkit score`` re-scores an episode from."""
     order = spread_over_groups(batch.group_ids.cpu())[:count].tolist()
     rows = []
     for i in order:
@@ -70,10 +73,21 @@ def completion_rows(batch: RolloutBatch, tokenizer, count: int, step: int) -> li
             "token_rewards": rewards,
         })
         if "episode" in batch.columns:  # an agent episode's row: its turns, and whose each response token is
-            episode = batch.columns["episode"][i]
-            rows[-1]["episode"] = episode
-            rows[-1]["roles"] = [turn["role"] for turn in episode["turns"] for _ in range(turn["tokens"])]
+            rows[-1].update(_episode_fields(batch, i, positions))
     return rows
+
+
+def _episode_fields(batch: RolloutBatch, i: int, positions: list[int]) -> dict[str, Any]:
+    """Row ``i``'s episode with each turn's token ids, its prompt's ids (``flowkit score`` re-scores them as sampled,
+    never re-tokenized) and each response token's role."""
+    episode = batch.columns["episode"][i]
+    ids = batch.input_ids[i].tolist()
+    prompt = (batch.attention_mask[i].bool() & ~batch.response_mask[i].bool()).nonzero().flatten().tolist()
+    ends = itertools.accumulate(turn["tokens"] for turn in episode["turns"])
+    turns = [{**turn, "ids": [ids[p] for p in positions[end - turn["tokens"]:end]]}
+             for turn, end in zip(episode["turns"], ends)]
+    return {"prompt_ids": [ids[p] for p in prompt], "episode": {**episode, "turns": turns},
+            "roles": [turn["role"] for turn in turns for _ in range(turn["tokens"])]}
 
 
 def spread_over_groups(group_ids: torch.Tensor) -> torch.Tensor:
