@@ -39,8 +39,9 @@ class EpisodeOptions(OptionGroup):
     environment they run in, how the model's tool calls are read, the episodes' bounds and reward."""
 
     environment: str | None = registered(None, ENVIRONMENTS)
-    """a name of :data:`~flowkit.agents.environment.ENVIRONMENTS` (``long_addition``, ``guess_number``) or
-    ``module.name``: the environment importing ``module`` registers; null: no episodes (one response per row)"""
+    """a name of :data:`~flowkit.agents.environment.ENVIRONMENTS` (``long_addition``, ``guess_number``,
+    ``calculator_math``) or ``module.name``: the environment importing ``module`` registers; null: no episodes (one
+    response per row)"""
     tool_parser: str = registered("hermes", TOOL_CALL_PARSERS)
     """how tool calls are read from the model's text: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5) or
     another registered parser"""
