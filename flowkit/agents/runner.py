@@ -72,9 +72,8 @@ class EpisodeOptions(OptionGroup):
 def engine_generate(engine: RolloutEngine) -> GenerateFn:
     """The runner's ``generate`` over a rollout engine's token-in path
     (:meth:`~flowkit.llm.rollout_engine.TokenInEngine.generate_from_ids`: ``hf``, ``vllm``, ``server``), each sample
-    with the policy version that sampled each token; an engine without one, or one that prefetches
-    (``max_staleness`` ≥ 1), is a one-line :class:`~flowkit.errors.ConfigError` here
-    (:func:`~flowkit.llm.rollout_engine.check_token_in`)."""
+    with the policy version that sampled each token; an engine without one is a one-line
+    :class:`~flowkit.errors.ConfigError` here (:func:`~flowkit.llm.rollout_engine.check_token_in`)."""
     token_in = check_token_in(engine)
 
     def generate(prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:

@@ -90,8 +90,8 @@ class RolloutOptions(OptionGroup):
     keeps a copy of the base weights in the trainer's dtype"""
     max_staleness: int = bounded(0, 0)
     """k ≥ 1 overlaps generation with training (an engine that generates elsewhere: ``server``): while step t trains,
-    the server generates the rollouts of steps t+1 … t+k from the weights it holds; rollouts more than k versions
-    behind are regenerated (``rollout/regenerated_rows``), the staleness is logged (``rollout/staleness_mean|max``
+    the server generates the rollouts of steps t+1 … t+k from the weights it holds (with ``episodes``: their
+    episodes run meanwhile, each turn on the servers); rollouts more than k versions behind are regenerated (``rollout/regenerated_rows``), the staleness is logged (``rollout/staleness_mean|max``
     and the fraction of rows s behind, ``rollout/staleness_<s>``). The flow reward reads the latents of the
     trainer's own forward, so only the sampling distribution goes stale (``loss.rollout_correction`` weighs it).
     0: each step generates its own rollouts when it starts"""

@@ -9,8 +9,8 @@ and releases what it holds in :meth:`RolloutEngine.close`. Sleeping and waking (
 ``generate``: an engine frees its memory between generations when it can.
 
 An engine that generates apart from training also satisfies :class:`PrefetchingEngine` (``rollout.max_staleness``
-needs one): the policy module keeps later steps' rollouts in flight through it (:func:`prefetch_ahead`) and logs
-:func:`rollout_metrics`.
+needs one): the policy module keeps later steps' rollouts in flight through it, or later steps' episodes through the
+episode rollout over it (both a :class:`Prefetcher`, :func:`prefetch_ahead`), and logs :func:`rollout_metrics`.
 
 An engine that takes token ids also satisfies :class:`TokenInEngine` (every built-in one: ``hf``, ``vllm``,
 ``server``): :meth:`TokenInEngine.generate_from_ids` samples one continuation of each prompt's ids and returns the ids
@@ -53,12 +53,27 @@ class RolloutEngine(Protocol):
         """Release the engine's processes and memory; it is not used afterwards."""
 
 
+class Prefetcher(Protocol):
+    """What :func:`prefetch_ahead` keeps ahead of training: a :class:`PrefetchingEngine` (its prompts a list of
+    strings) or the episodes of :class:`flowkit.step.episodes.EpisodeRollout` (a step's whole prompt batch, the
+    records its environment starts from). It starts later steps' rollouts now (:meth:`prefetch`, run in order) and a
+    later generation of the same prompts takes them when at most ``max_staleness`` versions behind, else generates
+    them again."""
+
+    max_staleness: int
+
+    def prefetch(self, prompts: Any, n: int) -> None:
+        """Start generating these prompts' rollouts, behind the ones already asked for."""
+
+    def prefetched(self, prompts: Any, n: int) -> bool:
+        """Whether these prompts' rollouts were prefetched and not taken yet."""
+
+
 @runtime_checkable
 class PrefetchingEngine(RolloutEngine, Protocol):
-    """An engine that generates apart from training (``server``), which ``rollout.max_staleness`` ≥ 1 needs: it starts
-    later steps' rollouts now (:meth:`prefetch`, run in order) from the weights it holds, and a later
-    :meth:`generate` of the same prompts takes them when at most ``max_staleness`` versions behind, else regenerates
-    them (counted in ``regenerated_rows``)."""
+    """An engine that generates apart from training (``server``), which ``rollout.max_staleness`` ≥ 1 needs: a
+    :class:`Prefetcher` of prompt strings (whose :meth:`RolloutEngine.generate` takes the prefetched rollouts), and
+    the count of rows regenerated for being more than ``max_staleness`` versions behind (``regenerated_rows``)."""
 
     max_staleness: int
     regenerated_rows: int
@@ -92,33 +107,29 @@ class TokenInEngine(RolloutEngine, Protocol):
                           temperature: float | None = None) -> TokenRollouts:
         """One sample per prompt (token ids, none empty), row i at most ``max_new_tokens[i]`` ≥ 1 tokens and at most
         the engine's own bound; ``temperature`` as :meth:`RolloutEngine.generate`'s. The ids are the sampled ones,
-        never re-tokenized; :attr:`RolloutEngine.saw_nonfinite_logits` as after ``generate``. Never prefetched: each
-        call samples from the weights the engine holds when it runs (the ``server`` engine's: those it last
-        pushed)."""
+        never re-tokenized; :attr:`RolloutEngine.saw_nonfinite_logits` as after ``generate``. Each call samples
+        from the weights the engine holds when it runs (the ``server`` engine's: those it last pushed, or later ones
+        under ``rollout.partial_rollouts``); the ``server`` engine's may run in a thread of its own while the step
+        trains (a later step's episodes, :class:`flowkit.step.episodes.EpisodeRollout`)."""
 
 
 def check_token_in(engine: RolloutEngine, owner: str = "PolicyModule.rollout") -> TokenInEngine:
     """``engine`` if multi-turn episodes can run on it, else one :class:`ConfigError` line (raised before any
-    episode runs): it has no token-in path, or it prefetches (``max_staleness`` ≥ 1), which takes a later step's
-    prompts as strings while an episode's next prompt exists only once the environment answered its last turn."""
+    episode runs): it has no token-in path."""
     if not isinstance(engine, TokenInEngine):
         raise ConfigError(f"{owner}.engine: {type(engine).__name__} has no token-in path (generate_from_ids), which "
                           "episodes need; use engine hf, vllm or server")
-    if isinstance(engine, PrefetchingEngine) and engine.max_staleness > 0:
-        raise ConfigError(f"{owner}.max_staleness {engine.max_staleness} prefetches later steps' prompts, but an "
-                          "episode's turns are generated one by one as its environment answers: set max_staleness 0 "
-                          "for episodes")
     return engine
 
 
-def prefetch_ahead(engine: PrefetchingEngine, prompts_of: Callable[[int], list[str]], index: int, n: int,
+def prefetch_ahead(engine: Prefetcher, prompts_of: Callable[[int], Any], index: int, n: int,
                    steps_after: int) -> None:
     """At the start of the step that trains batch ``index``: keep the rollouts of batches ``index`` … ``index + k``
     in flight (k = ``engine.max_staleness``, at most the ``steps_after`` steps left after this one), so that while a
     step trains, the next k steps' rollouts are generated and a row is at most k versions behind. ``prompts_of(i)``
-    is batch i's prompts (a :class:`~flowkit.modules.datamodule.PromptStream` batch is a pure function of its
-    index). The requests run in order: a step whose own batch was not prefetched (the first, or the first resumed)
-    asks for it first, and no step's prompts are generated twice for training."""
+    is batch i's prompts as ``engine`` takes them (a :class:`~flowkit.modules.datamodule.PromptStream` batch is a pure
+    function of its index). The requests run in order: a step whose own batch was not prefetched (the first, or the
+    first resumed) asks for it first, and no step's prompts are generated twice for training."""
     depth = min(engine.max_staleness, steps_after)
     for upcoming in range(index, index + depth + 1) if depth > 0 else ():
         prompts = prompts_of(upcoming)

@@ -34,7 +34,10 @@ With ``rollout.max_staleness`` k ≥ 1 the module keeps the next k batches' prom
 servers as a generation is) before the current step trains, and each server generates them meanwhile, in order, from
 the weights it holds (up to k versions behind); :meth:`ServerRolloutEngine.generate` takes those rollouts when asked for
 the same prompts, each row carrying the version of the server that generated it, and regenerates a server's share
-more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`).
+more than k versions old (counted in :attr:`ServerRolloutEngine.regenerated_rows`). Agent episodes run ahead one
+level up (:class:`flowkit.step.episodes.EpisodeRollout`): a later step's episodes call
+:meth:`ServerRolloutEngine.generate_from_ids` from a thread of their own while this step trains and pushes, and a push
+keeps accepting the versions those requests may still come back with.
 
 With ``rollout.partial_rollouts`` a push does not wait for the generation in flight: the server lands it between two
 decoding steps, the rows in flight go on from the new weights (their KV cache recomputed), and every token carries the
@@ -635,6 +638,8 @@ class ServerRolloutEngine:
                         for index, url in enumerate([urls] if isinstance(urls, str) else urls)]
         self._requests = ThreadPoolExecutor(len(self.servers), thread_name_prefix="rollout-generate")
         self._pending: list[_Pending] = []
+        self._token_in_flight: list[_Share] = []  # token-in requests awaited (a later step's episodes, in a thread)
+        self._asking = threading.Lock()  # a token-in request is sent and counted, or a push's versions pruned: apart
         identity = model_identity(model.config, tokenizer)
         first_at: dict[str, str] = {}  # instance → the address it first answered at
         for server in self.servers:
@@ -718,8 +723,10 @@ class ServerRolloutEngine:
             if zero3_sharded(self.model.parameters()):
                 for _ in weights:  # the gathers of the weights not sent (all of them on a rank that pushes none)
                     pass
-        self.pushed_version, self.served_layout = version, layout
-        self.replies.pushed(version, [share.min_version for pending in self._pending for share in pending.shares])
+        with self._asking:
+            self.pushed_version, self.served_layout = version, layout
+            awaited = [share for pending in self._pending for share in pending.shares] + self._token_in_flight
+            self.replies.pushed(version, [share.min_version for share in awaited])
 
     def _send(self, servers: list[ServerLink], weights: Iterator[tuple[str, Tensor]], body: dict) -> PushReceipt:
         """Announce the push (``body``: its version, and the LoRA layout of an adapter push) to each of ``servers``,
@@ -787,12 +794,21 @@ class ServerRolloutEngine:
                           temperature: float | None = None) -> TokenRollouts:
         """Token-in/token-out (:class:`~flowkit.llm.rollout_engine.TokenInEngine`): the ids go to this rank's servers
         (``prompt_ids``, split as :meth:`generate` splits prompts) and their sampled ids come back as they are, each
-        row cut at its own ``max_new_tokens``, each token with the version its server sampled it from. Never
-        prefetched, and no collective: ranks run different numbers of turns, so a failure raises on this rank."""
+        row cut at its own ``max_new_tokens``, each token with the version its server sampled it from. No
+        collective: ranks run different numbers of turns, so a failure raises on this rank; and a later step's
+        episodes call it from a thread of their own while this step trains and pushes (a push meanwhile keeps
+        accepting the versions the request may come back with)."""
         self._ensure_pushed()
         temperature = self.temperature if temperature is None else temperature
         limits = [min(limit, self.max_new_tokens) for limit in max_new_tokens]
-        replies = self._collect(self._ask(prompts, 1, temperature, lambda server: self._requests, limits=limits))
+        with self._asking:
+            shares = self._ask(prompts, 1, temperature, lambda server: self._requests, limits=limits)
+            self._token_in_flight += shares
+        try:
+            replies = self._collect(shares)
+        finally:
+            with self._asking:
+                self._token_in_flight = [share for share in self._token_in_flight if share not in shares]
         self.saw_nonfinite_logits = any(reply["nonfinite"] for _, reply in replies)
         return _token_rollouts(replies, limits)
 

@@ -23,7 +23,7 @@ from flowkit.llm.backbone import load_backbone
 from flowkit.llm.engines import ROLLOUT_ENGINES, RolloutOptions
 from flowkit.llm.latent_tap import LatentTap
 from flowkit.llm.lora import LoraSettings, apply_lora
-from flowkit.llm.rollout_engine import EngineSetup, PrefetchingEngine, RolloutEngine, prefetch_ahead, rollout_metrics
+from flowkit.llm.rollout_engine import EngineSetup, PrefetchingEngine, RolloutEngine, rollout_metrics
 from flowkit.modules.optim import require_fp32_master_weights
 from flowkit.modules.policy_checkpoints import (
     REWARD_MODEL_KEY, apply_configured_lr, check_resume, reward_model_settings,
@@ -213,16 +213,15 @@ class PolicyModule(L.LightningModule):
         self.rollout_engine.sync_weights(self.policy, self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """``rollout.max_staleness`` k ≥ 1: the engine generates the next k steps' rollouts while this one trains
-        (:func:`~flowkit.llm.rollout_engine.prefetch_ahead`, batches of a
+        """``rollout.max_staleness`` k ≥ 1: the engine generates the next k steps' rollouts (or runs their episodes)
+        while this one trains (:meth:`~flowkit.step.ExperienceMaker.prefetch_ahead`, batches of a
         :class:`~flowkit.modules.datamodule.PromptStream`); a resumed run restarts the pipeline from its first step, no
         step's prompts lost or generated twice."""
         stream = getattr(self.trainer.train_dataloader, "dataset", None)
         if isinstance(self.rollout_engine, PrefetchingEngine) and hasattr(stream, "batch") and "index" in batch:
             steps_after = (math.ceil((self.trainer.max_steps - self.global_step) / self.update.updates) - 1
                            if self.trainer.max_steps >= 0 else self.rollout.max_staleness)
-            prefetch_ahead(self.rollout_engine, lambda index: stream.batch(index)["prompt"], int(batch["index"]),
-                           self.sampling.num_samples, steps_after)
+            self.rl_step.experience.prefetch_ahead(stream.batch, int(batch["index"]), steps_after)
 
     def training_step(self, prompts: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()

@@ -136,15 +136,16 @@ def check_options(owner: str, reward_model: TokenRewardModel | None, outcome_rew
 
 
 def check_episodes(owner: str, episodes: EpisodeOptions, outcome_reward: str, rollout: RolloutOptions) -> None:
-    """Episodes take their outcome reward from the environment (plus ``reward_functions``) and run on the step's
-    weights."""
+    """Episodes take their outcome reward from the environment (plus ``reward_functions``) and run ahead of training
+    (``rollout.max_staleness`` ≥ 1) on the ``server`` engine only: a colocated engine generates on the weights it
+    trains, so nothing can run while they train."""
     if outcome_reward != "none":
         raise ConfigError(f"{owner}.episodes rewards an episode with its environment's reward (and reward_functions "
                           f"over the final answer), not the math grader: set {owner}.outcome_reward none, got "
                           f"{outcome_reward!r}")
-    if rollout.max_staleness:
-        raise ConfigError(f"{owner}.episodes run on the step's weights; {owner}.rollout.max_staleness "
-                          f"{rollout.max_staleness} (generation ahead of training) does not run episodes yet: set 0")
+    if rollout.max_staleness and rollout.engine != "server":
+        raise ConfigError(f"{owner}.rollout.max_staleness {rollout.max_staleness} runs episodes ahead of training on "
+                          f"rollout.engine server only, not {rollout.engine!r}: use engine server, or max_staleness 0")
 
 
 _RENAMED = {

@@ -8,47 +8,76 @@ template rendered them. ``policy_mask`` marks the policy's tokens: the loss, the
 corrections and the reward model read them alone (:attr:`RolloutBatch.loss_mask
 <flowkit.batch.RolloutBatch.loss_mask>`), while the forward reads every token, so the environment's condition the
 policy's log-probs and latents. ``rollout_logprobs`` and per-token ``policy_versions`` come from the sampler.
+
+With ``rollout.max_staleness`` k ≥ 1 (the ``server`` engine) the episodes run ahead of training as single-turn rows
+do: the next k steps' episodes run in a thread of their own while this step trains (:meth:`EpisodeRollout.prefetch`,
+one batch after another, as the engine runs its prefetches), their turns sampled from whatever weights the servers
+hold by then; the step that trains a batch takes its episodes, and runs again those whose oldest policy token is more
+than k versions behind its weights (counted in the engine's ``regenerated_rows``).
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from flowkit.agents import EpisodeOptions, EpisodeRunner, Trajectory, engine_generate, episode_metrics
+from flowkit.agents import EpisodeOptions, EpisodeRunner, Sample, Trajectory, engine_generate, episode_metrics
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import any_rank
 from flowkit.errors import RunError
-from flowkit.llm.rollout_engine import RolloutEngine, check_token_in
+from flowkit.llm.rollout_engine import PrefetchingEngine, RolloutEngine
 from flowkit.step.experience import PromptBatch
 
 
 class EpisodeRollout:
     """Generates a step's rows as episodes with ``engine``'s token-in path ``generate_from_ids`` (an engine plugs
-    in by implementing it: :func:`~flowkit.agents.engine_generate`); a one-line error when it has none."""
+    in by implementing it: :func:`~flowkit.agents.engine_generate`); a one-line error when it has none. Over a
+    :class:`~flowkit.llm.rollout_engine.PrefetchingEngine` with ``max_staleness`` ≥ 1 it is a
+    :class:`~flowkit.llm.rollout_engine.Prefetcher` of prompt batches (see the module docstring)."""
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, options: EpisodeOptions):
-        self.engine = check_token_in(engine)
-        self.runner = EpisodeRunner(engine_generate(engine), tokenizer, options)
+        self.engine, self.sample = engine, engine_generate(engine)
+        self.runner = EpisodeRunner(self._generate, tokenizer, options)
         self.tokenizer, self.options = tokenizer, options
+        self.max_staleness = engine.max_staleness if isinstance(engine, PrefetchingEngine) else 0
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="episodes-ahead") if self.max_staleness else None
+        self._pending: dict[tuple, Future] = {}
+        # A prefetched run and the step's own (episodes run again) may call the engine at once: each call and the
+        # non-finite flag it leaves on the engine are read together, into the flag of the run on the calling thread.
+        self._engine_calls = threading.Lock()
+        self._run_on_this_thread = threading.local()
 
     @staticmethod
     def of(engine: RolloutEngine, tokenizer: Any, options: EpisodeOptions) -> EpisodeRollout | None:
         """The episodes of ``options`` over ``engine``; None while ``options.environment`` is null (no episodes)."""
         return None if options.environment is None else EpisodeRollout(engine, tokenizer, options)
 
-    def generate(self, prompts: PromptBatch, n: int, device: torch.device) -> tuple[RolloutBatch, list[Trajectory]]:
+    def prefetch(self, prompts: PromptBatch, n: int) -> None:
+        """Start these prompts' episodes in the background, behind the batches already started; the step that
+        trains them takes them (:meth:`generate`)."""
+        self._pending[_key(prompts, n)] = self._background.submit(self._run, _records(prompts, n))
+
+    def prefetched(self, prompts: PromptBatch, n: int) -> bool:
+        """Whether these prompts' episodes were started in the background (and not taken yet)."""
+        return _key(prompts, n) in self._pending
+
+    def generate(self, prompts: PromptBatch, n: int,
+                 device: torch.device) -> tuple[RolloutBatch, list[Trajectory], bool]:
         """``n`` episodes per prompt (rows prompt-major, a group per prompt), each from the record ``{prompt,
-        answer, **columns}``, and every episode's trajectory. An episode that ended before the policy's first turn
-        (its environment failed to start) is no row; when none is left, :class:`~flowkit.errors.RunError`."""
-        columns = {key: [value for value in values for _ in range(n)] for key, values in prompts.columns.items()}
-        records = [{"prompt": prompt, "answer": answer} for prompt, answer in zip(prompts.prompts, prompts.answers)
-                   for _ in range(n)]
-        for index, record in enumerate(records):
-            record.update({key: values[index] for key, values in columns.items()})
-        trajectories = self.runner.run(records, lockstep=any_rank if self.engine.lockstep else None)
+        answer, **columns}``, every episode's trajectory, and whether a next-token score of theirs was not finite.
+        Episodes prefetched for these prompts are taken, those more than ``max_staleness`` versions old run again.
+        An episode that ended before the policy's first turn (its environment failed to start) is no row; when none
+        is left, :class:`~flowkit.errors.RunError`."""
+        records = _records(prompts, n)
+        prefetched = self._pending.pop(_key(prompts, n), None)
+        if prefetched is None:
+            trajectories, nonfinite = self._run(records)
+        else:
+            trajectories, nonfinite = self._within_staleness(records, *prefetched.result())
         rows = [index for index, trajectory in enumerate(trajectories) if _reached_the_policy(trajectory)]
         if not rows:
             first = next((t.error or t.stop_reason for t in trajectories), "no episode")
@@ -56,9 +85,37 @@ class EpisodeRollout:
                            f"(episodes.max_tokens {self.options.max_tokens} below the prompts?); the first: {first}")
         kept = [trajectories[index] for index in rows]
         batch = self._rows(kept, torch.tensor([index // n for index in rows]), device)
-        batch.columns = {key: [values[index] for index in rows] for key, values in columns.items()}
+        batch.columns = {key: [records[index][key] for index in rows] for key in prompts.columns}
         batch.columns["episode"] = [self._summary(trajectory) for trajectory in kept]
-        return batch, trajectories
+        return batch, trajectories, nonfinite
+
+    def _run(self, records: list[dict[str, Any]]) -> tuple[list[Trajectory], bool]:
+        """The records' trajectories, and whether the engine saw a non-finite next-token score in any of their
+        turns."""
+        self._run_on_this_thread.nonfinite = False
+        trajectories = self.runner.run(records, lockstep=any_rank if self.engine.lockstep else None)
+        return trajectories, self._run_on_this_thread.nonfinite
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
+        with self._engine_calls:
+            samples = self.sample(prompts, max_new_tokens)
+            self._run_on_this_thread.nonfinite |= self.engine.saw_nonfinite_logits
+        return samples
+
+    def _within_staleness(self, records: list[dict[str, Any]], trajectories: list[Trajectory],
+                          nonfinite: bool) -> tuple[list[Trajectory], bool]:
+        """Prefetched episodes whose oldest policy token is more than ``max_staleness`` versions behind the weights
+        this step trains run again from the newest weights pushed, as the engine regenerates a prefetched row."""
+        stale = [index for index, trajectory in enumerate(trajectories)
+                 if any(self.engine.policy_version - version > self.max_staleness
+                        for version in trajectory.versions if version >= 0)]
+        if not stale:
+            return trajectories, nonfinite
+        again, nonfinite_again = self._run([records[index] for index in stale])
+        self.engine.regenerated_rows += len(stale)
+        for index, trajectory in zip(stale, again, strict=True):
+            trajectories[index] = trajectory
+        return trajectories, nonfinite or nonfinite_again
 
     def grade(self, batch: RolloutBatch, trajectories: list[Trajectory]) -> dict[str, float]:
         """Adds each row's environment reward (``options.reward``) to the graded ``batch``'s outcome rewards (the
@@ -116,6 +173,16 @@ class EpisodeRollout:
                 "stop_reason": trajectory.stop_reason, "error": trajectory.error,
                 "environment_reward": trajectory.reward(self.options.reward, self.options.reward_gamma),
                 "counters": dict(trajectory.counters)}
+
+
+def _records(prompts: PromptBatch, n: int) -> list[dict[str, Any]]:
+    """``n`` records per prompt, prompt-major: ``{prompt, answer, **columns}``."""
+    return [{"prompt": prompt, "answer": answer, **{key: values[index] for key, values in prompts.columns.items()}}
+            for index, (prompt, answer) in enumerate(zip(prompts.prompts, prompts.answers)) for _ in range(n)]
+
+
+def _key(prompts: PromptBatch, n: int) -> tuple:
+    return tuple(prompts.prompts), n
 
 
 def _reached_the_policy(trajectory: Trajectory) -> bool:

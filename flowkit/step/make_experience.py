@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,7 +25,7 @@ from torch.distributed import ReduceOp
 
 from flowkit.batch import RolloutBatch, pad_columns
 from flowkit.distributed import all_reduce_int
-from flowkit.llm.rollout_engine import RolloutEngine
+from flowkit.llm.rollout_engine import RolloutEngine, prefetch_ahead
 from flowkit.options import registry_entry
 from flowkit.rewards.base import PadsScoring, StepScorer, TokenRewardModel, check_step_scorer, check_token_rewards
 from flowkit.rl.advantages import ESTIMATORS, AdvantageInputs, entropy_shaped_advantages, whitened
@@ -92,20 +93,30 @@ class ExperienceMaker:
         loss_mask = batch.loss_mask if in_loss is None else batch.loss_mask * in_loss[:, None]
         return Experience.of(batch, order, loss_mask, scorer, metrics)
 
+    def prefetch_ahead(self, batch_of: Callable[[int], dict[str, Any]], index: int, steps_after: int) -> None:
+        """At the start of the step that trains the data's batch ``index`` (``batch_of(i)``: batch i, a pure function
+        of i): keep the next steps' rollouts in flight on the engine, or their episodes
+        (:func:`~flowkit.llm.rollout_engine.prefetch_ahead`)."""
+        if self.episodes is None:
+            prefetch_ahead(self.rollout, lambda i: batch_of(i)["prompt"], index, self.num_samples, steps_after)
+        else:  # an episode's environment starts from the whole record
+            prefetch_ahead(self.episodes, lambda i: PromptBatch.of(batch_of(i)), index, self.num_samples, steps_after)
+
     # ------------------------------------------------------------------------------------------ sampling controls
     def _generated(self, prompts: PromptBatch, metrics: dict[str, float]) -> RolloutBatch:
         """``num_samples`` responses (or episodes) per prompt, graded (the generation time added to ``metrics``)."""
         start = time.perf_counter()
         if self.episodes is not None:
-            batch, trajectories = self.episodes.generate(prompts, self.num_samples, self.actor.device)
+            batch, trajectories, nonfinite = self.episodes.generate(prompts, self.num_samples, self.actor.device)
         else:
             batch = self.rollout.generate(prompts.prompts, self.num_samples, prompts.answers)
             batch.columns = {key: [value for value in values for _ in range(self.num_samples)]  # prompt-major rows
                              for key, values in prompts.columns.items()}
+            nonfinite = self.rollout.saw_nonfinite_logits
         if batch.policy_versions is None:  # an engine that does not count versions samples with the current weights
             batch.policy_versions = torch.full((batch.batch_size,), self.rollout.policy_version)
         metrics["time/generate_s"] += time.perf_counter() - start
-        raise_if_nonfinite(["generation logits"] if self.rollout.saw_nonfinite_logits else [])
+        raise_if_nonfinite(["generation logits"] if nonfinite else [])
         metrics.update(self.grader(batch))
         if self.episodes is not None:
             metrics.update(self.episodes.grade(batch, trajectories))

@@ -23,8 +23,8 @@ from flowkit.rewards import FlowReward
 from flowkit.rewards.flow.options import LatentOptions, NetworkOptions, OnlineOptions, ScoringOptions
 from flowkit.rl.rollout_correction import RolloutCorrection
 from flowkit.step import (
-    Actor, ActorOutput, AdvantageOptions, ExperienceMaker, Grader, KLReference, LossOptions, PolicyUpdate, PromptBatch,
-    SamplingControls, UpdateOptions,
+    Actor, ActorOutput, AdvantageOptions, ExperienceMaker, Grader, KLReference, LossOptions, NonFiniteStep,
+    PolicyUpdate, PromptBatch, SamplingControls, UpdateOptions,
 )
 from flowkit.step.episodes import EpisodeRollout
 
@@ -102,9 +102,9 @@ class RecordedRollout(EpisodeRollout):
     """Keeps which tokens of its rows are the environment's, as the trajectories say (not as the step's masks do)."""
 
     def generate(self, prompts, n, device):
-        batch, trajectories = super().generate(prompts, n, device)
+        batch, trajectories, nonfinite = super().generate(prompts, n, device)
         self.environment_tokens = batch.response_mask - batch.policy_mask
-        return batch, trajectories
+        return batch, trajectories, nonfinite
 
 
 class EnvironmentNoise(Actor):
@@ -245,7 +245,7 @@ def test_noise_on_environment_tokens_changes_no_advantage_loss_correction_flow_r
 def test_rows_are_the_sampled_ids_with_the_environment_reward_and_episode_metrics(tokenizer, single_thread):
     engine = ScriptedEngine(tokenizer, policy_script())
     rollout = EpisodeRollout(engine, tokenizer, EpisodeOptions("test_tool_sum", batch_window=5.0))
-    batch, trajectories = rollout.generate(RECORDS, 3, torch.device("cpu"))
+    batch, trajectories, _ = rollout.generate(RECORDS, 3, torch.device("cpu"))
     metrics = Grader("none")(batch)
     metrics.update(rollout.grade(batch, trajectories))
     assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
@@ -289,6 +289,27 @@ def fault_step(tokenizer, records, respond=None, **options):
     prompts = PromptBatch([r["prompt"] for r in records], [r["answer"] for r in records],
                           {"fault": [r.get("fault") for r in records]})
     return maker.make_experience(prompts, 0)
+
+
+class FirstTurnNonFinite(ScriptedEngine):
+    """Its scores were not finite for the episodes' first turns only (its flag is that of its last call)."""
+
+    calls = 0
+
+    def generate_from_ids(self, prompts, max_new_tokens, temperature=None) -> TokenRollouts:
+        self.calls += 1
+        self.saw_nonfinite_logits = self.calls == 1
+        return super().generate_from_ids(prompts, max_new_tokens, temperature)
+
+
+def test_a_nonfinite_score_in_any_turn_of_the_episodes_is_the_steps(tokenizer, single_thread):
+    engine = FirstTurnNonFinite(tokenizer, policy_script())
+    rollout = EpisodeRollout(engine, tokenizer, EpisodeOptions("test_tool_sum", batch_window=5.0))
+    maker = ExperienceMaker(ZeroForward(), engine, Grader("none"), None, AdvantageOptions(), UpdateOptions(),
+                            SamplingControls(), 2, episodes=rollout)
+    with pytest.raises(NonFiniteStep, match="generation logits"):
+        maker.make_experience(RECORDS, 0)
+    assert engine.calls == 2 and not engine.saw_nonfinite_logits  # the tool call's turn, then the answer's
 
 
 @pytest.fixture
@@ -339,7 +360,7 @@ def test_the_turns_reward_sums_each_turns_reward_with_its_discount(tokenizer):
     engine = ScriptedEngine(tokenizer, policy_script())
     options = EpisodeOptions("test_tool_sum", reward="turns", reward_gamma=0.5, batch_window=5.0)
     rollout = EpisodeRollout(engine, tokenizer, options)
-    batch, trajectories = rollout.generate(RECORDS, 3, torch.device("cpu"))
+    batch, trajectories, _ = rollout.generate(RECORDS, 3, torch.device("cpu"))
     Grader("none")(batch)
     rollout.grade(batch, trajectories)
     assert [t.turn_rewards for t in trajectories[:3]] == [(0.0, 1.0), (0.0, 1.0), (0.0, 0.0)]  # the tool turn: 0

@@ -156,15 +156,6 @@ def test_every_policy_token_of_every_turn_is_the_id_the_engine_sampled(engine, d
     assert drifted
 
 
-def test_a_prefetching_server_engine_is_a_one_line_error_for_episodes(drift, hf_server):
-    _, tokenizer, model = drift
-    engine = ServerRolloutEngine(model, tokenizer, hf_server.url, timeout_s=TIMEOUT_S, max_staleness=1)
-    with pytest.raises(ConfigError, match=r"^PolicyModule.rollout.max_staleness 1 prefetches later steps' prompts, "
-                                          r"but an episode's turns are generated one by one .*: set max_staleness 0"):
-        engine_generate(engine)
-    engine.close()
-
-
 class StringsOnly:
     """A rollout engine of one's own that takes prompt strings only."""
 

@@ -221,6 +221,28 @@ def test_token_ids_in_take_the_same_partial_generation(server, single_thread):
         torch.testing.assert_close(torch.tensor(logprobs), own.log_softmax(-1)[steps, torch.tensor(tokens)], rtol=0,
                                    atol=1e-4 if server.backend == "hf" else 2e-3)
 
+def test_a_push_that_overtakes_a_token_in_generation_keeps_its_reply_acceptable(server, single_thread):
+    """A later step's episodes call ``generate_from_ids`` from a thread of their own while the step pushes: a push
+    that lands mid-generation (``partial_rollouts``) still accepts the version the request started from, so the reply
+    is taken, each token with its version."""
+    weights = [eos_free_weights(seed) for seed in (1, 2)]
+    _, tokenizer = load_backbone("bundled:tiny_adder")
+    engine = ServerRolloutEngine(weights[0], tokenizer, server.url, timeout_s=TIMEOUT_S, temperature=0,
+                                 max_new_tokens=PARTIAL_TOKENS, partial_rollouts=True)
+    engine.sync_weights(weights[0], 1)
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(engine.generate_from_ids, prompt_ids, [PARTIAL_TOKENS] * len(prompt_ids))
+        deadline = time.monotonic() + TIMEOUT_S
+        while not past_first_token(server.url):
+            assert time.monotonic() < deadline, "the token-in generation did not start"
+            time.sleep(0.01)
+        engine.sync_weights(weights[1], 2)
+        rollouts = answer.result(timeout=TIMEOUT_S)
+    engine.close()
+    assert all(versions == sorted(versions) and set(versions) == {1, 2} for versions in rollouts.versions)
+
+
 class StepTimes(Callback):
     """When each step started and ended, when its rollouts were back (the training proper starts then), when each
     generation was asked for (the trainer's clock) and when the server ran it."""
