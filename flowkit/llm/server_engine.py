@@ -612,8 +612,6 @@ class ServerRolloutEngine:
         token_file: the file holding the servers' secret (None: ``FLOWKIT_SERVER_TOKEN``, else no secret).
     """
 
-    lockstep = False  # its generation runs no collective of the trainer's ranks
-
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, urls: str | list[str],
                  timeout_s: float = 300.0, max_new_tokens: int = 1024, temperature: float = 1.0, top_p: float = 1.0,
                  sync_every: int = 1, bucket_mb: int = 256, max_staleness: int = 0,
@@ -625,7 +623,7 @@ class ServerRolloutEngine:
         self.rollout_batch_size, self.timeout_s, self.partial_rollouts = rollout_batch_size, timeout_s, partial_rollouts
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.sync_every, self.bucket_bytes, self.max_staleness = sync_every, bucket_mb << 20, max_staleness
-        self.saw_nonfinite_logits = False
+        self.saw_nonfinite_logits, self.lockstep = False, False  # lockstep: its generation is no collective of ranks
         self.policy_version = 0
         self.regenerated_rows = 0  # prefetched rows dropped as more than max_staleness versions old, then regenerated
         self.pushed_version: int | None = None  # the version the servers hold (None: the backbone's, never pushed)
