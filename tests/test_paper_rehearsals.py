@@ -146,9 +146,10 @@ def test_rlfr_qwen_tools_as_shipped_keeps_ranks_with_uneven_episodes_in_step(tmp
 
 
 def test_rlfr_qwen_tools_with_hf_rollouts_keeps_ranks_with_uneven_episodes_in_step(tmp_path):
-    """The same rehearsal with HF rollouts in the main venv: under ZeRO-3 each decoding step gathers the sharded
-    weights, a collective, so the ranks decode in lockstep while their episodes need different numbers of turns (a
-    rank with no episode ready decodes a padding row); a hang fails (the run's timeout)."""
+    """The same rehearsal with HF rollouts in the main venv: under ZeRO-3 each generation gathers the sharded
+    weights whole (the trainer's ``whole_weights``), a collective, so the ranks make the same number of generate
+    calls while their episodes need different numbers of turns (a rank with no episode ready decodes a padding row);
+    a hang fails (the run's timeout)."""
     paper_rehearsal.run("rlfr_qwen_tools.yaml", tmp_path, 3, "--model.init_args.rollout.engine", "hf",
                         *probed(tmp_path))
     assert_uneven_episodes(tmp_path)
