@@ -185,30 +185,39 @@ def test_a_push_lands_mid_generation_and_each_token_decodes_as_the_weights_of_it
                                atol=1e-4 if server.backend == "hf" else 2e-3)
 
 
-
-def test_token_ids_in_take_the_same_partial_generation(server, single_thread):
-    """A ``prompt_ids`` request with ``partial`` is generated as a ``prompts`` one: a push made meanwhile lands
-    between two tokens, every token carries its version and is its version's greedy choice, with its log-prob."""
+def push_mid_generation(server, start):
+    """``start(engine, prompt_ids)`` in a thread, greedy from weights of version 1 on ``server`` with partial rollouts;
+    version 2 pushed once the server decoded the first token. What it returned, the prompts' ids, the two models."""
     weights = [eos_free_weights(seed) for seed in (1, 2)]
     _, tokenizer = load_backbone("bundled:tiny_adder")
     engine = ServerRolloutEngine(weights[0], tokenizer, server.url, timeout_s=TIMEOUT_S, temperature=0,
                                  max_new_tokens=PARTIAL_TOKENS, partial_rollouts=True)
     engine.sync_weights(weights[0], 1)
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
-    body = {"prompt_ids": prompt_ids, "n": 1, "temperature": 0, "top_p": 1.0, "max_new_tokens": PARTIAL_TOKENS,
-            "seed": 0, "min_version": 1, "wait_s": TIMEOUT_S / 2, "partial": True}
-    request = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(lambda: json.loads(urllib.request.urlopen(request, timeout=TIMEOUT_S).read()))
+        answer = pool.submit(start, engine, prompt_ids)
         deadline = time.monotonic() + TIMEOUT_S
         while not past_first_token(server.url):
-            assert time.monotonic() < deadline, "the token-in generation did not start"
+            assert time.monotonic() < deadline, "the generation did not start"
             time.sleep(0.01)
         engine.sync_weights(weights[1], 2)
-        reply = answer.result(timeout=TIMEOUT_S)
+        returned = answer.result(timeout=TIMEOUT_S)
     engine.close()
+    return returned, prompt_ids, weights
 
+
+def test_token_ids_in_take_the_same_partial_generation(server, single_thread):
+    """A ``prompt_ids`` request with ``partial`` is generated as a ``prompts`` one: a push made meanwhile lands
+    between two tokens, every token carries its version and is its version's greedy choice, with its log-prob."""
+
+    def request(engine, prompt_ids):
+        body = {"prompt_ids": prompt_ids, "n": 1, "temperature": 0, "top_p": 1.0, "max_new_tokens": PARTIAL_TOKENS,
+                "seed": 0, "min_version": 1, "wait_s": TIMEOUT_S / 2, "partial": True}
+        sent = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(), method="POST",
+                                      headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(sent, timeout=TIMEOUT_S).read())
+
+    reply, prompt_ids, weights = push_mid_generation(server, request)
     assert reply["version"] == 1 and "prompt_ids" not in reply
     for ids, tokens, logprobs, versions in zip(prompt_ids, reply["tokens"], reply["logprobs"],
                                                reply["token_versions"], strict=True):
@@ -221,25 +230,13 @@ def test_token_ids_in_take_the_same_partial_generation(server, single_thread):
         torch.testing.assert_close(torch.tensor(logprobs), own.log_softmax(-1)[steps, torch.tensor(tokens)], rtol=0,
                                    atol=1e-4 if server.backend == "hf" else 2e-3)
 
+
 def test_a_push_that_overtakes_a_token_in_generation_keeps_its_reply_acceptable(server, single_thread):
     """A later step's episodes call ``generate_from_ids`` from a thread of their own while the step pushes: a push
     that lands mid-generation (``partial_rollouts``) still accepts the version the request started from, so the reply
     is taken, each token with its version."""
-    weights = [eos_free_weights(seed) for seed in (1, 2)]
-    _, tokenizer = load_backbone("bundled:tiny_adder")
-    engine = ServerRolloutEngine(weights[0], tokenizer, server.url, timeout_s=TIMEOUT_S, temperature=0,
-                                 max_new_tokens=PARTIAL_TOKENS, partial_rollouts=True)
-    engine.sync_weights(weights[0], 1)
-    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
-    with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(engine.generate_from_ids, prompt_ids, [PARTIAL_TOKENS] * len(prompt_ids))
-        deadline = time.monotonic() + TIMEOUT_S
-        while not past_first_token(server.url):
-            assert time.monotonic() < deadline, "the token-in generation did not start"
-            time.sleep(0.01)
-        engine.sync_weights(weights[1], 2)
-        rollouts = answer.result(timeout=TIMEOUT_S)
-    engine.close()
+    rollouts, _, _ = push_mid_generation(
+        server, lambda engine, prompt_ids: engine.generate_from_ids(prompt_ids, [PARTIAL_TOKENS] * len(prompt_ids)))
     assert all(versions == sorted(versions) and set(versions) == {1, 2} for versions in rollouts.versions)
 
 
