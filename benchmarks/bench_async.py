@@ -2,7 +2,8 @@
 ``flowkit rollout-server`` on one core, the trainer on the other, synchronous (``rollout.max_staleness: 0``) against
 one step off (``rollout.max_staleness: 1``), one step off with partial rollouts (``rollout.partial_rollouts``: a
 push lands between two tokens of the generation in flight), and today's colocated HF engine (generation and training
-in turn on the trainer's core); then the outcome reward of the synchronous and the one-step-off run, paired by seed.
+in turn on the trainer's core); then the outcome reward of the synchronous and the one-step-off runs (without and
+with partial rollouts), paired by seed.
 
     python benchmarks/bench_async.py [--sizes tiny mid] [--steps 10] [--mid-steps 3] [--warmup 1] [--rounds 2]
                                      [--reward-seeds 0 1 2] [--reward-steps 60] [--reward-only]
@@ -164,12 +165,13 @@ def time_size(url: str, server_log: Path, settings: dict, steps: int, warmup: in
 
 def compare_rewards(url: str, settings: dict, seeds: list[int], steps: int,
                     correction: RolloutCorrection) -> dict[int, dict[str, list[float]]]:
-    """Per seed, the synchronous and the one-step-off run's outcome reward at every step, both trained with
-    ``correction`` as ``loss.rollout_correction`` (the same for both, so that the pairing stays fair)."""
+    """Per seed, the synchronous and the one-step-off runs' (without and with partial rollouts) outcome reward at every
+    step, all trained with ``correction`` as ``loss.rollout_correction`` (the same for all, so that the pairing stays
+    fair)."""
     options = variants(url)
     loss = LossOptions(rollout_correction=correction)
-    return {seed: {name: run_steps(steps, settings, seed, **options[name], loss=loss).rewards for name in (SYNC, ASYNC)}
-            for seed in seeds}
+    return {seed: {name: run_steps(steps, settings, seed, **options[name], loss=loss).rewards
+                   for name in (SYNC, ASYNC, PARTIAL)} for seed in seeds}
 
 
 def correction_label(correction: RolloutCorrection) -> str:
@@ -240,15 +242,16 @@ def report_rewards(rewards: dict[int, dict[str, list[float]]], correction: str, 
                              "size": "tiny_adder 16x8x28", "threads": 1, "seeds": seed, "metric": metric,
                              "value": value, "n": steps, "rollout_correction": correction,
                              "load_avg_1min": load})
-        differences = [by_name[ASYNC] - by_name[SYNC] for by_name in means.values()]
         spread = statistics.stdev(m[SYNC] for m in means.values()) if len(means) > 1 else float("nan")
-        error = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
-        print(f"{metric}: async k=1 - server sync {statistics.mean(differences):+.4f} ± {error:.4f} (paired over "
-              f"{len(differences)} seeds; the sync runs' standard deviation over seeds: {spread:.4f})")
-        rows.append({"benchmark": "async_reward", "implementation": "async - sync", "device": "cpu",
-                     "size": "tiny_adder 16x8x28", "threads": 1, "seeds": " ".join(map(str, rewards)),
-                     "metric": metric, "value": statistics.mean(differences), "stderr": error, "n": steps,
-                     "rollout_correction": correction, "load_avg_1min": load})
+        for name, label in ((ASYNC, "async - sync"), (PARTIAL, "async partial - sync")):
+            differences = [by_name[name] - by_name[SYNC] for by_name in means.values()]
+            error = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
+            print(f"{metric}: {name} - {SYNC} {statistics.mean(differences):+.4f} ± {error:.4f} (paired over "
+                  f"{len(differences)} seeds; the sync runs' standard deviation over seeds: {spread:.4f})")
+            rows.append({"benchmark": "async_reward", "implementation": label, "device": "cpu",
+                         "size": "tiny_adder 16x8x28", "threads": 1, "seeds": " ".join(map(str, rewards)),
+                         "metric": metric, "value": statistics.mean(differences), "stderr": error, "n": steps,
+                         "rollout_correction": correction, "load_avg_1min": load})
     return rows
 
 
@@ -262,7 +265,8 @@ def main() -> None:
     parser.add_argument("--mid-prompts", type=int, default=4)
     parser.add_argument("--mid-new-tokens", type=int, default=256)
     parser.add_argument("--reward-seeds", type=int, nargs="*", default=[],
-                        help="seeds of the outcome-reward comparison on tiny, sync server vs async k=1 (none: skipped)")
+                        help="seeds of the outcome-reward comparison on tiny, sync server vs async k=1 without and "
+                             "with partial rollouts (none: skipped)")
     parser.add_argument("--reward-steps", type=int, default=60)
     parser.add_argument("--reward-only", action="store_true",
                         help="skip the step times: only the outcome-reward comparison (needs --reward-seeds)")
