@@ -157,7 +157,7 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("flowkit_grader", REPO / "flowkit" / "rewards" / "grader.py")
+    spec = importlib.util.spec_from_file_location("flowkit_grader", REPO / "flowkit" / "data" / "grader.py")
     grader = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(grader)
 
