@@ -128,3 +128,36 @@ def pad_columns(t: Tensor, length: int, dim: int = 1) -> Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+@dataclass(frozen=True)
+class PromptAlignedRows:
+    """Token sequences laid out as :class:`RolloutBatch` rows (:func:`prompt_aligned`): each one's prompt
+    left-padded to the longest prompt, all after it response, right-padded; ``spans[i]`` is where sequence i sits."""
+
+    input_ids: Tensor  # B×S long
+    attention_mask: Tensor  # B×S long
+    response_mask: Tensor  # B×S float, 1 after each row's prompt
+    spans: list[slice]
+
+    def place(self, values: list, dtype: torch.dtype) -> Tensor:
+        """B×S of ``dtype``: row i holds ``values[i]`` (one per token of sequence i) at its span, 0 elsewhere."""
+        placed = torch.zeros(self.input_ids.shape, dtype=dtype)
+        for row, (span, row_values) in enumerate(zip(self.spans, values, strict=True)):
+            placed[row, span] = torch.as_tensor(row_values, dtype=dtype)
+        return placed
+
+
+def prompt_aligned(sequences: list[list[int]], prompt_lengths: list[int], pad_id: int) -> PromptAlignedRows:
+    """``sequences`` (each its prompt's ``prompt_lengths[i]`` ids, then its response's) as rows whose responses all
+    start at one column, as the rollout engines lay out single-turn rows."""
+    width = max(prompt_lengths)
+    spans = [slice(width - prompt, width - prompt + len(ids)) for ids, prompt in zip(sequences, prompt_lengths)]
+    shape = (len(sequences), max(span.stop for span in spans))
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    attention, response = torch.zeros(shape, dtype=torch.long), torch.zeros(shape)
+    for row, (ids, span) in enumerate(zip(sequences, spans)):
+        input_ids[row, span] = torch.tensor(ids, dtype=torch.long)
+        attention[row, span] = 1
+        response[row, width:span.stop] = 1.0
+    return PromptAlignedRows(input_ids, attention, response, spans)

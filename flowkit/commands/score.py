@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from flowkit.batch import RolloutBatch
+from flowkit.batch import RolloutBatch, prompt_aligned
 from flowkit.checkpointing.safe_loading import load_trained_weights
 from flowkit.registry import subcommand
 from flowkit.data.records import load_records
@@ -164,18 +164,10 @@ def _checked_turns(episode: Any) -> list[dict[str, Any]]:
 def lay_out(items: list[ScoredRecord], pad_id: int) -> RolloutBatch:
     """Rows ``[left padding][prompt][turns][right padding]``, as the training step lays out episodes: every turn is
     response (the forward reads it), ``policy_mask`` marks the policy's turns (the flow reward scores them)."""
-    width = max(len(item.prompt_ids) for item in items)
-    ends = [width + sum(len(ids) for _, ids in item.turns) for item in items]
-    shape = (len(items), max(ends))
-    input_ids = torch.full(shape, pad_id, dtype=torch.long)
-    attention, response, policy = (torch.zeros(shape) for _ in range(3))
-    for row, (item, end) in enumerate(zip(items, ends)):
-        start = width - len(item.prompt_ids)
-        ids = item.prompt_ids + [token for _, turn in item.turns for token in turn]
-        input_ids[row, start:end] = torch.tensor(ids, dtype=torch.long)
-        attention[row, start:end] = 1.0
-        response[row, width:end] = 1.0
-        policy[row, width:end] = torch.tensor([float(role == "policy") for role, turn in item.turns for _ in turn])
-    return RolloutBatch(input_ids=input_ids, attention_mask=attention.long(), response_mask=response,
+    rows = prompt_aligned([item.prompt_ids + [token for _, turn in item.turns for token in turn] for item in items],
+                          [len(item.prompt_ids) for item in items], pad_id)
+    policy = rows.place([[0.0] * len(item.prompt_ids) + [float(role == "policy") for role, turn in item.turns
+                                                          for _ in turn] for item in items], torch.float32)
+    return RolloutBatch(input_ids=rows.input_ids, attention_mask=rows.attention_mask, response_mask=rows.response_mask,
                         group_ids=torch.arange(len(items)), prompts=[item.record["prompt"] for item in items],
                         policy_mask=policy)

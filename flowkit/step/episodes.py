@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from flowkit.agents import EpisodeOptions, EpisodeRunner, Sample, Trajectory, engine_generate, episode_metrics
-from flowkit.batch import RolloutBatch
+from flowkit.batch import RolloutBatch, prompt_aligned
 from flowkit.distributed import any_rank
 from flowkit.errors import RunError
 from flowkit.llm.rollout_engine import PrefetchingEngine, RolloutEngine
@@ -134,23 +134,13 @@ class EpisodeRollout:
         A token the policy did not sample carries the policy version of the turn before it (the prompt, the
         first turn's), so staleness metrics read whole rows."""
         prompt_lengths = [trajectory.turns[0].end for trajectory in trajectories]
-        width = max(prompt_lengths)
-        length = width + max(len(t.token_ids) - p for t, p in zip(trajectories, prompt_lengths))
-        shape = (len(trajectories), length)
-        input_ids = torch.full(shape, self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        attention, response, policy, logprobs = (torch.zeros(shape) for _ in range(4))
-        versions = torch.zeros(shape, dtype=torch.long)
-        for row, (trajectory, prompt) in enumerate(zip(trajectories, prompt_lengths)):
-            span = slice(width - prompt, width - prompt + len(trajectory.token_ids))
-            input_ids[row, span] = torch.tensor(trajectory.token_ids)
-            attention[row, span] = 1.0
-            response[row, width:span.stop] = 1.0
-            policy[row, span] = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
-            logprobs[row, span] = torch.tensor(trajectory.logprobs)
-            versions[row, span] = _carried_forward(torch.tensor(trajectory.versions))
+        rows = prompt_aligned([t.token_ids for t in trajectories], prompt_lengths, self.tokenizer.pad_token_id or 0)
+        policy = rows.place([t.loss_mask for t in trajectories], torch.float32)
+        logprobs = rows.place([t.logprobs for t in trajectories], torch.float32)
+        versions = rows.place([_carried_forward(torch.tensor(t.versions)) for t in trajectories], torch.long)
         return RolloutBatch(
-            input_ids=input_ids.to(device), attention_mask=attention.long().to(device),
-            response_mask=response.to(device), group_ids=group_ids.to(device),
+            input_ids=rows.input_ids.to(device), attention_mask=rows.attention_mask.to(device),
+            response_mask=rows.response_mask.to(device), group_ids=group_ids.to(device),
             prompts=[self.tokenizer.decode(t.token_ids[:p], skip_special_tokens=False)
                      for t, p in zip(trajectories, prompt_lengths)],
             responses=[self._final_answer(trajectory) for trajectory in trajectories],
