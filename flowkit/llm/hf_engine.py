@@ -143,10 +143,11 @@ class HFRolloutEngine:
         if not prompts and not self.lockstep:
             return TokenRollouts([], [], [])
         device = next(self.model.parameters()).device
+        pad = self.tokenizer.pad_token_id
         # a rank with nothing to generate decodes one row of a pad token, finished at once, for the collectives
         rows, limits = (prompts, [min(limit, self.max_new_tokens) for limit in max_new_tokens for _ in range(n)]) \
-            if prompts else ([[self.tokenizer.pad_token_id]], [0])
-        width, pad = max(map(len, rows)), self.tokenizer.pad_token_id
+            if prompts else ([[pad]], [0])
+        width = max(map(len, rows))
         encoded = {"input_ids": torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=device),
                    "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows],
                                                   device=device)}
@@ -198,12 +199,13 @@ class HFRolloutEngine:
     def _sample(self, cache: DynamicCache, pending: Tensor, prompt_ids: Tensor, attention_mask: Tensor,
                 temperature: float, synced: bool, limits: Tensor,
                 max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
-        """Decodes up to ``max_new_tokens`` steps, row j up to ``limits[j]`` tokens: the tokens and their log-probs under
-        the sampler (B × steps taken; padding after EOS or the limit), and the policy version each step sampled from
-        (:attr:`held_version`). Rows that emitted EOS or reached their limit leave the batch and the KV cache (once an
-        eighth of the batch has ended: dropping rows copies the cache), so the long tail of a batch decodes only its
-        own rows (HF ``generate`` decodes finished rows until the last one ends). ``synced`` (ZeRO-3 without whole weights): every forward is a collective, so finished rows stay and the ranks
-        decode until every rank's rows have ended."""
+        """Decodes up to ``max_new_tokens`` steps, row j up to ``limits[j]`` tokens: the tokens and their log-probs
+        under the sampler (B × steps taken; padding after EOS or the limit), and the policy version each step sampled
+        from (:attr:`held_version`). Rows that emitted EOS or reached their limit leave the batch and the KV cache
+        (once an eighth of the batch has ended: dropping rows copies the cache), so the long tail of a batch decodes
+        only its own rows (HF ``generate`` decodes finished rows until the last one ends). ``synced`` (ZeRO-3 without
+        whole weights): every forward is a collective, so finished rows stay and the ranks decode until every rank's
+        rows have ended."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         name = cache_argument(self.model.get_decoder())
         rows = torch.arange(len(pending), device=pending.device)  # the generated row of each row still decoding

@@ -101,7 +101,8 @@ class TokenInEngine(RolloutEngine, Protocol):
     """An engine with a token-in/token-out path, which the episode runner generates each turn with
     (:func:`flowkit.agents.engine_generate`)."""
 
-    lockstep: bool  # each call is a collective (hf under ZeRO-3): every rank calls it together, with no prompts if need be
+    # each call is a collective (hf under ZeRO-3): every rank calls it together, with no prompts if need be
+    lockstep: bool
 
     def generate_from_ids(self, prompts: list[list[int]], max_new_tokens: list[int],
                           temperature: float | None = None) -> TokenRollouts:
