@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,9 +186,10 @@ class PolicyModule(L.LightningModule):
                                      episodes=EpisodeRollout.of(self.rollout_engine, self.tokenizer, self.episodes))
         self.rl_step = RLStep(experience, PolicyUpdate(self.actor, self.update))
 
-    def step_optimizer(self) -> LightningOptimizer:
-        """The optimizer object of an RL step (and of the SFT start): backward, check, step of named groups."""
-        return LightningOptimizer(self, self.guard, self.optim.max_grad_norm)
+    def step_optimizer(self, learning_rates: Callable[[int], dict[str, float]] | None = None) -> LightningOptimizer:
+        """An RL step's (and the SFT start's) optimizer object; ``learning_rates(step)``: the groups' rates that differ
+        from their own at a step (default: the config's warmup)."""
+        return LightningOptimizer(self, self.guard, self.optim.max_grad_norm, learning_rates or self.optim.warmup_rates)
 
     # ----------------------------------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
@@ -208,7 +210,7 @@ class PolicyModule(L.LightningModule):
         non-finite weights (a flow file or checkpoint holding NaN, a diverged pretraining), which would only skip
         every step, stop the run in one line; the engine learns of the weights training starts from (after an SFT
         start; resumed: restored by now, at version ``global_step``)."""
-        apply_configured_lr(self.optimizers().optimizer.param_groups, self.optim)
+        apply_configured_lr(self.optimizers().optimizer.param_groups, self.optim, self.global_step)
         self._check_finite_weights("at the start of training")
         self.rollout_engine.sync_weights(self.policy, self.global_step)
 

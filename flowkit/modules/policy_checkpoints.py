@@ -80,9 +80,10 @@ def check_resume(checkpoint: dict[str, Any], path: str, backbone: str, reward_mo
                     "pretraining and training made", pretrain_steps, pretrained)
 
 
-def apply_configured_lr(param_groups: list[dict[str, Any]], optim: OptimOptions) -> None:
-    """The config's learning rates apply on resume too (the optimizer's restored state carries the checkpoint's)."""
-    configured = {"policy": optim.lr, "value": optim.lr, "reward": optim.flow_lr}
+def apply_configured_lr(param_groups: list[dict[str, Any]], optim: OptimOptions, step: int) -> None:
+    """The config's learning rates (those of optimizer step ``step``, the last one taken) apply on resume too (the
+    optimizer's restored state carries the checkpoint's)."""
+    configured = {"policy": optim.lr, "value": optim.lr, "reward": optim.flow_lr} | optim.warmup_rates(step)
     for group in param_groups:
         lr = configured.get(group.get("name"))
         if lr is not None and group["lr"] != lr:

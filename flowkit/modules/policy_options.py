@@ -37,6 +37,11 @@ class OptimOptions(OptionGroup):
     """learning rate of the policy (and the value head)"""
     flow_lr: float = bounded(1e-4, 0, open_low=True)
     """learning rate of the reward model (online updates and the offline pretraining)"""
+    lr_warmup_steps: int = bounded(0, 0)
+    """optimizer steps over which the policy's (and the value head's) learning rate rises linearly to ``lr`` (step k
+    of n: lr·k/n; verl's ``lr_warmup_steps``, TRL's ``warmup_steps``). Adam's first steps move every weight by about
+    ``lr`` whatever the gradient's noise, which a small policy's format may not survive. 0: ``lr`` from the first
+    step"""
     max_grad_norm: float | None = bounded(1.0, 0, open_low=True)
     """gradient clipping over all groups (null: off); under DeepSpeed it becomes the config's ``gradient_clipping``
     (Lightning leaves clipping to DeepSpeed there)"""
@@ -46,6 +51,13 @@ class OptimOptions(OptionGroup):
     max_consecutive_skips: int | None = bounded(10, 1)
     """with ``nonfinite: skip``, fail (with the reason) after this many RL steps in a row were skipped, e.g. NaN
     weights that no step can repair; null never fails"""
+
+    def warmup_rates(self, step: int) -> dict[str, float]:
+        """The policy's and the value head's learning rate at optimizer step ``step`` (counted from 1) of the warmup;
+        none outside it (the groups step at ``lr`` and ``flow_lr``)."""
+        if not 1 <= step <= self.lr_warmup_steps:
+            return {}
+        return dict.fromkeys(("policy", "value"), self.lr * step / self.lr_warmup_steps)
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,12 @@ def supervised_start(module: L.LightningModule, epochs: int, lr: float, seed: in
     generator = torch.Generator().manual_seed(run_seed(seed))
     batches = [order for _ in range(epochs) for order in torch.randperm(len(rows), generator=generator).split(data.batch_size)]
     batches = [b for b in batches if len(b) == data.batch_size]  # whole batches: every rank runs as many micro-batches
-    optimizer = module.step_optimizer()
+    rates = iter(lr * (1 - k / len(batches)) for k in range(len(batches)))  # one per step, linear decay to 0
+    optimizer = module.step_optimizer(lambda step: {"policy": next(rates)})
     policy_group = next(g for g in module.optimizers().param_groups if g["name"] == "policy")
     rl_lr, losses = policy_group["lr"], []
     try:
         for step, order in enumerate(batches):
-            policy_group["lr"] = lr * (1 - step / len(batches))
             share = [rows[i] for i in order[rank::world][:per_rank].tolist()]
             batch = encode_pairs(module.tokenizer, [r["prompt"] for r in share], [r["solution"] for r in share])
             batch = batch.to(module.device)
