@@ -47,6 +47,8 @@ def main(out: str) -> None:
     with open(f"{out}/rank{rank}.json", "w") as file:
         json.dump({"calls": calls, "token_ids": [list(t.token_ids) for t in trajectories],
                    "loss_masks": [list(t.loss_mask) for t in trajectories]}, file)
+    torch.distributed.barrier()  # leave together: a rank exiting with gloo's threads live aborts under load
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -92,3 +92,5 @@ results = [None] * world
 dist.all_gather_object(results, result)
 if rank == 0:
     print("RESULTS", json.dumps(results), flush=True)
+dist.barrier()
+dist.destroy_process_group()

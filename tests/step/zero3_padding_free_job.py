@@ -82,3 +82,6 @@ order = torch.argsort(experience.sample_index)
 torch.save({"old_logprobs": experience.old_logprobs[order] * experience.response_mask[order], "weights": weights,
             "stats": {key: float(value) for key, value in stats.items() if not key.startswith("time/")}},
            out / f"{side}_rank{rank}.pt")
+# every rank leaves the group together: a rank exiting with gloo's threads still live aborts under load
+dist.barrier()
+dist.destroy_process_group()
