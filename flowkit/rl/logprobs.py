@@ -49,23 +49,26 @@ class _LinearHeadLogprobs(torch.autograd.Function):
                 temperature: float, chunk: int, entropy_gradient: bool):
         device = hidden.device.type
         ctx.compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        ctx.save_for_backward(hidden, targets)
         ctx.head, ctx.temperature, ctx.chunk, ctx.entropy_gradient = head, temperature, chunk, entropy_gradient
-        picked, entropy = [], []
+        picked, entropy, normalizers = [], [], []
         for start in range(0, len(targets), chunk):
-            logits = torch.nn.functional.linear(hidden[start:start + chunk], weight, bias).float() / temperature
+            logits = _tempered_logits(hidden[start:start + chunk], weight, bias, temperature)
             log_normalizer = torch.logsumexp(logits, dim=-1)
             picked.append(logits.gather(-1, targets[start:start + chunk, None]).squeeze(-1) - log_normalizer)
-            entropy.append(log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+            probs = logits.sub(log_normalizer[:, None]).exp_()
+            entropy.append(log_normalizer - _rowwise_dot(probs, logits))
+            normalizers.append(log_normalizer)
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        picked, entropy = (torch.cat(picked) if picked else empty), (torch.cat(entropy) if entropy else empty.clone())
+        picked, entropy, normalizers = (torch.cat(values) if values else empty.clone()
+                                        for values in (picked, entropy, normalizers))
+        ctx.save_for_backward(hidden, targets, normalizers, entropy)
         if not entropy_gradient:
             ctx.mark_non_differentiable(entropy)
         return picked, entropy
 
     @staticmethod
     def backward(ctx, grad_picked: Tensor, grad_entropy: Tensor):
-        hidden, targets = ctx.saved_tensors
+        hidden, targets, normalizers, entropies = ctx.saved_tensors
         head, dtype = ctx.head, ctx.compute_dtype
         want_weight, want_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden)
@@ -76,16 +79,18 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         for start in range(0, len(targets), ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             states = hidden[rows].to(dtype)
-            logits = torch.nn.functional.linear(states, weight, bias).float() / ctx.temperature
-            probs = torch.softmax(logits, dim=-1)
-            grad_logits = -probs
-            grad_logits[torch.arange(len(states), device=targets.device), targets[rows]] += 1.0
-            grad_logits *= grad_picked[rows, None]
+            # the chunk's log-softmax from the forward's normalisers, in place: the backward's largest tensor once
+            log_probs = _tempered_logits(states, weight, bias, ctx.temperature).sub_(normalizers[rows, None])
+            scale = grad_picked[rows] / ctx.temperature  # ∂/∂(z/T) → ∂/∂z
             if ctx.entropy_gradient:  # ∂H/∂z = −p ⊙ (log p + H)
-                log_probs = torch.log_softmax(logits, dim=-1)
-                entropy = -(probs * log_probs).sum(-1, keepdim=True)
-                grad_logits -= probs * (log_probs + entropy) * grad_entropy[rows, None]
-            grad_logits = (grad_logits / ctx.temperature).to(dtype)
+                entropy_scale = (-grad_entropy[rows] / ctx.temperature)[:, None]
+                probs = log_probs.exp()
+                grad_logits = log_probs.add_(entropies[rows, None]).mul_(probs).mul_(entropy_scale)
+                grad_logits.addcmul_(probs, scale[:, None], value=-1.0)
+            else:
+                grad_logits = log_probs.exp_().mul_(-scale[:, None])
+            grad_logits[torch.arange(len(states), device=targets.device), targets[rows]] += scale
+            grad_logits = grad_logits.to(dtype)
             grad_hidden[rows] = (grad_logits @ weight).to(hidden.dtype)
             if want_weight:
                 grad_weight += (grad_logits.T @ states).float()
@@ -94,6 +99,17 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         grad_weight = None if grad_weight is None else grad_weight.to(head.weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(head.bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _tempered_logits(states: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """A chunk's fp32 logits z/T, a fresh tensor the caller may change in place."""
+    logits = torch.nn.functional.linear(states, weight, bias).float()  # float32 in: the same tensor
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def _rowwise_dot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ_v a[n, v]·b[n, v] per row as a batched matmul (no N×V product in memory)."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2)).flatten()
 
 
 def _as_forward_of(module: torch.nn.Module, function: Callable, *args):
