@@ -8,6 +8,7 @@ with partial rollouts), paired by seed.
     python benchmarks/bench_async.py [--sizes tiny mid] [--steps 10] [--mid-steps 3] [--warmup 1] [--rounds 2]
                                      [--reward-seeds 0 1 2] [--reward-steps 60] [--reward-only]
                                      [--reward-correction token_tis] [--reward-correction-cap 2]
+                                     [--reward-slowed-server 3]
 
 ``tiny`` is configs/rlfr_tiny.yaml's RL step (bundled tiny_adder, 16 prompts × 8 samples, 28 new tokens, the binary
 outcome reward, lr 5e-5), ``mid`` the TRL race's mid-size job (benchmarks/bench_trl_race.py: a random Qwen2 of 19 M
@@ -35,7 +36,11 @@ third, and the paired difference (async − sync, mean ± standard error over th
 synchronous runs over seeds. The mid job has nothing to learn (a random policy, a hash as reward, lr 1e-7), so the
 comparison runs on the tiny job only. ``--reward-correction`` trains both runs of the comparison with that
 ``loss.rollout_correction`` mode (``--reward-correction-cap``: its cap; default the group's), the timed runs keep
-none; ``--reward-only`` skips the step times and runs the comparison alone.
+none; ``--reward-only`` skips the step times and runs the comparison alone. On an idle machine the tiny job's
+generation ends before its training, so no push lands mid-generation and the partial arm equals the plain one;
+``--reward-slowed-server LOOPS`` shares the server's core with that many busy loops during the comparison, so that
+generation outlasts training and the partial arm trains on rows whose tokens two policy versions sampled (the share
+of such rows, ``rollout/mixed_rows``, is printed per arm).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,6 +84,7 @@ class StepClock(L.Callback):
         self.waits: list[float] = []
         self.lengths: list[float] = []
         self.rewards: list[float] = []
+        self.mixed_rows: list[float] = []
 
     def on_train_batch_end(self, trainer, *args):
         self.ends.append(time.perf_counter())
@@ -85,6 +92,7 @@ class StepClock(L.Callback):
         self.waits.append(float(metrics["time/generate_s"]))
         self.lengths.append(float(metrics.get("train/response_length", float("nan"))))
         self.rewards.append(float(metrics.get("train/outcome_reward", float("nan"))))
+        self.mixed_rows.append(float(metrics.get("rollout/mixed_rows", 0.0)))
 
 
 def job(size: str, policy: Path | None, prompts: int, new_tokens: int) -> dict:
@@ -164,14 +172,31 @@ def time_size(url: str, server_log: Path, settings: dict, steps: int, warmup: in
 
 
 def compare_rewards(url: str, settings: dict, seeds: list[int], steps: int,
-                    correction: RolloutCorrection) -> dict[int, dict[str, list[float]]]:
+                    correction: RolloutCorrection) -> tuple[dict[int, dict[str, list[float]]], dict[str, float]]:
     """Per seed, the synchronous and the one-step-off runs' (without and with partial rollouts) outcome reward at every
     step, all trained with ``correction`` as ``loss.rollout_correction`` (the same for all, so that the pairing stays
-    fair)."""
+    fair); and per run kind, the mean share of a step's rows whose tokens came from two policy versions."""
     options = variants(url)
     loss = LossOptions(rollout_correction=correction)
-    return {seed: {name: run_steps(steps, settings, seed, **options[name], loss=loss).rewards
-                   for name in (SYNC, ASYNC, PARTIAL)} for seed in seeds}
+    clocks = {seed: {name: run_steps(steps, settings, seed, **options[name], loss=loss) for name in (SYNC, ASYNC, PARTIAL)}
+              for seed in seeds}
+    mixed = {name: statistics.mean(share for by_name in clocks.values() for share in by_name[name].mixed_rows)
+             for name in (SYNC, ASYNC, PARTIAL)}
+    return {seed: {name: clock.rewards for name, clock in by_name.items()} for seed, by_name in clocks.items()}, mixed
+
+
+@contextmanager
+def busy_core(core: int, loops: int):
+    """``loops`` busy Python processes pinned to ``core`` while the block runs: a server there gets about
+    1 / (loops + 1) of it, so its generation outlasts the trainer's step and weight pushes land mid-generation."""
+    hogs = [subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", "while True: pass"])
+            for _ in range(loops)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=30)
 
 
 def correction_label(correction: RolloutCorrection) -> str:
@@ -225,9 +250,13 @@ def report_times(size: str, label: str, measured: dict, load: str) -> list[dict]
     return rows
 
 
-def report_rewards(rewards: dict[int, dict[str, list[float]]], correction: str, load: str) -> list[dict]:
-    """Prints the outcome-reward comparison (``correction``: the runs' rollout correction) and returns its CSV rows."""
+def report_rewards(rewards: dict[int, dict[str, list[float]]], mixed: dict[str, float], correction: str,
+                   load: str) -> list[dict]:
+    """Prints the outcome-reward comparison (``correction``: the runs' rollout correction; ``mixed``: the share of
+    rows holding two policy versions) and returns its CSV rows."""
     print(f"reward comparison, rollout correction {correction}: load average (1 min) {load}")
+    print("rows mixing two policy versions (mean over steps and seeds): "
+          + ", ".join(f"{name} {share:.3f}" for name, share in mixed.items()))
     steps = len(next(iter(rewards.values()))[SYNC])
     windows = {f"mean outcome reward, steps 1-{steps}": slice(None),
                f"mean outcome reward, steps {steps - steps // 3 + 1}-{steps}": slice(steps - steps // 3, None)}
@@ -241,7 +270,7 @@ def report_rewards(rewards: dict[int, dict[str, list[float]]], correction: str, 
                 rows.append({"benchmark": "async_reward", "implementation": name, "device": "cpu",
                              "size": "tiny_adder 16x8x28", "threads": 1, "seeds": seed, "metric": metric,
                              "value": value, "n": steps, "rollout_correction": correction,
-                             "load_avg_1min": load})
+                             "mixed_rows": mixed[name], "load_avg_1min": load})
         spread = statistics.stdev(m[SYNC] for m in means.values()) if len(means) > 1 else float("nan")
         for name, label in ((ASYNC, "async - sync"), (PARTIAL, "async partial - sync")):
             differences = [by_name[name] - by_name[SYNC] for by_name in means.values()]
@@ -274,8 +303,13 @@ def main() -> None:
                         help="loss.rollout_correction.mode of both runs of the reward comparison (default: none)")
     parser.add_argument("--reward-correction-cap", type=float, default=None,
                         help="loss.rollout_correction.cap of --reward-correction (default the group's: 2, icepop 5)")
+    parser.add_argument("--reward-slowed-server", type=int, default=0, metavar="LOOPS",
+                        help="during the reward comparison, LOOPS busy processes share the server's core, so that "
+                             "pushes land mid-generation and partial rollouts train on rows of two versions")
     parser.add_argument("--csv", default=None, help="CSV to append to (default benchmarks/results/results.csv)")
     args = parser.parse_args()
+    if args.reward_slowed_server and not shutil.which("taskset"):
+        parser.error("--reward-slowed-server needs taskset")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: a step's time is measured from the previous step's end")
     if args.reward_only and not args.reward_seeds:
@@ -300,11 +334,11 @@ def main() -> None:
     try:
         for size in ["tiny"] if args.reward_only else args.sizes:
             policy = None
-            if size == "mid":  # in a process of its own: bench_trl_race's imports import common (see below)
+            if size == "mid":
+                from bench_trl_race import build_mid_policy
+
                 policy = temporary / "mid_policy"
-                subprocess.run([sys.executable, "-c", "import sys, pathlib, bench_trl_race; "
-                                "bench_trl_race.build_mid_policy(pathlib.Path(sys.argv[1]))", policy],
-                               cwd=BENCHMARKS, check=True)
+                build_mid_policy(policy)
             settings = job(size, policy, args.mid_prompts, args.mid_new_tokens)
             process, url = start_server(temporary / f"server_{size}.log", str(policy or "bundled:tiny_adder"),
                                          core=cores[0])
@@ -315,15 +349,17 @@ def main() -> None:
                                          args.rounds)
                     rows += report_times(size, labels[size], measured, load_span(load_start))
                 if size == "tiny" and args.reward_seeds:
-                    rewards = compare_rewards(url, settings, args.reward_seeds, args.reward_steps, correction)
-                    rows += report_rewards(rewards, correction_label(correction), load_span(load_start))
+                    with busy_core(cores[0], args.reward_slowed_server):
+                        rewards, mixed = compare_rewards(url, settings, args.reward_seeds, args.reward_steps,
+                                                         correction)
+                    label = correction_label(correction) + (f", server slowed by {args.reward_slowed_server} busy "
+                                                            "loops" if args.reward_slowed_server else "")
+                    rows += report_rewards(rewards, mixed, label, load_span(load_start))
             finally:
                 process.kill()
                 process.wait(timeout=30)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
-    # Imported only now: importing common fixes glibc's mmap threshold (see bench_rl_step.py), which would slow the
-    # trainer's steps measured after it.
     from common import append_csv, timestamp
 
     for row in rows:

@@ -86,8 +86,6 @@ def main() -> None:
                           scoring=ScoringOptions(timesteps=(0.9,)))
         times["grpo+flow"] += time_steps(flow, args.steps, args.warmup, update=every_row).times
     results = {name: quantiles(t) for name, t in times.items()}
-    # Imported only now: importing common fixes glibc's mmap threshold (for its peak-memory readings), which makes
-    # every large allocation a fresh mmap and would slow the timed steps (and not TRL's, in bench_trl_race).
     sys.path.insert(0, BENCHMARKS)
     from common import append_csv, timestamp
     for name, stats in results.items():

@@ -18,16 +18,15 @@ RESULTS_CSV = Path(__file__).resolve().parent / "results" / "results.csv"
 
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}  # process: this process's CPU seconds
 
-def _return_freed_memory_to_the_os() -> None:
+def return_freed_memory_to_the_os() -> None:
     """glibc keeps freed blocks below a growing mmap threshold resident, which hides peaks from the RSS high-water
-    mark; a fixed 64 KiB threshold makes tensor allocations mmap'd and unmapped on free. No-op off glibc."""
+    mark; a fixed 64 KiB threshold makes tensor allocations mmap'd and unmapped on free. For the rest of the process:
+    every large allocation then costs page faults, so step-time benchmarks must not call it (importing this module
+    does not). No-op off glibc."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
-
-
-_return_freed_memory_to_the_os()
 
 
 def _sync(device: str) -> None:
@@ -44,8 +43,11 @@ def peak_extra_memory_mb(fn, device: str) -> float | None:
     """Peak memory one call of ``fn`` adds on top of what was allocated before it.
 
     CUDA: the caching allocator's peak. CPU: the process's resident-set high-water mark, reset through
-    ``/proc/self/clear_refs`` (Linux); ``None`` where that is not possible.
+    ``/proc/self/clear_refs`` (Linux), with freed memory returned to the OS (:func:`return_freed_memory_to_the_os`);
+    ``None`` where that is not possible.
     """
+    if device != "cuda":
+        return_freed_memory_to_the_os()
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -65,8 +67,12 @@ def peak_extra_memory_mb(fn, device: str) -> float | None:
 
 
 def measure(fn, warmup: int = 2, reps: int = 10, device: str | None = None) -> dict:
-    """Median / 20th / 80th percentile wall time in ms over ``reps`` calls after ``warmup``, plus peak extra memory."""
+    """Median / 20th / 80th percentile wall time in ms over ``reps`` calls after ``warmup``, plus peak extra memory
+    (on CPU the timed calls run with the memory reading's malloc setting, so every implementation a run times gets
+    the same)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cuda":
+        return_freed_memory_to_the_os()
     for _ in range(warmup):
         fn()
     _sync(device)
