@@ -34,7 +34,9 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 class _LinearHeadLogprobs(torch.autograd.Function):
     """log p(target) and the entropy of N tokens through a Linear head, ``chunk`` tokens at a time, holding one chunk
-    of vocabulary-sized logits at a time and saving only the N×d hidden states (as checkpointing each chunk would).
+    of vocabulary-sized logits at a time and saving only the N×d hidden states (as checkpointing each chunk would);
+    ``chunk`` None: all N at once, their logits kept for the backward instead of recomputed (N×V floats held from the
+    forward to the backward, one matmul of four saved).
 
     Called inside the head module's own forward (:func:`_as_forward_of`), so under ZeRO-3 DeepSpeed's module hooks
     gather the head (trained or frozen) at most once for the forward of all chunks and once for their backward (and
@@ -46,13 +48,18 @@ class _LinearHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: torch.nn.Linear, targets: Tensor,
-                temperature: float, chunk: int, entropy_gradient: bool):
+                temperature: float, chunk: int | None, entropy_gradient: bool):
         device = hidden.device.type
         ctx.compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        ctx.kept_logits = None
+        keep = chunk is None and any(ctx.needs_input_grad[:3])  # grad mode is off inside forward
+        chunk = chunk or max(1, len(targets))
         ctx.head, ctx.temperature, ctx.chunk, ctx.entropy_gradient = head, temperature, chunk, entropy_gradient
         picked, entropy, normalizers = [], [], []
         for start in range(0, len(targets), chunk):
             logits = _tempered_logits(hidden[start:start + chunk], weight, bias, temperature)
+            if keep:
+                ctx.kept_logits = logits
             log_normalizer = torch.logsumexp(logits, dim=-1)
             picked.append(logits.gather(-1, targets[start:start + chunk, None]).squeeze(-1) - log_normalizer)
             probs = logits.sub(log_normalizer[:, None]).exp_()
@@ -79,8 +86,11 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         for start in range(0, len(targets), ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             states = hidden[rows].to(dtype)
+            logits, ctx.kept_logits = ctx.kept_logits, None  # used up in place: a second backward recomputes
+            if logits is None:
+                logits = _tempered_logits(states, weight, bias, ctx.temperature)
             # the chunk's log-softmax from the forward's normalisers, in place: the backward's largest tensor once
-            log_probs = _tempered_logits(states, weight, bias, ctx.temperature).sub_(normalizers[rows, None])
+            log_probs = logits.sub_(normalizers[rows, None])
             scale = grad_picked[rows] / ctx.temperature  # ∂/∂(z/T) → ∂/∂z
             if ctx.entropy_gradient:  # ∂H/∂z = −p ⊙ (log p + H)
                 entropy_scale = (-grad_entropy[rows] / ctx.temperature)[:, None]
@@ -152,7 +162,7 @@ def lm_head_logprobs(
     Equal to :func:`token_logprobs` / :func:`token_entropy` of ``lm_head(hidden)`` on response positions (0
     elsewhere), but only response positions go through the LM head, ``chunk_size`` tokens at a time, and the
     backward recomputes each chunk's logits, so neither the forward nor the backward ever holds more than one chunk
-    of vocabulary-sized logits. ``lm_head`` is *called* (it is the module, not its weight), so its module hooks run:
+    of vocabulary-sized logits (``chunk_size`` None: a Linear head keeps all of them for the backward instead). ``lm_head`` is *called* (it is the module, not its weight), so its module hooks run:
     a Linear head (tied embeddings included) is called once for all chunks (:class:`_LinearHeadLogprobs`), so ZeRO-3
     gathers it once for the forward and once for the backward of the whole micro-batch; any other head (LoRA-wrapped)
     once per chunk, checkpointed (:func:`_module_head_logprobs`).
@@ -162,7 +172,8 @@ def lm_head_logprobs(
         lm_head: the output-embedding module (``model.get_output_embeddings()``).
         input_ids, response_mask: B×S; log-probs are computed where ``response_mask`` is 1 (never at s = 0).
         temperature: sampling temperature the log-probs refer to.
-        chunk_size: tokens per LM-head call; None runs all response tokens at once.
+        chunk_size: tokens per LM-head call; None runs all response tokens at once (a Linear head's backward then
+            reuses the forward's logits).
         entropy_gradient: the entropies carry a gradient too (an entropy bonus in the loss).
 
     Returns:
@@ -175,12 +186,13 @@ def lm_head_logprobs(
     response[:, 0] = False  # nothing predicts the first position
     rows, cols = response.nonzero(as_tuple=True)
     states, targets = hidden[rows, cols - 1], input_ids[rows, cols]
-    size = max(1, len(targets)) if chunk_size is None else chunk_size
     if isinstance(lm_head, torch.nn.Linear):
         # One call into the head per micro-batch, whatever its number of tokens: every rank makes it (ZeRO-3 gathers).
         picked, entropy = _as_forward_of(lm_head, lambda chunk_states: _LinearHeadLogprobs.apply(
-            chunk_states, lm_head.weight, lm_head.bias, lm_head, targets, temperature, size, entropy_gradient), states)
+            chunk_states, lm_head.weight, lm_head.bias, lm_head, targets, temperature, chunk_size, entropy_gradient),
+            states)
     else:
+        size = max(1, len(targets)) if chunk_size is None else chunk_size
         picked, entropy = _module_head_logprobs(lm_head, hidden, input_ids, states, targets, temperature, size,
                                                 entropy_gradient)
     logprobs = hidden.new_zeros(response.shape, dtype=torch.float32).index_put((rows, cols), picked)

@@ -204,8 +204,9 @@ class UpdateOptions(OptionGroup):
     """sequences per forward/backward in every pass over the rollouts (scoring, flow rewards, policy update, online
     flow loss); null: a whole minibatch at once"""
     lm_head_chunk_size: int | None = bounded(DEFAULT_LM_HEAD_CHUNK, 1)
-    """response tokens per LM-head call for log-probs and entropies (bounds the logits to chunk × V); null: all of a
-    micro-batch's response tokens at once"""
+    """response tokens per LM-head call for log-probs and entropies (bounds the logits to chunk × V; the backward
+    recomputes each chunk's); null: all of a micro-batch's response tokens at once, their logits kept for the backward
+    (one LM-head matmul of four saved, the micro-batch's response tokens × V floats held)"""
     skip_zero_advantage_rows: bool = True
     """a row whose advantages are all 0 adds exactly nothing to the loss or its gradient: skip its forward/backward
     in the update (with a KL term, a value head or an entropy bonus, every row runs); the normalisation still counts

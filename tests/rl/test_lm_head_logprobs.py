@@ -44,6 +44,24 @@ def test_matches_full_logits_in_values_and_gradients(chunk_size):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_kept_logits_serve_one_backward_and_a_second_recomputes():
+    """``chunk_size`` None keeps the forward's logits for the backward and uses them up in place; a second backward
+    through the same graph (``retain_graph``) recomputes them and gives the same gradients."""
+    generator = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(16, 50)
+    hidden = torch.randn(3, 9, 16, generator=generator, requires_grad=True)
+    batch = batch_with_responses(50, generator)
+    logprobs, _ = lm_head_logprobs(hidden, head, batch.input_ids, batch.response_mask, temperature=0.7, chunk_size=None)
+    weights = torch.randn(3, 9, generator=generator)
+    expected = token_logprobs(head(hidden), batch.input_ids, 0.7) * batch.response_mask
+    want = torch.autograd.grad((expected * weights).sum(), [hidden, head.weight])
+    first = torch.autograd.grad((logprobs * weights).sum(), [hidden, head.weight], retain_graph=True)
+    second = torch.autograd.grad((logprobs * weights).sum(), [hidden, head.weight])
+    for one, two, reference in zip(first, second, want):
+        torch.testing.assert_close(one, reference, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(two, reference, rtol=1e-5, atol=1e-6)
+
+
 def test_no_grad_mode_and_empty_responses():
     head = torch.nn.Linear(4, 7, bias=False)
     hidden = torch.randn(2, 5, 4)
@@ -117,10 +135,12 @@ def test_bf16_autocast_computes_as_the_module_does(frozen):
         torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("chunk_size", [2, None], ids=["chunked", "kept"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
-def test_entropy_gradient_matches_full_logits(frozen):
+def test_entropy_gradient_matches_full_logits(frozen, chunk_size):
     """``entropy_gradient``: the entropies carry the gradient of token_entropy(full logits), through the analytic
-    backward (∂H/∂z = −p ⊙ (log p + H)), to the hidden states and a trained head."""
+    backward (∂H/∂z = −p ⊙ (log p + H)), to the hidden states and a trained head, from recomputed chunks or from the
+    logits the forward kept."""
     torch.manual_seed(1)
     head = torch.nn.Linear(6, 11).requires_grad_(not frozen)
     hidden = torch.randn(2, 5, 6, requires_grad=True)
@@ -130,7 +150,8 @@ def test_entropy_gradient_matches_full_logits(frozen):
     logits = head(hidden)
     full = (token_logprobs(logits, ids, 0.7) * weights + token_entropy(logits, 0.7) * entropy_weights) * mask
     reference = torch.autograd.grad(full.sum(), trainable)
-    got, entropy = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=2, entropy_gradient=True)
+    got, entropy = lm_head_logprobs(hidden, head, ids, mask, temperature=0.7, chunk_size=chunk_size,
+                                    entropy_gradient=True)
     assert entropy.requires_grad
     grads = torch.autograd.grad((got * weights + entropy * entropy_weights).sum(), trainable)
     for mine, theirs in zip(grads, reference):
