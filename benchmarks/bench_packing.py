@@ -11,8 +11,9 @@ at lr 0, so every round sees the same weights) per side, the sides alternating, 
 micro-batches under ``micro_batch_tokens`` = ``--token-budget``: padded, rows × longest row; padding-free, real
 tokens. The padded side runs each group's prompt once where sound (``forward_hidden_shared_prompts``); with
 ``--tapped`` the policy carries a latent tap, as under RLFR's flow reward, and no forward shares prompts. Reports each
-side's median update and scoring-pass time, its ``perf/padding_frac`` and the ratio padded / padding-free
-(acceptance: ≥ 1.5), and appends one row to the results CSV.
+side's median update and scoring-pass time, its ``perf/padding_frac``, the ratio padded / padding-free
+(acceptance: ≥ 1.5) beside the most that removing the padding can give on this model (the ratio of the two sides'
+matmul and attention work, :func:`matmul_gflop`), and appends one row to the results CSV.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_trl_race import SAMPLES, build_mid_policy, scrambled  # noqa: E402
@@ -38,6 +40,7 @@ from flowkit.step import (  # noqa: E402
     Actor, AdvantageOptions, ExperienceMaker, LossOptions, PolicyUpdate, PromptBatch, SamplingControls,
     TorchOptimizer, UpdateOptions,
 )
+from flowkit.step.micro_batches import micro_batch_rows, padded_tokens, sequence_lengths  # noqa: E402
 
 SIDES = {"padded": False, "padding_free": True}
 
@@ -58,6 +61,26 @@ def grade(batch: RolloutBatch) -> dict:
     batch.outcome_rewards = torch.tensor(scrambled(batch.prompts, batch.responses))
     batch.correct = batch.outcome_rewards > 0.5
     return {}
+
+
+def matmul_gflop(model, attention_mask: Tensor, response_mask: Tensor, budget: int, padding_free: bool) -> float:
+    """The update's matmul and attention GFLOP under the token budget, counted from the micro-batches' shapes: 6 per
+    decoder weight and position (forward, two backward products) over rows × longest row or the real tokens; 8 per
+    LM-head weight and response token on both sides (the chunked head's forward, the backward's recomputation and
+    its two products); 12 per layer, width and (query, key) pair of each attention, whole squares (the SDPA
+    kernels here do not skip the causal half) over each padded micro-batch or each packed row."""
+    config = model.config
+    head = config.vocab_size * config.hidden_size
+    decoder = sum(p.numel() for name, p in model.named_parameters() if "layers." in name)
+    attention = 12 * config.num_hidden_layers * config.hidden_size
+    lengths = attention_mask.sum(-1)
+    runs = micro_batch_rows(attention_mask, None, budget, padding_free=padding_free)
+    if padding_free:
+        positions, pairs = int(lengths.sum()), int((lengths ** 2).sum())
+    else:
+        positions = padded_tokens(sequence_lengths(attention_mask), runs)
+        pairs = sum(len(run) * int(sequence_lengths(attention_mask)[run].max()) ** 2 for run in runs)
+    return (6 * decoder * positions + 8 * head * float(response_mask.sum()) + attention * pairs) / 1e9
 
 
 def first_prompts(count: int) -> list[str]:
@@ -117,12 +140,17 @@ def main() -> None:
               f"({', '.join(f'{t:.2f}' for t in times[side])}), scoring pass {scoring[side]:.2f} s, "
               f"perf/padding_frac {padding[side]:.3f}")
     ratio = median["padded"] / median["padding_free"]
+    flop = {side: matmul_gflop(model, experiences[side].attention_mask, experiences[side].response_mask,
+                               args.token_budget, padding_free) for side, padding_free in SIDES.items()}
     print(f"update phase padded / padding-free: {ratio:.2f}x (acceptance >= 1.5x); scoring pass "
           f"{scoring['padded'] / scoring['padding_free']:.2f}x")
+    print(f"matmul and attention work: padded {flop['padded']:.0f} GFLOP, padding-free {flop['padding_free']:.0f}: "
+          f"a ceiling of {flop['padded'] / flop['padding_free']:.2f}x on this model and these lengths")
     append_csv(args.csv, {"bench": "packing", "time": timestamp(), "rows": rollouts.batch.batch_size,
                           "new_tokens": args.new_tokens, "token_budget": args.token_budget, "tapped": args.tapped,
                           "padded_update_s": median["padded"], "padding_free_update_s": median["padding_free"],
-                          "padded_padding_frac": padding["padded"], "update_speedup": ratio})
+                          "padded_padding_frac": padding["padded"], "update_speedup": ratio,
+                          "flop_ceiling": flop["padded"] / flop["padding_free"]})
 
 
 if __name__ == "__main__":

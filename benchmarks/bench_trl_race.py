@@ -27,7 +27,8 @@ side with the library versions. Each side trains in the micro-batches that were 
 ``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under ``micro_batch_tokens``
 (1024 tiny, 2048 mid; on the tiny task the smaller activations stay in cache: 0.425 vs 0.463 s/step without, 2048
 0.438) and, at mid size, packs them padding-free (``update.padding_free``: the update 1.14× faster on these long-tailed
-lengths, docs/results/benchmarks.md), TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches, generating all
+lengths, docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its logits kept for the backward
+(``update.lm_head_chunk_size: null``; at most 2048 × 32k floats, 256 MB, where TRL holds the whole step's), TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches, generating all
 rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side, ``flowkit-every-row``, runs
 flowkit with ``update.skip_zero_advantage_rows: false`` (TRL forwards every row too), so the run also shows how much of the
 difference that option makes.
@@ -55,9 +56,9 @@ TINY_ADDER = REPO / "flowkit" / "assets" / "tiny_adder"
 SAMPLES = 8
 SIZES = {  # prompts per step, new tokens, reward, learning rate; each side's fastest micro-batching (measured)
     "tiny": {"prompts": 16, "new_tokens": 28, "reward": "binary", "lr": 5e-5,
-             "token_budget": 1024, "padding_free": False, "trl_micro_batches": 1},
+             "token_budget": 1024, "padding_free": False, "lm_head_chunk": 1024, "trl_micro_batches": 1},
     "mid": {"prompts": 4, "new_tokens": 256, "reward": "scrambled", "lr": 1e-7,
-            "token_budget": 2048, "padding_free": True, "trl_micro_batches": 1},
+            "token_budget": 2048, "padding_free": True, "lm_head_chunk": None, "trl_micro_batches": 1},
 }
 EOS_LOGIT = 10.0  # the mid policy's EOS logit at its mean final hidden state
 SIDES = ("flowkit", "flowkit-every-row", "trl")
@@ -142,6 +143,7 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
                        sampling=SamplingOptions(num_samples=SAMPLES, max_new_tokens=setting["new_tokens"]),
                        optim=OptimOptions(lr=setting["lr"], flow_lr=1e-3),
                        update=UpdateOptions(micro_batch_tokens=token_budget or None, padding_free=setting["padding_free"],
+                                            lm_head_chunk_size=setting["lm_head_chunk"],
                                             skip_zero_advantage_rows=skip_zero_advantage_rows), **options)
     return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
                                         f"transformers {transformers.__version__}, torch {torch.__version__}"}
@@ -293,7 +295,8 @@ def main() -> None:
             "mean_response_tokens": round(statistics.mean(lengths[side]), 1), "versions": versions[side],
             "micro_batching": (f"{args.trl_micro_batches} gradient-accumulation steps" if side == "trl" else
                                f"micro_batch_tokens {args.token_budget or 'none'}"
-                               + (", padding-free" if SIZES[args.size]["padding_free"] else "")),
+                               + (", padding-free" if SIZES[args.size]["padding_free"] else "")
+                               + f", lm_head_chunk_size {SIZES[args.size]['lm_head_chunk']}"),
         })
     per_token = {side: means[side] / statistics.mean(lengths[side]) for side in SIDES}  # the sides sample their own lengths
     for side in ("flowkit", "flowkit-every-row"):
