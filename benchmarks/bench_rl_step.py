@@ -30,7 +30,8 @@ BENCHMARKS = str(Path(__file__).resolve().parent)
 
 
 class StepTimer(L.Callback):
-    """Seconds (on ``clock``, a name of :data:`CLOCKS`) and mean response length (tokens) of every RL step."""
+    """Seconds (on ``clock``, a name of :data:`CLOCKS`), mean response length (tokens) and mean outcome reward of every
+    RL step."""
 
     def __init__(self, clock: str = "wall"):
         from common import CLOCKS
@@ -38,6 +39,7 @@ class StepTimer(L.Callback):
         self.clock = CLOCKS[clock]
         self.times: list[float] = []
         self.lengths: list[float] = []
+        self.rewards: list[float] = []
 
     def on_train_batch_start(self, *args):
         self._start = self.clock()
@@ -45,13 +47,14 @@ class StepTimer(L.Callback):
     def on_train_batch_end(self, trainer, *args):
         self.times.append(self.clock() - self._start)
         self.lengths.append(float(trainer.callback_metrics.get("train/response_length", float("nan"))))
+        self.rewards.append(float(trainer.callback_metrics.get("train/outcome_reward", float("nan"))))
 
 
-def time_steps(reward_model, steps: int, warmup: int, prompts: int = 16, clock: str = "wall",
+def time_steps(reward_model, steps: int, warmup: int, prompts: int = 16, clock: str = "wall", seed: int = 0,
                **options) -> StepTimer:
     """Seconds (on ``clock``) and response lengths of each of ``steps`` RL steps after ``warmup`` of the tiny job
-    (``options`` override its PolicyModule settings)."""
-    L.seed_everything(0)
+    (``options`` override its PolicyModule settings), and the outcome reward of every step, warm-up included."""
+    L.seed_everything(seed)
     settings = {"sampling": SamplingOptions(num_samples=8, max_new_tokens=28), "outcome_reward": "binary",
                 "optim": OptimOptions(lr=5e-5, flow_lr=1e-3), **options}
     module = PolicyModule(reward_model=reward_model, **settings)

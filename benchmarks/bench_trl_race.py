@@ -20,16 +20,18 @@ Both sides: the same prompts per step in the same order (flowkit's prompt stream
 reads unshuffled), temperature 1, top-p 1, lr 5e-5 (mid: 1e-7; constant, AdamW, no weight decay), grad-norm clip 1,
 clip ε 0.2, no KL, token-mean loss over the step's completions (TRL ``loss_type="dapo"``, whose normaliser spans
 the generation batch), group-normalised advantages, one update per generation, no gradient checkpointing, no
-vLLM, no evaluation, no checkpoints, logging only past the last step. Each side runs in its own process with one thread; ``--rounds``
-alternates them back to back so machine load hits all alike. Reports the median and mean s/step after ``--warmup``
-steps per side (over all rounds) and the ratios flowkit / TRL (target: ≤ 0.8 at both sizes), and appends one row per
-side with the library versions. Each side trains in the micro-batches that were fastest for it (``SIZES``;
+vLLM, no evaluation, no checkpoints. Each side runs in its own process with one thread; ``--rounds`` alternates
+them back to back so machine load hits all alike, round r seeding every side with r. Reports the median and mean
+s/step after ``--warmup`` steps per side (over all rounds) and the ratios flowkit / TRL (issue 46: ≤ 0.70 tiny,
+≤ 0.40 mid); then the learning: each side's mean outcome reward over its steps (warm-up included) per round, and
+flowkit − TRL paired by round (mean ± standard error) beside TRL's spread over the rounds (meaningful on the tiny
+task: the mid one has nothing to learn). Appends one row per side with the library versions. Each side trains in the micro-batches that were fastest for it (``SIZES``;
 ``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under ``micro_batch_tokens``
 (1024 tiny, 2048 mid; on the tiny task the smaller activations stay in cache: 0.425 vs 0.463 s/step without, 2048
 0.438) and, at mid size, packs them padding-free (``update.padding_free``: the update 1.14× faster on these long-tailed
 lengths, docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its logits kept for the backward
-(``update.lm_head_chunk_size: null``; at most 2048 × 32k floats, 256 MB, where TRL holds the whole step's), TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches, generating all
-rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side, ``flowkit-every-row``, runs
+(``update.lm_head_chunk_size: null``; at most 2048 × 32k floats, 256 MB, where TRL holds the whole step's); TRL
+trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches, generating all rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side, ``flowkit-every-row``, runs
 flowkit with ``update.skip_zero_advantage_rows: false`` (TRL forwards every row too), so the run also shows how much of the
 difference that option makes.
 
@@ -126,7 +128,7 @@ def write_prompt_stream(path: Path, steps: int, prompts: int) -> None:
 
 # ------------------------------------------------------------------------------------------------- workers
 def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size: str, policy: Path,
-                   token_budget: int, clock: str) -> dict:
+                   token_budget: int, clock: str, seed: int) -> dict:
     import lightning
     import torch
     import transformers
@@ -139,18 +141,18 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
     setting = SIZES[size]
     options = {} if size == "tiny" else {
         "backbone": str(policy), "outcome_reward": "none", "reward_functions": [{"function": "bench_trl_race.scrambled"}]}
-    timer = time_steps(None, steps, warmup, prompts=setting["prompts"], clock=clock,
+    timer = time_steps(None, steps, warmup, prompts=setting["prompts"], clock=clock, seed=seed,
                        sampling=SamplingOptions(num_samples=SAMPLES, max_new_tokens=setting["new_tokens"]),
                        optim=OptimOptions(lr=setting["lr"], flow_lr=1e-3),
                        update=UpdateOptions(micro_batch_tokens=token_budget or None, padding_free=setting["padding_free"],
                                             lm_head_chunk_size=setting["lm_head_chunk"],
                                             skip_zero_advantage_rows=skip_zero_advantage_rows), **options)
-    return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
+    return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "rewards": timer.rewards, "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
                                         f"transformers {transformers.__version__}, torch {torch.__version__}"}
 
 
 def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: Path, micro_batches: int,
-               clock: str) -> dict:
+               clock: str, seed: int) -> dict:
     import importlib.util
 
     import torch
@@ -174,6 +176,7 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.times: list[float] = []
+            self.rewards: list[float] = []
 
         def on_step_begin(self, *args, **kwargs):
             self._start = tick()
@@ -181,9 +184,13 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
         def on_step_end(self, *args, **kwargs):
             self.times.append(tick() - self._start)
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.rewards.append(float(logs["reward"]))
+
     setting = SIZES[size]
     config = trl.GRPOConfig(
-        output_dir=str(prompts_path.parent / "trl_out"), max_steps=steps + warmup, seed=0,
+        output_dir=str(prompts_path.parent / "trl_out"), max_steps=steps + warmup, seed=seed,
         # micro_batches > 1: the step's rows generated at once, then trained in that many gradient-accumulation steps
         num_generations=SAMPLES, per_device_train_batch_size=setting["prompts"] * SAMPLES // micro_batches,
         gradient_accumulation_steps=micro_batches,
@@ -191,7 +198,7 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
         beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", use_vllm=False,
         learning_rate=setting["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, shuffle_dataset=False,
-        eval_strategy="no", save_strategy="no", report_to="none", logging_steps=10 ** 6, log_completions=False,
+        eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1, log_completions=False,
         disable_tqdm=True, dataloader_num_workers=0,
     )
     source = TINY_ADDER if size == "tiny" else policy
@@ -204,14 +211,15 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
     trainer.train()
     mean_length = next((float(h["completions/mean_length"]) for h in reversed(trainer.state.log_history)
                         if "completions/mean_length" in h), float("nan"))  # over all steps, warm-up included
-    return {"times": timer.times[warmup:], "mean_length": mean_length, "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, "
+    return {"times": timer.times[warmup:], "mean_length": mean_length, "rewards": timer.rewards, "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, "
                                                        f"torch {torch.__version__}"}
 
 
 # ------------------------------------------------------------------------------------------------- driver
-def run_worker(python: Path, side: str, args: argparse.Namespace, prompts_path: Path) -> dict:
+def run_worker(python: Path, side: str, args: argparse.Namespace, prompts_path: Path, seed: int) -> dict:
     out = prompts_path.parent / f"{side}.json"
     command = [python, __file__, "--worker", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--seed", str(seed),
                "--size", args.size, "--token-budget", str(args.token_budget),
                "--trl-micro-batches", str(args.trl_micro_batches), "--clock", args.clock,
                "--prompts-file", str(prompts_path),
@@ -237,6 +245,7 @@ def main() -> None:
     parser.add_argument("--trl-venv", default=str(REPO / "build" / "trl_venv"))
     parser.add_argument("--csv", default=None)
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -249,10 +258,10 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         policy = Path(args.prompts_file).parent / "mid_policy"
         result = (trl_worker(args.steps, args.warmup, Path(args.prompts_file), args.size, policy,
-                             args.trl_micro_batches, args.clock)
+                             args.trl_micro_batches, args.clock, args.seed)
                   if args.worker == "trl" else
                   flowkit_worker(args.steps, args.warmup, args.worker == "flowkit", args.size, policy,
-                                 args.token_budget, args.clock))
+                                 args.token_budget, args.clock, args.seed))
         Path(args.result).write_text(json.dumps(result))
         return
 
@@ -265,15 +274,17 @@ def main() -> None:
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     versions: dict[str, str] = {}
     lengths: dict[str, list[float]] = {side: [] for side in SIDES}
+    rewards: dict[str, list[float]] = {side: [] for side in SIDES}  # per round: the mean outcome reward of its steps
     with tempfile.TemporaryDirectory(prefix="bench_trl_race_") as tmp:
         prompts_path = Path(tmp) / "prompts.jsonl"
         write_prompt_stream(prompts_path, args.steps + args.warmup, SIZES[args.size]["prompts"])
         if args.size == "mid":
             build_mid_policy(Path(tmp) / "mid_policy")
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for side in SIDES:
                 python = trl_python if side == "trl" else Path(sys.executable)
-                result = run_worker(python, side, args, prompts_path)
+                result = run_worker(python, side, args, prompts_path, seed=round_)
+                rewards[side].append(statistics.mean(result["rewards"]))
                 times[side] += result["times"]
                 versions[side] = result["versions"]
                 lengths[side].append(result["mean_length"])
@@ -293,16 +304,34 @@ def main() -> None:
             "median_ms": 1e3 * medians[side], "mean_ms": 1e3 * means[side], "p20_ms": 1e3 * pick(0.2),
             "p80_ms": 1e3 * pick(0.8),
             "mean_response_tokens": round(statistics.mean(lengths[side]), 1), "versions": versions[side],
+            "mean_outcome_reward": statistics.mean(rewards[side]),
             "micro_batching": (f"{args.trl_micro_batches} gradient-accumulation steps" if side == "trl" else
                                f"micro_batch_tokens {args.token_budget or 'none'}"
                                + (", padding-free" if SIZES[args.size]["padding_free"] else "")
                                + f", lm_head_chunk_size {SIZES[args.size]['lm_head_chunk']}"),
         })
     per_token = {side: means[side] / statistics.mean(lengths[side]) for side in SIDES}  # the sides sample their own lengths
+    target = {"tiny": 0.70, "mid": 0.40}[args.size]
     for side in ("flowkit", "flowkit-every-row"):
         print(f"{side} / TRL ({args.size}): step time median {medians[side] / medians['trl']:.2f}, mean "
               f"{means[side] / means['trl']:.2f}, mean per response token {per_token[side] / per_token['trl']:.2f} "
-              f"(target <= 0.8; {args.clock} clock)")
+              f"(issue 46: <= {target:.2f}; {args.clock} clock)")
+    print_learning(rewards, args.steps + args.warmup)
+
+
+def print_learning(rewards: dict[str, list[float]], steps: int) -> None:
+    """Each side's mean outcome reward over its ``steps`` steps per round (round r runs seed r on every side) and
+    flowkit − TRL paired by round, mean ± standard error, beside TRL's spread over the rounds."""
+    for side, means in rewards.items():
+        print(f"{side:17s} mean outcome reward over {steps} steps, per round: {', '.join(f'{m:.4f}' for m in means)}")
+    if len(rewards["trl"]) < 2:
+        return
+    spread = statistics.stdev(rewards["trl"])
+    for side in ("flowkit", "flowkit-every-row"):
+        differences = [a - b for a, b in zip(rewards[side], rewards["trl"])]
+        error = statistics.stdev(differences) / len(differences) ** 0.5
+        print(f"{side} - TRL: {statistics.mean(differences):+.4f} ± {error:.4f} (paired over {len(differences)} "
+              f"rounds; TRL's standard deviation over rounds {spread:.4f})")
 
 
 if __name__ == "__main__":
