@@ -4,12 +4,12 @@
 
 The policy is ``bench_trl_race.py``'s mid-size one (a random Qwen2 of 19 M parameters whose EOS bias makes response
 lengths long-tailed: EOS at once in some samples, after a few dozen tokens in others, not before ``--new-tokens``
-in some). Its ``--prompts`` × 8 rollouts of the race's first prompts are sampled once; the experience is made once per side (the scoring pass,
-no reward model, outcome reward ``bench_trl_race.scrambled``); then each round times one update
+in some). Its ``--prompts`` × 8 rollouts of the race's first prompts are sampled once; the experience is made once per side (no reward model, outcome reward
+``bench_trl_race.scrambled``; with a scoring pass where the step runs one, on-policy GRPO runs none); then each round times one update
 (:meth:`~flowkit.step.PolicyUpdate.train_on`: forward, loss and backward of every micro-batch, one optimizer step
 at lr 0, so every round sees the same weights) per side, the sides alternating, on one thread. Both sides pack
 micro-batches under ``micro_batch_tokens`` = ``--token-budget``: padded, rows × longest row; padding-free, real
-tokens. The padded side runs each group's prompt once where sound (``forward_hidden_shared_prompts``); with
+tokens (``--token-budget 0``: one micro-batch of all rows, the B × S block against one packed sequence). The padded side runs each group's prompt once where sound (``forward_hidden_shared_prompts``); with
 ``--tapped`` the policy carries a latent tap, as under RLFR's flow reward, and no forward shares prompts. Reports each
 side's median update and scoring-pass time, its ``perf/padding_frac``, the ratio padded / padding-free
 (acceptance: ≥ 1.5) beside the most that removing the padding can give on this model (the ratio of the two sides'
@@ -97,12 +97,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--token-budget", type=int, default=2048, help="micro_batch_tokens of both sides")
+    parser.add_argument("--token-budget", type=int, default=2048,
+                        help="micro_batch_tokens of both sides (0: none, all rows in one micro-batch)")
     parser.add_argument("--rounds", type=int, default=5, help="timed updates per side, alternating, after one warm-up")
     parser.add_argument("--tapped", action="store_true",
                         help="a latent tap on the policy, as RLFR's flow reward puts one: no shared prompts padded")
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results/results.csv)")
     args = parser.parse_args()
+    args.token_budget = args.token_budget or None
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench_packing_") as tmp:
         build_mid_policy(Path(tmp))
@@ -135,15 +137,17 @@ def main() -> None:
                 times[side].append(time.perf_counter() - start)
             padding[side] = float(stats["perf/padding_frac"])
     median = {side: statistics.median(values) for side, values in times.items()}
+    scored = min(scoring.values()) > 0.05  # on-policy GRPO without a reward model runs no scoring pass
     for side in SIDES:
         print(f"{side:>12}: update median {median[side]:.3f} s over {args.rounds} rounds "
-              f"({', '.join(f'{t:.2f}' for t in times[side])}), scoring pass {scoring[side]:.2f} s, "
-              f"perf/padding_frac {padding[side]:.3f}")
+              f"({', '.join(f'{t:.2f}' for t in times[side])}), "
+              + (f"scoring pass {scoring[side]:.2f} s, " if scored else "")
+              + f"perf/padding_frac {padding[side]:.3f}")
     ratio = median["padded"] / median["padding_free"]
     flop = {side: matmul_gflop(model, experiences[side].attention_mask, experiences[side].response_mask,
                                args.token_budget, padding_free) for side, padding_free in SIDES.items()}
-    print(f"update phase padded / padding-free: {ratio:.2f}x (acceptance >= 1.5x); scoring pass "
-          f"{scoring['padded'] / scoring['padding_free']:.2f}x")
+    print(f"update phase padded / padding-free: {ratio:.2f}x (acceptance >= 1.5x); "
+          + (f"scoring pass {scoring['padded'] / scoring['padding_free']:.2f}x" if scored else "no scoring pass"))
     print(f"matmul and attention work: padded {flop['padded']:.0f} GFLOP, padding-free {flop['padding_free']:.0f}: "
           f"a ceiling of {flop['padded'] / flop['padding_free']:.2f}x on this model and these lengths")
     append_csv(args.csv, {"bench": "packing", "time": timestamp(), "rows": rollouts.batch.batch_size,
