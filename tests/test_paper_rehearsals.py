@@ -58,15 +58,16 @@ def padded(root: Path, site: str) -> bool:
 
 
 def test_rlfr_qwen_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
-    """rlfr_qwen.yaml as shipped on 2 ZeRO-3 ranks in bf16 (HF rollouts: vLLM is rehearsed in its own venv), the online
-    flow step in step 1: 3 steps, validation, export."""
+    """rlfr_qwen.yaml as shipped on 2 ZeRO-3 ranks in bf16 (HF rollouts: vLLM is rehearsed in its own venv), with an
+    online flow step: 3 steps, validation, export."""
     paper_rehearsal.run("rlfr_qwen.yaml", tmp_path, 3, "--model.init_args.rollout.engine", "hf", *probed(tmp_path))
     assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     for site in ("lm_head", "flow_scoring", "flow_pieces"):
         assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
     version = next((tmp_path / "run").glob("version_*"))
     steps = metrics(version)
-    assert sorted(steps) == [1, 2, 3] and float(steps[1]["flow/loss"]) > 0  # κ 2: a flow step in step 1
+    # the flow stepped (κ 2) once every rank's samples had 2 accepted rows, in whichever step that was
+    assert sorted(steps) == [1, 2, 3] and any(float(values["flow/loss"]) > 0 for values in steps.values())
     assert "val/heldout/pass@1" in steps[3]
     assert (version / "export" / "flow.safetensors").is_file() and (version / "export" / "hf_policy").is_dir()
 

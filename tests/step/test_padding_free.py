@@ -215,7 +215,8 @@ def test_zero3_step_packed_equals_padded(tmp_path):
         assert padded["stats"].pop("perf/padding_frac") > 0.0 or rank == 1  # rank 1's two rows are equally long
         assert packed["stats"].keys() == padded["stats"].keys()
         for key, value in padded["stats"].items():
-            assert packed["stats"][key] == pytest.approx(value, abs=1e-6), key
+            # the fp32 tolerance of the log-probs they are computed from (the second minibatch's follow an lr-1 step)
+            assert packed["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
         assert max(float((padded["weights"][name] - initial[name]).abs().max()) for name in initial) > 1e-3
         for name, weight in padded["weights"].items():
             torch.testing.assert_close(packed["weights"][name], weight, atol=1e-6, rtol=1e-5, msg=name)
