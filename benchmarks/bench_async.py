@@ -178,8 +178,8 @@ def compare_rewards(url: str, settings: dict, seeds: list[int], steps: int,
     fair); and per run kind, the mean share of a step's rows whose tokens came from two policy versions."""
     options = variants(url)
     loss = LossOptions(rollout_correction=correction)
-    clocks = {seed: {name: run_steps(steps, settings, seed, **options[name], loss=loss) for name in (SYNC, ASYNC, PARTIAL)}
-              for seed in seeds}
+    clocks = {seed: {name: run_steps(steps, settings, seed, **options[name], loss=loss)
+                     for name in (SYNC, ASYNC, PARTIAL)} for seed in seeds}
     mixed = {name: statistics.mean(share for by_name in clocks.values() for share in by_name[name].mixed_rows)
              for name in (SYNC, ASYNC, PARTIAL)}
     return {seed: {name: clock.rewards for name, clock in by_name.items()} for seed, by_name in clocks.items()}, mixed

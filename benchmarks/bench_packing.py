@@ -3,17 +3,18 @@
     python benchmarks/bench_packing.py [--prompts 4] [--new-tokens 256] [--token-budget 2048] [--rounds 5]
 
 The policy is ``bench_trl_race.py``'s mid-size one (a random Qwen2 of 19 M parameters whose EOS bias makes response
-lengths long-tailed: EOS at once in some samples, after a few dozen tokens in others, not before ``--new-tokens``
-in some). Its ``--prompts`` × 8 rollouts of the race's first prompts are sampled once; the experience is made once per side (no reward model, outcome reward
-``bench_trl_race.scrambled``; with a scoring pass where the step runs one, on-policy GRPO runs none); then each round times one update
-(:meth:`~flowkit.step.PolicyUpdate.train_on`: forward, loss and backward of every micro-batch, one optimizer step
-at lr 0, so every round sees the same weights) per side, the sides alternating, on one thread. Both sides pack
-micro-batches under ``micro_batch_tokens`` = ``--token-budget``: padded, rows × longest row; padding-free, real
-tokens (``--token-budget 0``: one micro-batch of all rows, the B × S block against one packed sequence). The padded side runs each group's prompt once where sound (``forward_hidden_shared_prompts``); with
-``--tapped`` the policy carries a latent tap, as under RLFR's flow reward, and no forward shares prompts. Reports each
-side's median update and scoring-pass time, its ``perf/padding_frac``, the ratio padded / padding-free
-(acceptance: ≥ 1.5) beside the most that removing the padding can give on this model (the ratio of the two sides'
-matmul and attention work, :func:`matmul_gflop`), and appends one row to the results CSV.
+lengths long-tailed: EOS at once in some samples, after a few dozen tokens in others, not before ``--new-tokens`` in
+some). Its ``--prompts`` × 8 rollouts of the race's first prompts are sampled once; the experience is made once per
+side (no reward model, outcome reward ``bench_trl_race.scrambled``; with a scoring pass where the step runs one,
+on-policy GRPO runs none); then each round times one update (:meth:`~flowkit.step.PolicyUpdate.train_on`: forward,
+loss and backward of every micro-batch, one optimizer step at lr 0, so every round sees the same weights) per side,
+the sides alternating, on one thread. Both sides pack micro-batches under ``micro_batch_tokens`` = ``--token-budget``:
+padded, rows × longest row; padding-free, real tokens (``--token-budget 0``: one micro-batch of all rows, the B × S
+block against one packed sequence). The padded side runs each group's prompt once where sound
+(``forward_hidden_shared_prompts``); with ``--tapped`` the policy carries a latent tap, as under RLFR's flow reward,
+and no forward shares prompts. Reports each side's median update and scoring-pass time, its ``perf/padding_frac``, the
+ratio padded / padding-free (acceptance: ≥ 1.5) beside the most that removing the padding can give on this model (the
+ratio of the two sides' matmul and attention work, :func:`matmul_gflop`), and appends one row to the results CSV.
 """
 
 from __future__ import annotations

@@ -104,8 +104,9 @@ def peak_rss_mb(config: dict, workdir: Path, default_malloc: bool) -> tuple[floa
     """(peak RSS in MiB, wall seconds) of ``flowkit fit`` on ``config`` in a fresh process."""
     path = workdir / f"step_{config['data']['init_args']['batch_size']}.yaml"
     path.write_text(yaml.safe_dump(config))
-    # MALLOC_MMAP_THRESHOLD_: as benchmarks/common.py's memory readings do in-process, tensors are mmap'd and unmapped on free, so the
-    # high-water mark counts live memory, not blocks glibc keeps after its threshold grew (it would hide the scaling).
+    # MALLOC_MMAP_THRESHOLD_: as benchmarks/common.py's memory readings do in-process, tensors are mmap'd and unmapped
+    # on free, so the high-water mark counts live memory, not blocks glibc keeps after its threshold grew (it would hide
+    # the scaling).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not default_malloc:
         env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
