@@ -74,13 +74,14 @@ def matmul_gflop(model, attention_mask: Tensor, response_mask: Tensor, budget: i
     head = config.vocab_size * config.hidden_size
     decoder = sum(p.numel() for name, p in model.named_parameters() if "layers." in name)
     attention = 12 * config.num_hidden_layers * config.hidden_size
-    lengths = attention_mask.sum(-1)
-    runs = micro_batch_rows(attention_mask, None, budget, padding_free=padding_free)
     if padding_free:
+        lengths = attention_mask.sum(-1)
         positions, pairs = int(lengths.sum()), int((lengths ** 2).sum())
     else:
-        positions = padded_tokens(sequence_lengths(attention_mask), runs)
-        pairs = sum(len(run) * int(sequence_lengths(attention_mask)[run].max()) ** 2 for run in runs)
+        lengths = sequence_lengths(attention_mask)
+        runs = micro_batch_rows(attention_mask, None, budget)
+        positions = padded_tokens(lengths, runs)
+        pairs = sum(len(run) * int(lengths[run].max()) ** 2 for run in runs)
     return (6 * decoder * positions + 8 * head * float(response_mask.sum()) + attention * pairs) / 1e9
 
 

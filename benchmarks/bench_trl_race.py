@@ -18,22 +18,23 @@ median, each side's mean response length, and the mean step time per response to
 
 Both sides: the same prompts per step in the same order (flowkit's prompt stream, written to a JSONL file that TRL
 reads unshuffled), temperature 1, top-p 1, lr 5e-5 (mid: 1e-7; constant, AdamW, no weight decay), grad-norm clip 1,
-clip ε 0.2, no KL, token-mean loss over the step's completions (TRL ``loss_type="dapo"``, whose normaliser spans
-the generation batch), group-normalised advantages, one update per generation, no gradient checkpointing, no
-vLLM, no evaluation, no checkpoints. Each side runs in its own process with one thread; ``--rounds`` alternates
-them back to back so machine load hits all alike, round r seeding every side with r. Reports the median and mean
-s/step after ``--warmup`` steps per side (over all rounds) and the ratios flowkit / TRL (issue 46: ≤ 0.70 tiny,
-≤ 0.40 mid); then the learning: each side's mean outcome reward over its steps (warm-up included) per round, and
-flowkit − TRL paired by round (mean ± standard error) beside TRL's spread over the rounds (meaningful on the tiny
-task: the mid one has nothing to learn). Appends one row per side with the library versions. Each side trains in the micro-batches that were fastest for it (``SIZES``;
-``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under ``micro_batch_tokens``
-(1024 tiny, 2048 mid; on the tiny task the smaller activations stay in cache: 0.425 vs 0.463 s/step without, 2048
-0.438) and, at mid size, packs them padding-free (``update.padding_free``: the update 1.14× faster on these long-tailed
-lengths, docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its logits kept for the backward
-(``update.lm_head_chunk_size: null``; at most 2048 × 32k floats, 256 MB, where TRL holds the whole step's); TRL
-trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches, generating all rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side, ``flowkit-every-row``, runs
-flowkit with ``update.skip_zero_advantage_rows: false`` (TRL forwards every row too), so the run also shows how much of the
-difference that option makes.
+clip ε 0.2, no KL, token-mean loss over the step's completions (TRL ``loss_type="dapo"``, whose normaliser spans the
+generation batch), group-normalised advantages, one update per generation, no gradient checkpointing, no vLLM, no
+evaluation, no checkpoints. Each side runs in its own process with one thread; ``--rounds`` alternates them back to
+back so machine load hits all alike, round r seeding every side with r. Reports the median and mean s/step after
+``--warmup`` steps per side (over all rounds) and the ratios flowkit / TRL (issue 46: ≤ 0.70 tiny, ≤ 0.40 mid); then
+the learning: each side's mean outcome reward over its steps (warm-up included) per round, and flowkit − TRL paired by
+round (mean ± standard error) beside TRL's spread over the rounds (meaningful on the tiny task: the mid one has
+nothing to learn). Appends one row per side with the library versions. Each side trains in the micro-batches that were
+fastest for it (``SIZES``; ``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under
+``micro_batch_tokens`` (1024 tiny, 2048 mid; on the tiny task the smaller activations stay in cache: 0.425 vs 0.463
+s/step without, 2048 0.438) and, at mid size, packs them padding-free (``update.padding_free``: the update 1.13–1.14×
+faster on these long-tailed lengths, docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its
+logits kept for the backward (``update.lm_head_chunk_size: null``; at most 2048 × 32k floats, 256 MB, where TRL holds
+the whole step's); TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches,
+generating all rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side,
+``flowkit-every-row``, runs flowkit with ``update.skip_zero_advantage_rows: false`` (TRL forwards every row too), so
+the run also shows how much of the difference that option makes.
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
@@ -144,11 +145,13 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
     timer = time_steps(None, steps, warmup, prompts=setting["prompts"], clock=clock, seed=seed,
                        sampling=SamplingOptions(num_samples=SAMPLES, max_new_tokens=setting["new_tokens"]),
                        optim=OptimOptions(lr=setting["lr"], flow_lr=1e-3),
-                       update=UpdateOptions(micro_batch_tokens=token_budget or None, padding_free=setting["padding_free"],
+                       update=UpdateOptions(micro_batch_tokens=token_budget or None,
+                                            padding_free=setting["padding_free"],
                                             lm_head_chunk_size=setting["lm_head_chunk"],
                                             skip_zero_advantage_rows=skip_zero_advantage_rows), **options)
-    return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "rewards": timer.rewards, "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
-                                        f"transformers {transformers.__version__}, torch {torch.__version__}"}
+    return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "rewards": timer.rewards,
+            "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
+                        f"transformers {transformers.__version__}, torch {torch.__version__}"}
 
 
 def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: Path, micro_batches: int,

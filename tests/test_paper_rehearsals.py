@@ -75,11 +75,12 @@ def test_rlfr_qwen_as_shipped_keeps_uneven_ranks_in_step(tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rlfr_qwen_async_as_shipped_with_a_rollout_server_keeps_uneven_ranks_in_step(tmp_path, backend):
     """rlfr_qwen_async.yaml as shipped (ZeRO-3, bf16, the server engine, ``max_staleness: 1`` with partial rollouts,
-    token TIS) on 2 ranks plus one ``flowkit rollout-server`` process on loopback: 3 steps, validation, export. The ranks stay in step where
-    they disagree; step 1 samples the weights it trains (nothing prefetched yet), steps 2 and 3 rows generated while
-    the step before trained, one version behind, none regenerated; and at the end the server holds the trained
-    weights (its greedy decode is theirs). The server runs in fp32 (the config's header starts it in bf16): it holds
-    the pushed bf16 values exactly, so its decode is compared with the trained weights' exactly.
+    token TIS) on 2 ranks plus one ``flowkit rollout-server`` process on loopback: 3 steps, validation, export. The
+    ranks stay in step where they disagree; step 1 samples the weights it trains (nothing prefetched yet), steps 2
+    and 3 rows generated while the step before trained, one version behind, none regenerated; and at the end the
+    server holds the trained weights (its greedy decode is theirs). The server runs in fp32 (the config's header
+    starts it in bf16): it holds the pushed bf16 values exactly, so its decode is compared with the trained weights'
+    exactly.
 
     Once per server backend: ``hf``, and ``vllm`` as the config's header starts it (run in the vLLM venv, ``-m
     vllm``, where the trainer's ranks run that venv's DeepSpeed, installed there by .ci/run, under the same ZeRO-3

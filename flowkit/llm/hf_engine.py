@@ -37,8 +37,9 @@ def _next_token_scores(logits: Tensor, temperature: float, top_p: float) -> tupl
     and whether any logit was NaN or inf — replaced by finite values so sampling goes on and the caller applies its
     own non-finite policy afterwards."""
     scores = logits.float()
-    # a NaN or inf anywhere makes the sum non-finite (as would logits summing past 3e38): one pass, no B×V mask
-    nonfinite = not bool(torch.isfinite(scores.sum()))
+    # a NaN or inf anywhere makes the sum non-finite: one pass without a B×V mask, the exact check only then (finite
+    # logits may also sum past 3e38)
+    nonfinite = not bool(torch.isfinite(scores.sum())) and not bool(torch.isfinite(scores).all())
     if nonfinite:
         scores = torch.nan_to_num(scores, nan=0.0, posinf=torch.finfo(scores.dtype).max,
                                   neginf=torch.finfo(scores.dtype).min)

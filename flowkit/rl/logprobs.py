@@ -162,10 +162,11 @@ def lm_head_logprobs(
     Equal to :func:`token_logprobs` / :func:`token_entropy` of ``lm_head(hidden)`` on response positions (0
     elsewhere), but only response positions go through the LM head, ``chunk_size`` tokens at a time, and the
     backward recomputes each chunk's logits, so neither the forward nor the backward ever holds more than one chunk
-    of vocabulary-sized logits (``chunk_size`` None: a Linear head keeps all of them for the backward instead). ``lm_head`` is *called* (it is the module, not its weight), so its module hooks run:
-    a Linear head (tied embeddings included) is called once for all chunks (:class:`_LinearHeadLogprobs`), so ZeRO-3
-    gathers it once for the forward and once for the backward of the whole micro-batch; any other head (LoRA-wrapped)
-    once per chunk, checkpointed (:func:`_module_head_logprobs`).
+    of vocabulary-sized logits (``chunk_size`` None: a Linear head keeps all of them for the backward instead).
+    ``lm_head`` is *called* (it is the module, not its weight), so its module hooks run: a Linear head (tied
+    embeddings included) is called once for all chunks (:class:`_LinearHeadLogprobs`), so ZeRO-3 gathers it once for
+    the forward and once for the backward of the whole micro-batch; any other head (LoRA-wrapped) once per chunk,
+    checkpointed (:func:`_module_head_logprobs`).
 
     Args:
         hidden: B×S×d last hidden state; position s−1 predicts ``input_ids[:, s]``.
