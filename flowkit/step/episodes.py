@@ -71,9 +71,26 @@ class EpisodeRollout:
         answer, **columns}``, every episode's trajectory, and whether a next-token score of theirs was not finite.
         Episodes prefetched for these prompts are taken, those more than ``max_staleness`` versions old run again.
         An episode that ended before the policy's first turn (its environment failed to start) is no row; when none
-        is left, :class:`~flowkit.errors.RunError`."""
-        records = _records(prompts, n)
-        prefetched = self._pending.pop(_key(prompts, n), None)
+        is left, or every episode ended in a fault of the environment, :class:`~flowkit.errors.RunError` — on every
+        rank (a collective: agreed before any rank goes on to the step's next collective and waits there for one
+        that stopped)."""
+        records, failure = _records(prompts, n), None
+        try:
+            trajectories, nonfinite, rows = self._episodes(records, _key(prompts, n))
+        except RunError as error:
+            failure = error
+        if any_rank(failure is not None):
+            raise failure or RunError("the episodes of another rank failed (that rank's error says why)")
+        kept = [trajectories[index] for index in rows]
+        batch = self._rows(kept, torch.tensor([index // n for index in rows]), device)
+        batch.columns = {key: [records[index][key] for index in rows] for key in prompts.columns}
+        batch.columns["episode"] = [self._summary(trajectory) for trajectory in kept]
+        return batch, trajectories, nonfinite
+
+    def _episodes(self, records: list[dict[str, Any]], key: tuple) -> tuple[list[Trajectory], bool, list[int]]:
+        """The records' trajectories (prefetched under ``key`` or run now), the non-finite flag and the indices of
+        those that reached the policy's first turn; :class:`~flowkit.errors.RunError` when none did."""
+        prefetched = self._pending.pop(key, None)
         if prefetched is None:
             trajectories, nonfinite = self._run(records)
         else:
@@ -83,11 +100,7 @@ class EpisodeRollout:
             first = next((t.error or t.stop_reason for t in trajectories), "no episode")
             raise RunError(f"no episode of environment {self.options.environment!r} reached the policy's first turn "
                            f"(episodes.max_tokens {self.options.max_tokens} below the prompts?); the first: {first}")
-        kept = [trajectories[index] for index in rows]
-        batch = self._rows(kept, torch.tensor([index // n for index in rows]), device)
-        batch.columns = {key: [records[index][key] for index in rows] for key in prompts.columns}
-        batch.columns["episode"] = [self._summary(trajectory) for trajectory in kept]
-        return batch, trajectories, nonfinite
+        return trajectories, nonfinite, rows
 
     def _run(self, records: list[dict[str, Any]]) -> tuple[list[Trajectory], bool]:
         """The records' trajectories, and whether the engine saw a non-finite next-token score in any of their
