@@ -76,7 +76,8 @@ def single_thread_env() -> dict[str, str]:
 def ensure_trl_venv(venv: Path) -> Path:
     """The TRL venv's python, creating the venv on first use."""
     python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([python, "-c", "import trl, math_verify"], capture_output=True).returncode == 0:
+    if python.exists() and subprocess.run([python, "-c", "import trl, math_verify"],
+                                          capture_output=True).returncode == 0:
         return python
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     for pin in TRL_PINS:  # torch first: trl's unpinned torch requirement would otherwise pull a CUDA build
@@ -128,6 +129,24 @@ def write_prompt_stream(path: Path, steps: int, prompts: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- workers
+def count_positions() -> dict[str, int]:
+    """Counts the positions every decoder forward of a Qwen2 runs, into ``{"generation": n, "training": n}`` (no
+    grad: sampling; grad: the training passes), so the race shows the work each side does beside its time."""
+    import torch
+    from transformers.models.qwen2 import modeling_qwen2
+
+    counts = {"generation": 0, "training": 0}
+    forward = modeling_qwen2.Qwen2Model.forward
+
+    def counted(self, input_ids=None, *args, **kwargs):
+        shape = input_ids.shape if input_ids is not None else kwargs["inputs_embeds"].shape[:2]
+        counts["training" if torch.is_grad_enabled() else "generation"] += shape[0] * shape[1]
+        return forward(self, input_ids, *args, **kwargs)
+
+    modeling_qwen2.Qwen2Model.forward = counted
+    return counts
+
+
 def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size: str, policy: Path,
                    token_budget: int, clock: str, seed: int) -> dict:
     import lightning
@@ -139,9 +158,11 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
     from flowkit.modules.policy_options import OptimOptions, SamplingOptions, UpdateOptions
 
     torch.set_num_threads(1)
+    positions = count_positions()
     setting = SIZES[size]
     options = {} if size == "tiny" else {
-        "backbone": str(policy), "outcome_reward": "none", "reward_functions": [{"function": "bench_trl_race.scrambled"}]}
+        "backbone": str(policy), "outcome_reward": "none",
+        "reward_functions": [{"function": "bench_trl_race.scrambled"}]}
     timer = time_steps(None, steps, warmup, prompts=setting["prompts"], clock=clock, seed=seed,
                        sampling=SamplingOptions(num_samples=SAMPLES, max_new_tokens=setting["new_tokens"]),
                        optim=OptimOptions(lr=setting["lr"], flow_lr=1e-3),
@@ -150,6 +171,7 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
                                             lm_head_chunk_size=setting["lm_head_chunk"],
                                             skip_zero_advantage_rows=skip_zero_advantage_rows), **options)
     return {"times": timer.times, "mean_length": statistics.mean(timer.lengths), "rewards": timer.rewards,
+            "positions": {phase: count / (steps + warmup) for phase, count in positions.items()},
             "versions": f"flowkit {flowkit.__version__}, lightning {lightning.__version__}, "
                         f"transformers {transformers.__version__}, torch {torch.__version__}"}
 
@@ -165,6 +187,7 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     torch.set_num_threads(1)
+    positions = count_positions()
     spec = importlib.util.spec_from_file_location("flowkit_grader", REPO / "flowkit" / "data" / "grader.py")
     grader = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(grader)
@@ -208,14 +231,16 @@ def trl_worker(steps: int, warmup: int, prompts_path: Path, size: str, policy: P
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source)
     timer = StepTimer()
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=binary_reward if size == "tiny" else scrambled, args=config, processing_class=tokenizer,
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=binary_reward if size == "tiny" else scrambled, args=config,
+                              processing_class=tokenizer,
                               train_dataset=load_dataset("json", data_files=str(prompts_path), split="train"),
                               callbacks=[timer])
     trainer.train()
     mean_length = next((float(h["completions/mean_length"]) for h in reversed(trainer.state.log_history)
                         if "completions/mean_length" in h), float("nan"))  # over all steps, warm-up included
-    return {"times": timer.times[warmup:], "mean_length": mean_length, "rewards": timer.rewards, "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, "
-                                                       f"torch {torch.__version__}"}
+    return {"times": timer.times[warmup:], "mean_length": mean_length, "rewards": timer.rewards,
+            "positions": {phase: count / (steps + warmup) for phase, count in positions.items()},
+            "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}"}
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -278,6 +303,7 @@ def main() -> None:
     versions: dict[str, str] = {}
     lengths: dict[str, list[float]] = {side: [] for side in SIDES}
     rewards: dict[str, list[float]] = {side: [] for side in SIDES}  # per round: the mean outcome reward of its steps
+    positions: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}  # per round: per step, by phase
     with tempfile.TemporaryDirectory(prefix="bench_trl_race_") as tmp:
         prompts_path = Path(tmp) / "prompts.jsonl"
         write_prompt_stream(prompts_path, args.steps + args.warmup, SIZES[args.size]["prompts"])
@@ -291,6 +317,7 @@ def main() -> None:
                 times[side] += result["times"]
                 versions[side] = result["versions"]
                 lengths[side].append(result["mean_length"])
+                positions[side].append(result["positions"])
     medians = {side: statistics.median(t) for side, t in times.items()}
     means = {side: statistics.mean(t) for side, t in times.items()}  # mid: a step's cost varies with its lengths
     for side, t in times.items():
@@ -313,13 +340,28 @@ def main() -> None:
                                + (", padding-free" if SIZES[args.size]["padding_free"] else "")
                                + f", lm_head_chunk_size {SIZES[args.size]['lm_head_chunk']}"),
         })
-    per_token = {side: means[side] / statistics.mean(lengths[side]) for side in SIDES}  # the sides sample their own lengths
+    # the sides sample their own lengths
+    per_token = {side: means[side] / statistics.mean(lengths[side]) for side in SIDES}
     target = {"tiny": 0.70, "mid": 0.40}[args.size]
     for side in ("flowkit", "flowkit-every-row"):
         print(f"{side} / TRL ({args.size}): step time median {medians[side] / medians['trl']:.2f}, mean "
               f"{means[side] / means['trl']:.2f}, mean per response token {per_token[side] / per_token['trl']:.2f} "
               f"(issue 46: <= {target:.2f}; {args.clock} clock)")
+    print_positions(positions)
     print_learning(rewards, args.steps + args.warmup)
+
+
+def print_positions(positions: dict[str, list[dict[str, float]]]) -> None:
+    """The decoder positions each side ran per step (all steps, all rounds), generation and training, and flowkit's
+    over TRL's: the work behind the step times."""
+    work = {side: {phase: statistics.mean(r[phase] for r in rounds) for phase in ("generation", "training")}
+            for side, rounds in positions.items()}
+    for side, phases in work.items():
+        print(f"{side:17s} decoder positions per step: generation {phases['generation']:.0f}, "
+              f"training {phases['training']:.0f}")
+    for side in ("flowkit", "flowkit-every-row"):
+        ratios = ", ".join(f"{phase} {work[side][phase] / work['trl'][phase]:.2f}" for phase in work[side])
+        print(f"{side} / TRL positions: {ratios}")
 
 
 def print_learning(rewards: dict[str, list[float]], steps: int) -> None:
