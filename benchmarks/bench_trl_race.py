@@ -25,8 +25,9 @@ back so machine load hits all alike, round r seeding every side with r. Reports 
 ``--warmup`` steps per side (over all rounds) and the ratios flowkit / TRL (issue 46: ≤ 0.70 tiny, ≤ 0.40 mid); the
 decoder positions each side ran per step, generating and training (the work behind the times); then the learning:
 each side's mean outcome reward over its steps (warm-up included) per round, and flowkit − TRL paired by round (mean ±
-standard error) beside TRL's spread over the rounds (meaningful on the tiny task: the mid one has nothing to learn). Appends one row per side with the library versions. Each side trains in the micro-batches that
-were fastest for it (``SIZES``; ``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under
+standard error) beside TRL's spread over the rounds (meaningful on the tiny task: the mid one has nothing to learn).
+Appends one row per side with the library versions. Each side trains in the micro-batches that were fastest for it
+(``SIZES``; ``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under
 ``micro_batch_tokens`` (1024 tiny, 2048 mid; on the tiny task the smaller activations stay in cache: 0.425 vs 0.463
 s/step without, 2048 0.438) and, at mid size, packs them padding-free (``update.padding_free``: the update 1.13–1.14×
 faster on these long-tailed lengths, docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its
