@@ -89,7 +89,8 @@ class EpisodeRollout:
 
     def _episodes(self, records: list[dict[str, Any]], key: tuple) -> tuple[list[Trajectory], bool, list[int]]:
         """The records' trajectories (prefetched under ``key`` or run now), the non-finite flag and the indices of
-        those that reached the policy's first turn; :class:`~flowkit.errors.RunError` when none did."""
+        those that reached the policy's first turn; :class:`~flowkit.errors.RunError` when none did, or (from the
+        runner) when every episode ended in a fault of the environment."""
         prefetched = self._pending.pop(key, None)
         if prefetched is None:
             trajectories, nonfinite = self._run(records)
