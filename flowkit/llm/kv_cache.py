@@ -19,31 +19,36 @@ from flowkit.llm.forward import position_ids
 
 def forward_hidden_shared_prompts(model: torch.nn.Module, batch: RolloutBatch) -> Tensor | None:
     """:func:`forward_hidden` running each group's prompt once: the rows of a group (same ``group_ids``) share their
-    prompt columns, so the decoder runs over them once per group into a KV cache that every row of the group then
-    reads (indexing it is differentiable: the rows' gradients add up in the shared prompt's). With 8 samples per
-    prompt the prompt's forward and backward cost 1/8 of a row-by-row pass. B×S like :func:`forward_hidden`, zeros
-    in the prompt columns (only response tokens' log-probs and values are read; a response token's comes from the
-    column before it, the prompt's last, which runs with the responses). None when no two rows share a prompt.
+    prompt columns, so the decoder runs over them once per group, into a KV cache that every row of the group then
+    reads and a last prompt column whose state every row takes (indexing both is differentiable: the rows' gradients
+    add up in the shared prompt's). With 8 samples per prompt the prompt's forward and backward cost 1/8 of a
+    row-by-row pass. B×S like :func:`forward_hidden`, with zeros in the prompt columns but the last and in the last
+    column: only response tokens' log-probs and values are read, a token's from the column before it, so the last
+    column's state predicts nothing and is not computed. None when no two rows share a prompt.
 
     Not for forwards whose hooks read every layer's output (a latent tap), nor for activation checkpointing or
     ZeRO-3, whose recomputation and parameter gathering assume one decoder pass per forward."""
     starts = batch.response_mask.argmax(-1)  # first response column of each row
-    prefix = int(starts.min()) - 1 if bool(batch.response_mask.any(-1).all()) else 0  # columns the cache holds
+    shared = int(starts.min()) if bool(batch.response_mask.any(-1).all()) else 0  # columns the group pass holds
     groups, inverse = torch.unique(batch.group_ids, return_inverse=True)
-    if prefix < 1 or len(groups) == batch.batch_size:
+    if shared < 1 or len(groups) == batch.batch_size:
         return None
     rows = torch.arange(batch.batch_size, device=inverse.device)
     first = torch.full_like(groups, batch.batch_size).scatter_reduce(0, inverse, rows, "amin")  # one row per group
-    ids, mask = batch.input_ids[:, :prefix], batch.attention_mask[:, :prefix]
+    ids, mask = batch.input_ids[:, :shared], batch.attention_mask[:, :shared]
     if not (torch.equal(ids, ids[first][inverse]) and torch.equal(mask, mask[first][inverse])):
         return None  # a group whose rows were encoded apart (other padding): no shared columns to rely on
-    cache = _prefill(model, DynamicCache(config=model.config), ids[first], mask[first])
+    decoder, cache = model.get_decoder(), DynamicCache(config=model.config)
+    prompt = decoder(input_ids=ids[first], attention_mask=mask[first], position_ids=position_ids(mask[first]),
+                     use_cache=True, **{cache_argument(decoder): cache}).last_hidden_state[:, -1:]
     cache.batch_select_indices(inverse)
-    decoder = model.get_decoder()
-    hidden = decoder(input_ids=batch.input_ids[:, prefix:], attention_mask=batch.attention_mask, use_cache=True,
-                     position_ids=position_ids(batch.attention_mask)[:, prefix:],
-                     **{cache_argument(decoder): cache}).last_hidden_state
-    return torch.nn.functional.pad(hidden, (0, 0, prefix, 0))
+    end = batch.input_ids.shape[1] - 1
+    pieces = [prompt.new_zeros(batch.batch_size, shared - 1, prompt.shape[-1]), prompt[inverse]]
+    if end > shared:
+        pieces.append(decoder(input_ids=batch.input_ids[:, shared:end], attention_mask=batch.attention_mask[:, :end],
+                              position_ids=position_ids(batch.attention_mask)[:, shared:end], use_cache=True,
+                              **{cache_argument(decoder): cache}).last_hidden_state)
+    return torch.cat([*pieces, prompt.new_zeros(batch.batch_size, 1, prompt.shape[-1])], dim=1)
 
 
 def cache_argument(decoder: torch.nn.Module) -> str:

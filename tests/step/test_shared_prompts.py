@@ -57,8 +57,9 @@ def test_shared_prompt_forward_equals_row_by_row(wrap, monkeypatch):
     for ours, theirs in zip(shared, expected):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert shared_grads.keys() == expected_grads.keys() and len(expected_grads) > 2
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+    for name, grad in expected_grads.items():  # fp32 sums in another order: tolerance on each tensor's scale
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-3, atol=1e-5 * max(1.0, grad.abs().max()),
+                                   msg=name)
 
 
 def test_shared_prompts_step_aside_where_unsound(monkeypatch):
