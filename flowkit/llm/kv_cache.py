@@ -38,17 +38,16 @@ def forward_hidden_shared_prompts(model: torch.nn.Module, batch: RolloutBatch) -
     ids, mask = batch.input_ids[:, :shared], batch.attention_mask[:, :shared]
     if not (torch.equal(ids, ids[first][inverse]) and torch.equal(mask, mask[first][inverse])):
         return None  # a group whose rows were encoded apart (other padding): no shared columns to rely on
-    decoder, cache = model.get_decoder(), DynamicCache(config=model.config)
-    prompt = decoder(input_ids=ids[first], attention_mask=mask[first], position_ids=position_ids(mask[first]),
-                     use_cache=True, **{cache_argument(decoder): cache}).last_hidden_state[:, -1:]
+    cache = DynamicCache(config=model.config)
+    pieces = [_prefill(model, cache, ids[first], mask[first])[inverse, -1:]]
     cache.batch_select_indices(inverse)
     end = batch.input_ids.shape[1] - 1
-    pieces = [prompt.new_zeros(batch.batch_size, shared - 1, prompt.shape[-1]), prompt[inverse]]
     if end > shared:
+        decoder = model.get_decoder()
         pieces.append(decoder(input_ids=batch.input_ids[:, shared:end], attention_mask=batch.attention_mask[:, :end],
                               position_ids=position_ids(batch.attention_mask)[:, shared:end], use_cache=True,
                               **{cache_argument(decoder): cache}).last_hidden_state)
-    return torch.cat([*pieces, prompt.new_zeros(batch.batch_size, 1, prompt.shape[-1])], dim=1)
+    return torch.nn.functional.pad(torch.cat(pieces, dim=1), (0, 0, shared - 1, 1))
 
 
 def cache_argument(decoder: torch.nn.Module) -> str:
@@ -74,7 +73,9 @@ def prompt_cache(model: PreTrainedModel, encoded: dict[str, Tensor], n: int, sha
 def recomputed_cache(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, capacity: int) -> DynamicCache:
     """A decoding cache (room for ``capacity`` positions) holding the KV of ``input_ids`` (left-padded rows, positioned
     as during generation) under the model's weights now, by one decoder pass: after a weight push mid-generation."""
-    return _prefill(model, _decoding_cache(model, capacity), input_ids, attention_mask)
+    cache = _decoding_cache(model, capacity)
+    _prefill(model, cache, input_ids, attention_mask)
+    return cache
 
 
 class ReservedLayer(DynamicLayer):
@@ -122,10 +123,9 @@ def _decoding_cache(model: PreTrainedModel, capacity: int) -> DynamicCache:
     return cache
 
 
-def _prefill(model: PreTrainedModel, cache: DynamicCache, input_ids: Tensor, attention_mask: Tensor) -> DynamicCache:
-    """``cache`` filled with the KV of ``input_ids`` (left-padded rows, positioned as during generation) by one
-    decoder pass."""
+def _prefill(model: PreTrainedModel, cache: DynamicCache, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Fills ``cache`` with the KV of ``input_ids`` (left-padded rows, positioned as during generation) by one decoder
+    pass; returns that pass's last hidden state."""
     decoder = model.get_decoder()
-    decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-            use_cache=True, **{cache_argument(decoder): cache})
-    return cache
+    return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                   use_cache=True, **{cache_argument(decoder): cache}).last_hidden_state
