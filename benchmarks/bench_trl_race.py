@@ -33,9 +33,11 @@ s/step without, 2048 0.438) and, at mid size, packs them padding-free (``update.
 faster on these long-tailed lengths, docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its
 logits kept for the backward (``update.lm_head_chunk_size: null``; at most 2048 × 32k floats, 256 MB, where TRL holds
 the whole step's); TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches,
-generating all rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). A third side,
-``flowkit-every-row``, runs flowkit with ``update.skip_zero_advantage_rows: false`` (TRL forwards every row too), so
-the run also shows how much of the difference that option makes.
+generating all rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). Two more flowkit sides show
+where the difference comes from: ``flowkit-every-row`` runs ``update.skip_zero_advantage_rows: false`` (TRL forwards
+every row too), and ``flowkit-f-linear`` runs the linear layers on ``F.linear`` (``FLOWKIT_KERNELS=reference``), as TRL
+does, instead of flowkit's oneDNN route for float32 CPU products (flowkit.kernels.cpu_linear: on a CPU where MKL
+takes its AVX2 kernels, an AMD one with AVX-512, oneDNN runs them about 2× faster; elsewhere the two sides are near).
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
@@ -65,7 +67,8 @@ SIZES = {  # prompts per step, new tokens, reward, learning rate; each side's fa
             "token_budget": 2048, "padding_free": True, "lm_head_chunk": None, "trl_micro_batches": 1},
 }
 EOS_LOGIT = 10.0  # the mid policy's EOS logit at its mean final hidden state
-SIDES = ("flowkit", "flowkit-every-row", "trl")
+SIDES = ("flowkit", "flowkit-every-row", "flowkit-f-linear", "trl")
+FLOWKIT_SIDES = SIDES[:-1]
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "math-verify==0.9.0")  # math-verify: the grader's fallback
 
 
@@ -253,7 +256,10 @@ def run_worker(python: Path, side: str, args: argparse.Namespace, prompts_path: 
                "--trl-micro-batches", str(args.trl_micro_batches), "--clock", args.clock,
                "--prompts-file", str(prompts_path),
                "--result", str(out)]
-    subprocess.run(command, check=True, env=single_thread_env(), cwd=prompts_path.parent)
+    env = single_thread_env()
+    if side == "flowkit-f-linear":  # the linear layers on F.linear, as before flowkit.kernels.cpu_linear
+        env["FLOWKIT_KERNELS"] = "reference"
+    subprocess.run(command, check=True, env=env, cwd=prompts_path.parent)
     return json.loads(out.read_text())
 
 
@@ -261,7 +267,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run, after the warm-up")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the three sides, back to back")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the four sides, back to back")
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--token-budget", type=int, default=None,
                         help="flowkit's micro_batch_tokens (0: none; default: the size's fastest, SIZES)")
@@ -289,7 +295,7 @@ def main() -> None:
         result = (trl_worker(args.steps, args.warmup, Path(args.prompts_file), args.size, policy,
                              args.trl_micro_batches, args.clock, args.seed)
                   if args.worker == "trl" else
-                  flowkit_worker(args.steps, args.warmup, args.worker == "flowkit", args.size, policy,
+                  flowkit_worker(args.steps, args.warmup, args.worker != "flowkit-every-row", args.size, policy,
                                  args.token_budget, args.clock, args.seed))
         Path(args.result).write_text(json.dumps(result))
         return
@@ -344,7 +350,7 @@ def main() -> None:
     # the sides sample their own lengths
     per_token = {side: means[side] / statistics.mean(lengths[side]) for side in SIDES}
     target = {"tiny": 0.70, "mid": 0.40}[args.size]
-    for side in ("flowkit", "flowkit-every-row"):
+    for side in FLOWKIT_SIDES:
         print(f"{side} / TRL ({args.size}): step time median {medians[side] / medians['trl']:.2f}, mean "
               f"{means[side] / means['trl']:.2f}, mean per response token {per_token[side] / per_token['trl']:.2f} "
               f"(issue 46: <= {target:.2f}; {args.clock} clock)")
@@ -360,7 +366,7 @@ def print_positions(positions: dict[str, list[dict[str, float]]]) -> None:
     for side, phases in work.items():
         print(f"{side:17s} decoder positions per step: generation {phases['generation']:.0f}, "
               f"training {phases['training']:.0f}")
-    for side in ("flowkit", "flowkit-every-row"):
+    for side in FLOWKIT_SIDES:
         ratios = ", ".join(f"{phase} {work[side][phase] / work['trl'][phase]:.2f}" for phase in work[side])
         print(f"{side} / TRL positions: {ratios}")
 
@@ -373,7 +379,7 @@ def print_learning(rewards: dict[str, list[float]], steps: int) -> None:
     if len(rewards["trl"]) < 2:
         return
     spread = statistics.stdev(rewards["trl"])
-    for side in ("flowkit", "flowkit-every-row"):
+    for side in FLOWKIT_SIDES:
         differences = [a - b for a, b in zip(rewards[side], rewards["trl"])]
         error = statistics.stdev(differences) / len(differences) ** 0.5
         print(f"{side} - TRL: {statistics.mean(differences):+.4f} ± {error:.4f} (paired over {len(differences)} "

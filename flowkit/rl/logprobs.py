@@ -13,6 +13,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from flowkit.distributed import agreed_call_count
+from flowkit.kernels import cpu_linear
 
 # Response tokens per LM-head chunk: 1024 tokens × 152k vocab × 4 bytes ≈ 0.6 GB of float32 logits at a time.
 DEFAULT_LM_HEAD_CHUNK = 1024
@@ -101,9 +102,9 @@ class _LinearHeadLogprobs(torch.autograd.Function):
                 grad_logits = log_probs.exp_().mul_(-scale[:, None])
             grad_logits[torch.arange(len(states), device=targets.device), targets[rows]] += scale
             grad_logits = grad_logits.to(dtype)
-            grad_hidden[rows] = (grad_logits @ weight).to(hidden.dtype)
+            grad_hidden[rows] = cpu_linear.grad_input(grad_logits, weight).to(hidden.dtype)
             if want_weight:
-                grad_weight += (grad_logits.T @ states).float()
+                grad_weight += cpu_linear.grad_weight(grad_logits, states).float()
             if want_bias:
                 grad_bias += grad_logits.float().sum(0)
         grad_weight = None if grad_weight is None else grad_weight.to(head.weight.dtype)
@@ -113,7 +114,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
 
 def _tempered_logits(states: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     """A chunk's fp32 logits z/T, a fresh tensor the caller may change in place."""
-    logits = torch.nn.functional.linear(states, weight, bias).float()  # float32 in: the same tensor
+    logits = cpu_linear.linear(states, weight, bias).float()  # float32 in: the same tensor
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 

@@ -1,0 +1,101 @@
+"""A float32 linear layer on CPU through oneDNN: ``x @ W^T + b`` and its two gradient products.
+
+PyTorch runs a float32 CPU matmul through its BLAS (MKL in the x86 wheels), and MKL takes its AVX-512 kernels on
+Intel CPUs only: on an AMD one with AVX-512 (Zen 4, Zen 5) it runs its AVX2 kernels at half the rate. oneDNN, which
+PyTorch bundles for its bf16 CPU path, dispatches on the instruction set instead and runs the same float32 products
+about 2× faster there (``benchmarks/bench_cpu_linear.py``). Below ~2^21 multiply-adds a product is mostly call
+overhead, where oneDNN's is the larger, so small products keep ``F.linear``.
+
+The oneDNN call is ``torch.ops.mkldnn._linear_pointwise`` (the op Inductor's CPU backend lowers linear layers to);
+it has no autograd, so :class:`_OneDNNLinear` supplies the backward with the same op. Products differ from
+``F.linear``'s in float32 summation order only. Anything else — CUDA tensors, other dtypes, CPU autocast, a torch
+built without oneDNN, ``FLOWKIT_KERNELS=reference`` — runs ``F.linear`` (the reference) unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .backends import ENV_VAR
+
+ONEDNN_MIN_MACS = 1 << 21  # multiply-adds below which a product is mostly call overhead (bench_cpu_linear.py)
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
+def _onednn_product(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``x @ weight^T`` (x: (..., K), weight: (N, K)) goes through oneDNN."""
+    return (_ONEDNN_LINEAR is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS
+            and not torch.is_autocast_enabled("cpu") and os.environ.get(ENV_VAR, "").lower() != "reference")
+
+
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight^T + bias`` for a 2-D ``x``, through oneDNN when :func:`_onednn_product` says so."""
+    if _onednn_product(x, weight):
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def grad_input(grad_output: Tensor, weight: Tensor) -> Tensor:
+    """``grad_output @ weight`` (M, N) × (N, K): the input's gradient of a linear layer."""
+    return _product(grad_output, weight.t())
+
+
+def grad_weight(grad_output: Tensor, x: Tensor) -> Tensor:
+    """``grad_output^T @ x`` (M, N)ᵀ × (M, K): the weight's gradient of a linear layer."""
+    return _product(grad_output.t(), x.t())
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        want_x, want_weight, want_bias = ctx.needs_input_grad
+        return (grad_input(grad, weight) if want_x else None,
+                grad_weight(grad, x) if want_weight else None,
+                grad.sum(0) if want_bias and ctx.has_bias else None)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` of any leading shape, through oneDNN where it is faster (module
+    docstring), differentiable in all three."""
+    if not _onednn_product(x, weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    differentiable = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if torch.is_grad_enabled() and differentiable:
+        out = _OneDNNLinear.apply(rows, weight, bias)
+    else:
+        out = _ONEDNN_LINEAR(rows, weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class OneDNNLinear(torch.nn.Linear):
+    """``nn.Linear`` whose forward is :func:`linear`: same parameters, state dict and hooks."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_onednn_linears(model: torch.nn.Module) -> int:
+    """Turn every plain ``nn.Linear`` of ``model`` into a :class:`OneDNNLinear` in place (its class only: the same
+    module objects, parameters and hooks); returns how many. A no-op in a torch built without oneDNN."""
+    if _ONEDNN_LINEAR is None:
+        return 0
+    swapped = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = OneDNNLinear
+            swapped += 1
+    return swapped
