@@ -66,13 +66,19 @@ def available_backends(device_type: str | None = None) -> list[str]:
     return found
 
 
+def forced_backend() -> str:
+    """The backend ``FLOWKIT_KERNELS`` forces, or "" when it forces none."""
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced and forced not in CHOICES:
+        raise ValueError(f"{ENV_VAR}={forced!r}; expected one of {CHOICES}")
+    return forced
+
+
 def select_backend(device: torch.device) -> str:
     """The backend an op on ``device`` runs with (see module docstring)."""
-    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    forced = forced_backend()
     available = available_backends(device.type)
     if forced:
-        if forced not in CHOICES:
-            raise ValueError(f"{ENV_VAR}={forced!r}; expected one of {CHOICES}")
         if forced in available:
             return forced
         warn_once(f"{ENV_VAR}={forced} is not available for {device.type} tensors; using {available[0]}")

@@ -14,13 +14,11 @@ built without oneDNN, ``FLOWKIT_KERNELS=reference`` — runs ``F.linear`` (the r
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .backends import ENV_VAR
+from .backends import forced_backend
 
 ONEDNN_MIN_MACS = 1 << 21  # multiply-adds below which a product is mostly call overhead (bench_cpu_linear.py)
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
@@ -30,14 +28,17 @@ def _onednn_product(x: Tensor, weight: Tensor) -> bool:
     """Whether ``x @ weight^T`` (x: (..., K), weight: (N, K)) goes through oneDNN."""
     return (_ONEDNN_LINEAR is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS
-            and not torch.is_autocast_enabled("cpu") and os.environ.get(ENV_VAR, "").lower() != "reference")
+            and not torch.is_autocast_enabled("cpu") and forced_backend() != "reference")
+
+
+def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight^T + bias`` for a 2-D ``x`` by oneDNN (no activation fused)."""
+    return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
 
 
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight^T + bias`` for a 2-D ``x``, through oneDNN when :func:`_onednn_product` says so."""
-    if _onednn_product(x, weight):
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-    return torch.nn.functional.linear(x, weight, bias)
+    return _onednn(x, weight, bias) if _onednn_product(x, weight) else torch.nn.functional.linear(x, weight, bias)
 
 
 def grad_input(grad_output: Tensor, weight: Tensor) -> Tensor:
@@ -55,7 +56,7 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        return _onednn(x, weight, bias)
 
     @staticmethod
     @once_differentiable
@@ -77,7 +78,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.is_grad_enabled() and differentiable:
         out = _OneDNNLinear.apply(rows, weight, bias)
     else:
-        out = _ONEDNN_LINEAR(rows, weight, bias, "none", [], "")
+        out = _onednn(rows, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -78,7 +78,7 @@ def test_what_stays_on_f_linear(onednn_calls, monkeypatch):
     assert onednn_calls == [((300, 128), (512, 128))]
 
 
-def test_a_backbone_runs_its_linears_through_onednn(onednn_calls, monkeypatch):
+def test_a_backbone_runs_its_linears_through_onednn(onednn_calls):
     model, _ = load_backbone("bundled:tiny_adder")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is cpu_linear.OneDNNLinear for m in linears)
