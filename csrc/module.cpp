@@ -30,4 +30,10 @@ TORCH_LIBRARY(flowkit, m) {
   m.def(
       "flow_attention_backward(Tensor grad_out, Tensor q, Tensor flow_k, Tensor flow_v, Tensor context_k, "
       "Tensor context_v, Tensor prefix_lengths, Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor)");
+  // LM-head softmax over the vocabulary: log p(target), the entropy and the log-normaliser of z/T per row of raw
+  // float32 logits z (N, V); the backward overwrites z with ∂(Σ g_p·log p + g_H·H)/∂z.
+  m.def("logprob_entropy(Tensor logits, Tensor targets, float temperature) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "logprob_entropy_backward_(Tensor(a!) logits, Tensor targets, Tensor log_normalizer, Tensor entropy, "
+      "Tensor grad_logprob, Tensor? grad_entropy, float temperature) -> ()");
 }

@@ -35,12 +35,15 @@ def native_loaded() -> bool:
     return native.LOADED
 
 
-def native_has(device_type: str) -> bool:
-    """True when ``flowkit._C`` was built with kernels for ``device_type`` ("cpu" or "cuda")."""
+def native_has(device_type: str, op: str = "velocity_deviation") -> bool:
+    """True when ``flowkit._C`` was built with a kernel of ``op`` for ``device_type`` ("cpu" or "cuda")."""
     if not native_loaded():
         return False
     key = "CUDA" if device_type == "cuda" else "CPU"
-    return torch._C._dispatch_has_kernel_for_dispatch_key("flowkit::velocity_deviation", key)
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"flowkit::{op}", key)
+    except RuntimeError:  # a flowkit._C built before the op existed
+        return False
 
 
 @functools.cache

@@ -46,9 +46,14 @@ def grad_input(grad_output: Tensor, weight: Tensor) -> Tensor:
     return _product(grad_output, weight.t())
 
 
-def grad_weight(grad_output: Tensor, x: Tensor) -> Tensor:
-    """``grad_output^T @ x`` (M, N)ᵀ × (M, K): the weight's gradient of a linear layer."""
-    return _product(grad_output.t(), x.t())
+def grad_weight(grad_output: Tensor, x: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """``grad_output^T @ x`` (M, N)ᵀ × (M, K): the weight's gradient of a linear layer. oneDNN takes row-major
+    operands only, so it multiplies a copy of ``grad_output^T``; ``scratch`` (a flat tensor of at least M·N elements
+    of its dtype) holds that copy instead of a fresh allocation, for a caller that repeats the product."""
+    transposed = grad_output.t()
+    if scratch is not None and _onednn_product(transposed, x.t()):
+        transposed = scratch[:transposed.numel()].view(transposed.shape).copy_(transposed)
+    return _product(transposed, x.t())
 
 
 class _OneDNNLinear(torch.autograd.Function):

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from flowkit.distributed import agreed_call_count
 from flowkit.kernels import cpu_linear
+from flowkit.kernels.logprob_entropy import logprob_entropy, logprob_entropy_backward_
 
 # Response tokens per LM-head chunk: 1024 tokens × 152k vocab × 4 bytes ≈ 0.6 GB of float32 logits at a time.
 DEFAULT_LM_HEAD_CHUNK = 1024
@@ -42,9 +43,8 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     Called inside the head module's own forward (:func:`_as_forward_of`), so under ZeRO-3 DeepSpeed's module hooks
     gather the head (trained or frozen) at most once for the forward of all chunks and once for their backward (and
     keep it between the two when the module trace says it is reused next): the backward recomputes each chunk's
-    logits and adds its share of every gradient under that gather. The gradient w.r.t. the logits z/T is
-    g·(onehot(target) − softmax), plus −p ⊙ (log p + H)·g_H for an ``entropy_gradient``; the hidden states get it
-    times W, W gets its transpose times the hidden states (summed over the chunks in fp32), the bias its column sums.
+    logits and adds its share of every gradient under that gather. The softmax statistics and the gradient w.r.t.
+    the logits (written over them) are :mod:`flowkit.kernels.logprob_entropy`'s; the hidden states get it times W, W gets its transpose times the hidden states (summed over the chunks in fp32), the bias its column sums.
     Matmuls run in the forward's autocast dtype where autocast is on, as the module's own forward would."""
 
     @staticmethod
@@ -58,13 +58,13 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         ctx.head, ctx.temperature, ctx.chunk, ctx.entropy_gradient = head, temperature, chunk, entropy_gradient
         picked, entropy, normalizers = [], [], []
         for start in range(0, len(targets), chunk):
-            logits = _tempered_logits(hidden[start:start + chunk], weight, bias, temperature)
+            logits = _logits(hidden[start:start + chunk], weight, bias)
             if keep:
                 ctx.kept_logits = logits
-            log_normalizer = torch.logsumexp(logits, dim=-1)
-            picked.append(logits.gather(-1, targets[start:start + chunk, None]).squeeze(-1) - log_normalizer)
-            probs = logits.sub(log_normalizer[:, None]).exp_()
-            entropy.append(log_normalizer - _rowwise_dot(probs, logits))
+            chunk_picked, chunk_entropy, log_normalizer = logprob_entropy(logits, targets[start:start + chunk],
+                                                                          temperature)
+            picked.append(chunk_picked)
+            entropy.append(chunk_entropy)
             normalizers.append(log_normalizer)
         empty = hidden.new_zeros(0, dtype=torch.float32)
         picked, entropy, normalizers = (torch.cat(values) if values else empty.clone()
@@ -84,27 +84,22 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         bias = None if head.bias is None else head.bias.to(dtype)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_bias else None
+        # one buffer for every chunk's transposed logit gradient (a fresh one per chunk is page-faulted in anew on CPU)
+        on_cpu = want_weight and weight.device.type == "cpu"
+        scratch = weight.new_empty(min(ctx.chunk, len(targets)) * weight.shape[0]) if on_cpu else None
         for start in range(0, len(targets), ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             states = hidden[rows].to(dtype)
             logits, ctx.kept_logits = ctx.kept_logits, None  # used up in place: a second backward recomputes
             if logits is None:
-                logits = _tempered_logits(states, weight, bias, ctx.temperature)
-            # the chunk's log-softmax from the forward's normalisers, in place: the backward's largest tensor once
-            log_probs = logits.sub_(normalizers[rows, None])
-            scale = grad_picked[rows] / ctx.temperature  # ∂/∂(z/T) → ∂/∂z
-            if ctx.entropy_gradient:  # ∂H/∂z = −p ⊙ (log p + H)
-                entropy_scale = (-grad_entropy[rows] / ctx.temperature)[:, None]
-                probs = log_probs.exp()
-                grad_logits = log_probs.add_(entropies[rows, None]).mul_(probs).mul_(entropy_scale)
-                grad_logits.addcmul_(probs, scale[:, None], value=-1.0)
-            else:
-                grad_logits = log_probs.exp_().mul_(-scale[:, None])
-            grad_logits[torch.arange(len(states), device=targets.device), targets[rows]] += scale
-            grad_logits = grad_logits.to(dtype)
+                logits = _logits(states, weight, bias)
+            # the gradient w.r.t. the chunk's logits, written over them: the backward's largest tensor once
+            grad_logits = logprob_entropy_backward_(
+                logits, targets[rows], normalizers[rows], entropies[rows], grad_picked[rows],
+                grad_entropy[rows] if ctx.entropy_gradient else None, ctx.temperature).to(dtype)
             grad_hidden[rows] = cpu_linear.grad_input(grad_logits, weight).to(hidden.dtype)
             if want_weight:
-                grad_weight += cpu_linear.grad_weight(grad_logits, states).float()
+                grad_weight += cpu_linear.grad_weight(grad_logits, states, scratch).float()
             if want_bias:
                 grad_bias += grad_logits.float().sum(0)
         grad_weight = None if grad_weight is None else grad_weight.to(head.weight.dtype)
@@ -112,15 +107,9 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _tempered_logits(states: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """A chunk's fp32 logits z/T, a fresh tensor the caller may change in place."""
-    logits = cpu_linear.linear(states, weight, bias).float()  # float32 in: the same tensor
-    return logits.div_(temperature) if temperature != 1.0 else logits
-
-
-def _rowwise_dot(a: Tensor, b: Tensor) -> Tensor:
-    """Σ_v a[n, v]·b[n, v] per row as a batched matmul (no N×V product in memory)."""
-    return (a.unsqueeze(1) @ b.unsqueeze(2)).flatten()
+def _logits(states: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """A chunk's contiguous fp32 logits z, a fresh tensor the caller may change in place."""
+    return cpu_linear.linear(states, weight, bias).float().contiguous()  # float32 in: the same tensor
 
 
 def _as_forward_of(module: torch.nn.Module, function: Callable, *args):

@@ -9,4 +9,4 @@ except ImportError:
     LOADED = False
 else:
     LOADED = True
-    from . import flow_attention, velocity_deviation  # noqa: F401  (register fake + autograd)
+    from . import flow_attention, logprob_entropy, velocity_deviation  # noqa: F401  (register fakes + autograd)
