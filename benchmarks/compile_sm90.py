@@ -6,7 +6,8 @@ the JIT's own binder (built for ``GPUTarget("cuda", 90, 32)``) gives the special
 would get, and ``triton.compile`` builds it for that target with Triton's ``ptxas -v`` (a fresh cache directory per
 run, so nothing is served from a cache). Shapes: d 3584, 3 hooked layers, |T| 1 (configs/rlfr_qwen.yaml), pieces of
 8,192 stacked rows, fp32 and bf16, forward and backward; the flow attention at Qwen2.5-7B's heads (28 / 4 KV, head dim
-128) with 2 flow tokens (the explanation reward's) and 64 (448 query rows per KV head, well past one block).
+128) with 2 flow tokens (the explanation reward's) and 64 (448 query rows per KV head, well past one block); the LM
+head's softmax over Qwen2's 152,064-token vocabulary in chunks of 1,024 tokens (float32 logits only).
 
 Checks, per compiled kernel: zero spill stores, shared memory ≤ 227 KB (sm_90's opt-in per block), compile ≤ 2 s of
 CPU time (Triton's front end plus ptxas; CPU time, so a loaded CI machine does not fail it); and per op, dtype and
@@ -14,7 +15,7 @@ shape class, one JIT cache key over 20 steps' worth of changing seeds, token off
 lengths (a second key is a recompile on the GPU). The ``.cu`` files are compiled with ``nvcc -arch=sm_90 -Xptxas -v``
 (csrc/check_cuda_compile.sh): no spills, no stack frame above 64 B.
 
-    python benchmarks/compile_sm90.py [--skip-nvcc] [--only velocity|attention]   # prints the table; exit 1 on a failure
+    python benchmarks/compile_sm90.py [--skip-nvcc] [--only velocity|attention|softmax]   # the table; exit 1 on a failure
 
 The GPU image runs Triton 3.6.0 and this machine 3.9.0; the gate runs under both (CI installs 3.6.0 into
 build/triton36 and tests/kernels/test_compile_sm90.py runs the gate with it first on PYTHONPATH).
@@ -49,6 +50,7 @@ DIM, LAYERS, TIMESTEPS, PIECE_ROWS = 3584, 3, 1, 8192
 HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 FLOW_TOKEN_CLASSES = (2, 64)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+VOCAB, HEAD_CHUNK = 152_064, 1024  # Qwen2's vocabulary; update.lm_head_chunk_size's default
 
 
 @dataclass
@@ -123,6 +125,18 @@ def attention_launches(dtype: torch.dtype, num_flow: int, rng: random.Random) ->
     out, lse = q.clone(), meta(batch, steps, num_flow, HEADS)
     return (run_op(ops, ops.flow_attention_core, q, fk, fk.clone(), ck, ck.clone(), prefix)
             + run_op(ops, ops.flow_attention_backward, q.clone(), q, fk, fk.clone(), ck, ck.clone(), prefix, out, lse))
+
+
+def softmax_launches(rng: random.Random) -> list[Launch]:
+    """One LM-head chunk's softmax forward and backward over Qwen2's vocabulary: a full chunk or the last, partial
+    one (float32 logits whatever the policy's dtype; no entropy bonus, the default)."""
+    from flowkit.kernels.triton import logprob_entropy as ops
+
+    rows = rng.choice([HEAD_CHUNK, rng.randint(1, HEAD_CHUNK)])
+    logits, targets, values = meta(rows, VOCAB), meta(rows, dtype=torch.int64), meta(rows)
+    return (run_op(ops, ops.logprob_entropy, logits, targets, 1.0)
+            + run_op(ops, ops.logprob_entropy_backward_, logits, targets, values, values.clone(), values.clone(), None,
+                     1.0))
 
 
 @dataclass
@@ -227,6 +241,8 @@ def shape_classes(only: str | None = None) -> list[tuple]:
             for num_flow in FLOW_TOKEN_CLASSES:
                 classes.append((name, f"F{num_flow} x G{HEADS // KV_HEADS} dh{HEAD_DIM}",
                                 lambda rng, dtype=dtype, f=num_flow: attention_launches(dtype, f, rng)))
+    if only in (None, "softmax"):
+        classes.append(("fp32", f"V{VOCAB} {HEAD_CHUNK} rows", softmax_launches))
     return classes
 
 
@@ -332,7 +348,7 @@ def format_table(rows: list[Row]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-nvcc", action="store_true", help="only the Triton kernels")
-    parser.add_argument("--only", choices=["velocity", "attention"], help="one family of Triton kernels")
+    parser.add_argument("--only", choices=["velocity", "attention", "softmax"], help="one family of Triton kernels")
     args = parser.parse_args(argv)
     import triton
 

@@ -56,7 +56,7 @@ FLOWKIT_SIMD_CLONES void row_sums(const float* z, int64_t vocab, float top, floa
     const float y = (z[v] - top) * inv_t;
     const float e = exp_nonpositive(y);
     s += e;
-    m += e * y;
+    m += e > 0.0f ? e * y : 0.0f;  // a −inf logit adds 0, not 0·(−inf)
   }
   *sum = s;
   *moment = m;
@@ -68,7 +68,8 @@ FLOWKIT_SIMD_CLONES void row_gradient(float* z, int64_t vocab, float inv_t, floa
 #pragma omp simd
   for (int64_t v = 0; v < vocab; ++v) {
     const float log_p = z[v] * inv_t - lse;
-    z[v] = -(coef_p + coef_h * (log_p + entropy)) * exp_nonpositive(log_p);
+    const float p = exp_nonpositive(log_p);
+    z[v] = p > 0.0f ? -(coef_p + coef_h * (log_p + entropy)) * p : 0.0f;  // a −inf logit's p is 0, and so is its gradient
   }
 }
 

@@ -83,3 +83,48 @@ def assert_deviation_ops_match_reference(x1, ts, w, mask, v, tol):
                                    atol=tol * 10, rtol=tol)
         torch.testing.assert_close(scores, expected, atol=tol, rtol=tol)
         torch.testing.assert_close(grad, expected_grad, atol=tol, rtol=tol)
+
+
+def softmax_inputs(rows, vocab, scale, seed=0, device="cpu"):
+    """Float32 logits (rows, vocab) of spread ``scale``, int64 targets, and two float32 upstream gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=generator) * scale
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    grads = torch.randn(rows, generator=generator), torch.randn(rows, generator=generator)
+    return tuple(t.to(device) for t in (logits, targets, *grads))
+
+
+def softmax_float64_truth(logits, targets, temperature, grad_logprob, grad_entropy):
+    """log p(target), entropy and log-normaliser of z/T, and ∂(Σ g_p·log p + g_H·H)/∂z by float64 autograd."""
+    z = logits.double().requires_grad_()
+    tempered = z / temperature
+    log_normalizer = torch.logsumexp(tempered, -1)
+    log_probs = tempered - log_normalizer[:, None]
+    logprob = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    objective = (logprob * grad_logprob.double()).sum()
+    if grad_entropy is not None:
+        objective = objective + (entropy * grad_entropy.double()).sum()
+    objective.backward()
+    return logprob.detach(), entropy.detach(), log_normalizer.detach(), z.grad
+
+
+def assert_softmax_op_matches_float64(rows, vocab, scale, temperature, with_entropy, gradient_tolerance=1e-6,
+                                      device="cpu"):
+    """:mod:`flowkit.kernels.logprob_entropy` (whichever backend runs) against float64, with tolerances that grow
+    with |z/T| (float32 rounding of z/T and of the log-normaliser) and, for the gradient, with its size."""
+    from flowkit.kernels import logprob_entropy as op
+
+    logits, targets, grad_logprob, grad_entropy = softmax_inputs(rows, vocab, scale, device=device)
+    grad_entropy = grad_entropy if with_entropy else None
+    truth = softmax_float64_truth(logits, targets, temperature, grad_logprob, grad_entropy)
+    values = op.logprob_entropy(logits, targets, temperature)
+    magnitude = max(1.0, logits.abs().max().item() / temperature)
+    for value, expected in zip(values, truth[:3]):
+        assert value.dtype == torch.float32 and value.shape == (rows,)
+        torch.testing.assert_close(value.double(), expected, atol=1e-5 * magnitude, rtol=1e-5)
+    buffer = logits.clone()
+    grad = op.logprob_entropy_backward_(buffer, targets, values[2], values[1], grad_logprob, grad_entropy, temperature)
+    assert grad.data_ptr() == buffer.data_ptr()  # written over the logits
+    scale = magnitude * max(1.0, truth[3].abs().max().item()) * gradient_tolerance
+    torch.testing.assert_close(grad.double(), truth[3], atol=scale, rtol=1e-5)

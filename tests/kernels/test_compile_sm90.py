@@ -61,7 +61,8 @@ def test_one_jit_variant_per_kernel_dtype_and_shape_over_20_steps():
     """Seeds over the full 64-bit range, token offsets, partial last pieces, batch, evaluations and context lengths
     all change from step to step; none of them may make the JIT compile a second variant."""
     variants = compile_sm90.jit_variants(compile_sm90.Sm90Compiler(cache_dir="unused"))
-    assert len(variants) == 18  # 3 velocity-deviation kernels x 2 dtypes + 3 attention kernels x 2 dtypes x 2 classes
+    # 3 velocity-deviation kernels x 2 dtypes + 3 attention kernels x 2 dtypes x 2 classes + 2 softmax kernels (fp32)
+    assert len(variants) == 20
     assert {name: len(keys) for name, keys in variants.items() if len(keys) != 1} == {}
 
 
@@ -70,10 +71,10 @@ def test_triton_kernels_compile_for_sm90_at_paper_shapes():
     print("\n" + compile_sm90.format_table(rows))
     assert [r for r in rows if r.failures] == []
     # every kernel of flowkit.kernels.triton was compiled, for both dtypes and every shape class
-    from flowkit.kernels.triton import flow_attention, velocity_deviation
+    from flowkit.kernels.triton import flow_attention, logprob_entropy, velocity_deviation
 
     compiled = {r.kernel for r in rows}
-    for module in (velocity_deviation, flow_attention):
+    for module in (velocity_deviation, flow_attention, logprob_entropy):
         jitted = [v for v in vars(module).values() if isinstance(v, triton.runtime.JITFunction)]
         kernels = {f.fn.__name__ for f in jitted if f.fn.__name__ in compiled}
         helpers = {f.fn.__name__ for f in jitted} - kernels
@@ -82,7 +83,11 @@ def test_triton_kernels_compile_for_sm90_at_paper_shapes():
     seen = {}
     for r in rows:
         seen.setdefault(r.kernel, set()).add((r.dtype, r.shape))
+    assert {"_logprob_entropy_kernel", "_logprob_entropy_backward_kernel"} <= set(seen)
     for kernel, classes in seen.items():
+        if kernel.startswith("_logprob_entropy"):  # float32 logits whatever the policy's dtype
+            assert classes == {("fp32", f"V{compile_sm90.VOCAB} {compile_sm90.HEAD_CHUNK} rows")}, kernel
+            continue
         shapes = len(compile_sm90.FLOW_TOKEN_CLASSES) if kernel.startswith("_flow_attention") else 1
         assert {dtype for dtype, _ in classes} == set(compile_sm90.DTYPES) and len(classes) == 2 * shapes, kernel
 

@@ -4,10 +4,12 @@ import pytest
 import torch
 from kernel_cases import (
     assert_deviation_ops_match_reference,
+    assert_softmax_op_matches_float64,
     attention_inputs,
     core_inputs,
     deviation_inputs,
     deviation_noise,
+    softmax_inputs,
 )
 
 from flowkit.kernels import (
@@ -119,8 +121,24 @@ def test_opcheck(backend):
         from flowkit.kernels.triton import flow_attention
         from flowkit.kernels.triton import velocity_deviation as triton_deviation
 
+        from flowkit.kernels.triton import logprob_entropy
+
         torch.library.opcheck(triton_deviation.velocity_deviation, (v, x1, ts, w, 4, 3, mask))
         torch.library.opcheck(flow_attention.flow_attention_core, (q, fk, fv, ck, cv, prefix))
+        logits, targets, grad_logprob, grad_entropy = softmax_inputs(6, 5000, 2.0, device="cuda")
+        _, entropy, log_normalizer = logprob_entropy.logprob_entropy(logits, targets, 0.8)
+        torch.library.opcheck(logprob_entropy.logprob_entropy, (logits, targets, 0.8))
+        torch.library.opcheck(logprob_entropy.logprob_entropy_backward_,
+                              (logits.clone(), targets, log_normalizer, entropy, grad_logprob, grad_entropy, 0.8))
+
+
+@pytest.mark.parametrize("rows, vocab, scale, temperature", [(7, 3, 2.0, 0.7), (33, 152_064, 4.0, 1.0),
+                                                             (5, 4099, 12.0, 0.3)])
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_logprob_entropy_matches_float64(rows, vocab, scale, temperature, with_entropy):
+    """The LM head's softmax on CUDA (Triton: there is no native CUDA kernel), Qwen2's vocabulary among the shapes."""
+    require("triton")
+    assert_softmax_op_matches_float64(rows, vocab, scale, temperature, with_entropy, device="cuda")
 
 
 def test_native_cuda_gradcheck_float64():

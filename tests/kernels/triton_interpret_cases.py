@@ -12,6 +12,7 @@ import pytest
 import torch
 from kernel_cases import (
     assert_deviation_ops_match_reference,
+    assert_softmax_op_matches_float64,
     attention_inputs,
     deviation_inputs,
     deviation_noise,
@@ -60,3 +61,11 @@ def test_flow_attention_matches_reference(case, dtype, tol):
     (grad,) = torch.autograd.grad(out.float().square().sum(), kwargs["flow_hidden"])
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
     torch.testing.assert_close(grad, expected_grad, atol=tol * 5, rtol=tol * 5)
+
+
+@pytest.mark.parametrize("rows, vocab, scale, temperature", [(1, 1, 1.0, 1.0), (7, 3, 2.0, 0.7), (5, 4099, 12.0, 0.3),
+                                                             (3, 9001, 1.0, 1.7)])
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_logprob_entropy_matches_float64(rows, vocab, scale, temperature, with_entropy):
+    """fp32 only (the op takes float32 logits); 4099 and 9001 span several blocks, so the online maximum rescales."""
+    assert_softmax_op_matches_float64(rows, vocab, scale, temperature, with_entropy)
