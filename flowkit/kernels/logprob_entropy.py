@@ -18,7 +18,8 @@ from .backends import available_backends, native_has, select_backend
 from .reference import logprob_entropy as reference
 
 
-def _backend(logits: Tensor) -> str:
+def backend_for(logits: Tensor) -> str:
+    """The implementation the op runs for these logits: "native", "triton" or "reference"."""
     if logits.dtype != torch.float32 or not logits.is_contiguous():
         return "reference"
     backend = select_backend(logits.device)
@@ -30,7 +31,7 @@ def _backend(logits: Tensor) -> str:
 def logprob_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Per row of ``logits`` (N, V) float32: log p(``targets``), the entropy H and log Σ_v e^{z_v/T}, all float32 (N,).
     No autograd: :func:`logprob_entropy_backward_` is the backward."""
-    backend = _backend(logits)
+    backend = backend_for(logits)
     if backend == "native":
         return torch.ops.flowkit.logprob_entropy(logits, targets, temperature)
     if backend == "triton":
@@ -44,7 +45,7 @@ def logprob_entropy_backward_(logits: Tensor, targets: Tensor, log_normalizer: T
                               grad_logprob: Tensor, grad_entropy: Tensor | None, temperature: float = 1.0) -> Tensor:
     """Overwrite ``logits`` z with ∂(Σ_n g_p[n]·log p_n + g_H[n]·H_n)/∂z — (g_p·(onehot − p) − g_H·p ⊙ (log p + H))/T
     — from the forward's ``log_normalizer`` and ``entropy``; ``grad_entropy`` None: no entropy term. Returns it."""
-    backend = _backend(logits)
+    backend = backend_for(logits)
     if backend == "native":
         torch.ops.flowkit.logprob_entropy_backward_(logits, targets, log_normalizer, entropy, grad_logprob,
                                                     grad_entropy, temperature)
