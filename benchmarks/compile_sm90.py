@@ -15,7 +15,7 @@ shape class, one JIT cache key over 20 steps' worth of changing seeds, token off
 lengths (a second key is a recompile on the GPU). The ``.cu`` files are compiled with ``nvcc -arch=sm_90 -Xptxas -v``
 (csrc/check_cuda_compile.sh): no spills, no stack frame above 64 B.
 
-    python benchmarks/compile_sm90.py [--skip-nvcc] [--only velocity|attention|softmax]   # the table; exit 1 on a failure
+    python benchmarks/compile_sm90.py [--skip-nvcc] [--only velocity|attention|softmax]  # exit 1 on a failure
 
 The GPU image runs Triton 3.6.0 and this machine 3.9.0; the gate runs under both (CI installs 3.6.0 into
 build/triton36 and tests/kernels/test_compile_sm90.py runs the gate with it first on PYTHONPATH).

@@ -69,7 +69,7 @@ FLOWKIT_SIMD_CLONES void row_gradient(float* z, int64_t vocab, float inv_t, floa
   for (int64_t v = 0; v < vocab; ++v) {
     const float log_p = z[v] * inv_t - lse;
     const float p = exp_nonpositive(log_p);
-    z[v] = p > 0.0f ? -(coef_p + coef_h * (log_p + entropy)) * p : 0.0f;  // a −inf logit's p is 0, and so is its gradient
+    z[v] = p > 0.0f ? -(coef_p + coef_h * (log_p + entropy)) * p : 0.0f;  // a −inf logit: p = 0, gradient 0
   }
 }
 
@@ -116,16 +116,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cpu(const at::Ten
   return {logprob, entropy, log_normalizer};
 }
 
-void logprob_entropy_backward_cpu(const at::Tensor& logits, const at::Tensor& targets_in, const at::Tensor& log_normalizer_in,
+void logprob_entropy_backward_cpu(const at::Tensor& logits, const at::Tensor& targets_in,
+                                  const at::Tensor& log_normalizer_in,
                                   const at::Tensor& entropy_in, const at::Tensor& grad_logprob_in,
                                   const std::optional<at::Tensor>& grad_entropy_in, double temperature) {
   check_rows(logits, targets_in);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   for (const at::Tensor* row_values : {&log_normalizer_in, &entropy_in, &grad_logprob_in})
-    TORCH_CHECK(row_values->numel() == rows && row_values->scalar_type() == at::kFloat, "row values must be float32 (N,)");
-  check_targets(targets_in.contiguous(), vocab);
+    TORCH_CHECK(row_values->numel() == rows && row_values->scalar_type() == at::kFloat,
+                "row values must be float32 (N,)");
   const bool has_grad_entropy = grad_entropy_in.has_value() && grad_entropy_in->defined();
+  TORCH_CHECK(!has_grad_entropy || grad_entropy_in->numel() == rows, "grad_entropy must be (N,)");
+  TORCH_CHECK(temperature > 0.0, "need a positive temperature");
   const at::Tensor targets = targets_in.contiguous(), lse = log_normalizer_in.contiguous();
+  check_targets(targets, vocab);
   const at::Tensor entropy = entropy_in.contiguous(), grad_logprob = grad_logprob_in.contiguous();
   const at::Tensor grad_entropy = has_grad_entropy ? grad_entropy_in->to(at::kFloat).contiguous() : at::Tensor();
   const float inv_t = static_cast<float>(1.0 / temperature);

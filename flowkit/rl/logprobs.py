@@ -44,7 +44,8 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     gather the head (trained or frozen) at most once for the forward of all chunks and once for their backward (and
     keep it between the two when the module trace says it is reused next): the backward recomputes each chunk's
     logits and adds its share of every gradient under that gather. The softmax statistics and the gradient w.r.t.
-    the logits (written over them) are :mod:`flowkit.kernels.logprob_entropy`'s; the hidden states get it times W, W gets its transpose times the hidden states (summed over the chunks in fp32), the bias its column sums.
+    the logits (written over them) are :mod:`flowkit.kernels.logprob_entropy`'s; the hidden states get that gradient
+    times W, W gets its transpose times the hidden states (summed over the chunks in fp32), the bias its column sums.
     Matmuls run in the forward's autocast dtype where autocast is on, as the module's own forward would."""
 
     @staticmethod
