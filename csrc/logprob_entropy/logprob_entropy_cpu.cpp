@@ -12,14 +12,10 @@
 #include <limits>
 #include <tuple>
 
+#include "../simd_clones.h"
+
 namespace flowkit {
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FLOWKIT_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FLOWKIT_SIMD_CLONES
-#endif
 
 // e^x for x ≤ 0, branch-free so loops vectorise: 2^n · p(r) with x = n·ln2 + r, |r| ≤ ln2/2, Cephes' degree-6
 // polynomial (≤ 2 ulp against libm's expf); 0 below −87 (where e^x is under float32's normal range).

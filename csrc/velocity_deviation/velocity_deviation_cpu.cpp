@@ -11,15 +11,10 @@
 #include <vector>
 
 #include "../flow_noise.h"
+#include "../simd_clones.h"
 
 namespace flowkit {
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FLOWKIT_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FLOWKIT_SIMD_CLONES
-#endif
 
 // ε for counters base .. base + d − 1 into eps (branch-free, so the loop vectorises).
 FLOWKIT_SIMD_CLONES void fill_noise(NoiseKeys keys, uint64_t base, int64_t d, float* eps) {
