@@ -1,5 +1,6 @@
-"""The benchmarks' own building blocks: the padded tokenizer of the random policies and the GPU scale rehearsal's
-code path, run on CPU at toy size so that gpu_check.sh does not find it broken on a lent device."""
+"""The benchmarks' own building blocks: the padded tokenizer of the random policies, the GPU scale rehearsal's
+code path, run on CPU at toy size so that gpu_check.sh does not find it broken on a lent device, and the LM-head
+softmax benchmark end to end."""
 
 import os
 import subprocess
@@ -53,3 +54,17 @@ def test_scale_rehearsal_runs_on_cpu_at_toy_size(tmp_path):
     assert "(online flow loss in 0 pieces)" not in step, step  # κ = 1: the online flow step ran
     assert "peak memory: peak_rss" in result.stdout
     assert "rl_scale" in (tmp_path / "results.csv").read_text()
+
+
+def test_logprob_entropy_benchmark_runs_at_toy_size(tmp_path):
+    """bench_logprob_entropy.py end to end on a tiny chunk: both passes of each vocabulary timed and written."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_logprob_entropy.py"), "--rows", "5", "--vocab", "7,300",
+         "--reps", "1", "--csv", str(tmp_path / "results.csv")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    timed = [line for line in result.stdout.splitlines() if "kernel / reference" in line]
+    assert [line.split(":")[0].split()[-1] for line in timed] == ["forward", "backward"] * 2, result.stdout
+    assert (tmp_path / "results.csv").read_text().count("logprob_entropy") == 4

@@ -1,9 +1,9 @@
 """Fused ops for flow-matching rewards (DESIGN §5): RLFR velocity deviation and flow-token attention.
 
 Each has a PyTorch reference, Triton kernels, and native C++/CUDA kernels (``torch.ops.flowkit``, built
-from ``csrc/``); :func:`available_backends` lists what runs here and ``FLOWKIT_KERNELS`` forces one. Two CPU ops
-serve training: :mod:`.cpu_linear` (float32 linear layers through oneDNN) and :mod:`.logprob_entropy` (the LM
-head's softmax over the vocabulary, native on CPU, the reference elsewhere).
+from ``csrc/``); :func:`available_backends` lists what runs here and ``FLOWKIT_KERNELS`` forces one. Two more ops
+serve training: :mod:`.cpu_linear` (float32 CPU linear layers through oneDNN) and :mod:`.logprob_entropy` (the LM
+head's softmax over the vocabulary: native on CPU, Triton on CUDA).
 """
 
 from .backends import available_backends
