@@ -1,15 +1,16 @@
 """LM-head softmax op (log p(target), entropy, log-normaliser and the logits' gradient): the native CPU kernel and
 the reference against float64 autograd on odd shapes, temperatures and extreme logits; in-place contract, target
-checks, the routes that must stay on the reference, opcheck, and the LM head using it."""
+checks, the routes that must stay on the reference, opcheck (the LM head that calls it: tests/rl/
+test_lm_head_logprobs.py)."""
 
 import pytest
 import torch
 from kernel_cases import assert_softmax_op_matches_float64, softmax_inputs
 
-from flowkit.kernels import available_backends, logprob_entropy as op
+from flowkit.kernels import backends, logprob_entropy as op
 from flowkit.kernels.reference import logprob_entropy as reference
 
-NATIVE = "native" in available_backends("cpu") and hasattr(torch.ops.flowkit, "logprob_entropy")
+NATIVE = backends.native_has("cpu", "logprob_entropy")
 needs_native = pytest.mark.skipif(not NATIVE, reason="flowkit._C (with logprob_entropy) is not built")
 BACKENDS = ["reference"] + (["native"] if NATIVE else [])
 
