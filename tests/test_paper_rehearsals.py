@@ -170,18 +170,16 @@ UNEVEN_DAPO = ("--model.init_args.controls.dynamic_sampling_max_draws", "3",
                "--model.init_args.reward_functions", "[{function: uneven_groups.rank_dependent_reward}]")
 
 
-@pytest.mark.parametrize("budget", [[], ["--model.init_args.update.micro_batch_tokens", "64"]],
-                         ids=["micro_batch_size_1", "token_budget"])
-def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_path, budget):
-    """rlfr_qwen_official.yaml with the online update on (the official per-micro-batch flow loss, micro-batches of 1
-    row, 8 minibatches) on 2 ZeRO-3 ranks, with DAPO's controls on and an outcome reward (tests/uneven_groups.py) under
-    which rank 0 keeps 2 groups (16 rows) and rank 1, out of draws, 1 group (8 rows) per step: ranks accept
-    different numbers of rows and keep different numbers of groups, and still run as many flow pieces, draws,
-    minibatches and micro-batches (padding ones: the scoring pass's under a token budget too). 2 RL steps of 8
-    optimizer steps."""
+def test_rlfr_qwen_official_with_dapo_controls_and_a_token_budget_keeps_uneven_ranks_in_step(tmp_path):
+    """rlfr_qwen_official.yaml with the online update on (the official per-micro-batch flow loss, 8 minibatches) on 2
+    ZeRO-3 ranks, micro-batches cut by a token budget, with DAPO's controls on and an outcome reward
+    (tests/uneven_groups.py) under which rank 0 keeps 2 groups (16 rows) and rank 1, out of draws, 1 group (8 rows)
+    per step: ranks accept different numbers of rows and keep different numbers of groups, and still run as many
+    flow pieces, draws, minibatches and micro-batches (padding ones: the scoring pass's under the budget too). 2 RL
+    steps of 8 optimizer steps. The preset's micro-batches of 1 row run in the every-option rehearsal below."""
     paper_rehearsal.run("rlfr_qwen_official.yaml", tmp_path, 16, "--model.init_args.rollout.engine", "hf",
-                        *OFFICIAL_ONLINE, *UNEVEN_DAPO,
-                        *budget, *probed(tmp_path))
+                        *OFFICIAL_ONLINE, *UNEVEN_DAPO, "--model.init_args.update.micro_batch_tokens", "64",
+                        *probed(tmp_path))
     assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
     assert [records[rank]["kept"] for rank in range(2)] == [[[2, 16], [2, 16]], [[1, 8], [1, 8]]]
@@ -191,9 +189,13 @@ def test_rlfr_qwen_official_with_dapo_controls_keeps_uneven_ranks_in_step(tmp_pa
     assert sorted(steps) == [1, 2]
     for step in steps.values():
         assert float(step["flow/loss"]) > 0  # the official cadence: a flow step in every RL step
-        drawn, kept = float(step["train/groups_drawn"]), float(step["train/groups_kept"])
-        assert 2 <= drawn <= 6 and kept <= 2  # 2 prompts per rank and draw, at most 3 draws
-        assert 0 <= float(step["train/truncated_frac"]) <= 1
+        assert_dapo_draws(step)
+
+
+def assert_dapo_draws(step: dict[str, str]) -> None:
+    drawn, kept = float(step["train/groups_drawn"]), float(step["train/groups_kept"])
+    assert 2 <= drawn <= 6 and kept <= 2  # 2 prompts per rank and draw, at most 3 draws
+    assert 0 <= float(step["train/truncated_frac"]) <= 1
 
 
 def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(tmp_path):
@@ -203,7 +205,8 @@ def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(
     tests/uneven_groups.py's reward: rank 0 keeps 2 groups (16 rows), rank 1 one group (8 rows) per step, so their
     flow losses weigh different rows (the grader's verdicts, the correct rows, differ too) in different numbers of
     pieces. RL step 0 is the flow's warm-up (1 optimizer step: the policy must not move, the flow must), step 1
-    trains both (8 minibatches): max_steps 9. The ranks end equal, and the options' metrics are logged and finite."""
+    trains both (8 minibatches of the preset's micro-batches of 1 row): max_steps 9. The ranks end equal, padded
+    where they disagreed, and the options' metrics are logged and finite."""
     online = {"online.soft_weight": "0.3", "online.rejection_metric": "correct+token_entropy",
               "online.entropy_quantile": "0.5", "scoring.score_power": "2", "online.flow_warmup_steps": "1"}
     options = [arg for name, value in online.items()
@@ -214,7 +217,8 @@ def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(
     weights = assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
     records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
     assert [records[rank]["kept"] for rank in range(2)] == [[[2, 16], [2, 16]], [[1, 8], [1, 8]]]
-    assert padded(tmp_path, "flow_pieces"), "the ranks' flow losses never had different numbers of pieces"
+    for site in ("lm_head", "flow_scoring", "flow_pieces"):
+        assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
 
     def changed(prefix: str, before: str, after: str) -> bool:
         names = [k.removeprefix(f"{before}/") for k in weights if k.startswith(f"{before}/{prefix}")]
@@ -232,6 +236,7 @@ def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(
             assert name in step and math.isfinite(float(step[name])), (name, step.get(name))
         assert float(step["flow/loss"]) > 0
         assert 0 < float(step["flow/token_weight_frac"]) < 1  # the entropy quantile weighed some tokens soft_weight
+        assert_dapo_draws(step)
     assert "train/policy_loss" in steps[max(steps)]
 
 
