@@ -1,7 +1,8 @@
 """The benchmarks' own building blocks: the padded tokenizer of the random policies, the GPU scale rehearsal's
 code path, run on CPU at toy size so that gpu_check.sh does not find it broken on a lent device, and the LM-head
-softmax benchmark end to end."""
+softmax and packing benchmarks end to end."""
 
+import csv
 import os
 import subprocess
 import sys
@@ -68,3 +69,22 @@ def test_logprob_entropy_benchmark_runs_at_toy_size(tmp_path):
     timed = [line for line in result.stdout.splitlines() if "kernel / reference" in line]
     assert [line.split(":")[0].split()[-1] for line in timed] == ["forward", "backward"] * 2, result.stdout
     assert (tmp_path / "results.csv").read_text().count("logprob_entropy") == 4
+
+
+def test_packing_benchmark_runs_at_toy_size(tmp_path):
+    """bench_packing.py end to end on one prompt's 8 short rows, the LM head unchunked (its logits kept, one product
+    fewer in the work it counts): both sides timed, the padding-free one with no padded position, one CSV row."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_packing.py"), "--prompts", "1", "--new-tokens", "16",
+         "--rounds", "1", "--token-budget", "0", "--lm-head-chunk", "0", "--csv", str(tmp_path / "results.csv")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    sides = {line.split(":")[0].strip(): line for line in result.stdout.splitlines() if "update median" in line}
+    assert sides.keys() == {"padded", "padding_free"}, result.stdout
+    assert sides["padding_free"].endswith("perf/padding_frac 0.000")
+    assert not sides["padded"].endswith("perf/padding_frac 0.000")  # the rows' lengths differ: the block pads
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and rows[0]["bench"] == "packing" and rows[0]["lm_head_chunk"] == ""
