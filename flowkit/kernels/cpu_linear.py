@@ -1,9 +1,10 @@
 """A float32 linear layer on CPU through oneDNN: ``x @ W^T + b`` and its two gradient products.
 
 PyTorch runs a float32 CPU matmul through its BLAS (MKL in the x86 wheels), and MKL takes its AVX-512 kernels on
-Intel CPUs only: on an AMD one with AVX-512 (Zen 4, Zen 5) it runs its AVX2 kernels at half the rate. oneDNN, which
-PyTorch bundles for its bf16 CPU path, dispatches on the instruction set instead and runs the same float32 products
-about 2× faster there (``benchmarks/bench_cpu_linear.py``). Below ~2^21 multiply-adds a product is mostly call
+Intel CPUs only: on an AMD one with AVX-512 it runs its AVX2 kernels. oneDNN, which PyTorch bundles for its bf16 CPU
+path, dispatches on the instruction set instead and runs the same float32 products about 2× faster on Zen 5 (full
+width AVX-512); on Zen 4 (AVX-512 as two 256-bit halves) the two run at the same rate
+(``benchmarks/bench_cpu_linear.py``). Below ~2^21 multiply-adds a product is mostly call
 overhead, where oneDNN's is the larger, so small products keep ``F.linear``.
 
 The oneDNN call is ``torch.ops.mkldnn._linear_pointwise`` (the op Inductor's CPU backend lowers linear layers to);
