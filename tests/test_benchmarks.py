@@ -40,15 +40,20 @@ def test_reward_signal_plants_each_error_kind_at_its_characters():
         assert corrupted[:index] + solution[index] + corrupted[index + 1:] == solution
 
 
-def test_scale_rehearsal_runs_on_cpu_at_toy_size(tmp_path):
+def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``benchmarks/<script> *args`` on one thread; it must exit 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_rl_scale.py"), "--shape", "toy", "--device", "cpu",
-         "--precision", "32-true", "--steps", "1", "--prompts", "2", "--samples", "2", "--new-tokens", "8",
-         "--micro-batch-size", "2", "--rollout-batch-size", "4", "--kappa", "1", "--csv", str(tmp_path / "results.csv")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+                            text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_scale_rehearsal_runs_on_cpu_at_toy_size(tmp_path):
+    result = run_benchmark("bench_rl_scale.py", "--shape", "toy", "--device", "cpu", "--precision", "32-true",
+                           "--steps", "1", "--prompts", "2", "--samples", "2", "--new-tokens", "8",
+                           "--micro-batch-size", "2", "--rollout-batch-size", "4", "--kappa", "1",
+                           "--csv", str(tmp_path / "results.csv"))
     step = next(line for line in result.stdout.splitlines() if line.startswith("step 0:"))
     for phase in ("step_s", "generate", "update", "flow", "flow_token_rewards"):
         assert f" {phase} " in step, step
@@ -59,13 +64,8 @@ def test_scale_rehearsal_runs_on_cpu_at_toy_size(tmp_path):
 
 def test_logprob_entropy_benchmark_runs_at_toy_size(tmp_path):
     """bench_logprob_entropy.py end to end on a tiny chunk: both passes of each vocabulary timed and written."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_logprob_entropy.py"), "--rows", "5", "--vocab", "7,300",
-         "--reps", "1", "--csv", str(tmp_path / "results.csv")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_benchmark("bench_logprob_entropy.py", "--rows", "5", "--vocab", "7,300", "--reps", "1",
+                           "--csv", str(tmp_path / "results.csv"))
     timed = [line for line in result.stdout.splitlines() if "kernel / reference" in line]
     assert [line.split(":")[0].split()[-1] for line in timed] == ["forward", "backward"] * 2, result.stdout
     assert (tmp_path / "results.csv").read_text().count("logprob_entropy") == 4
@@ -74,13 +74,8 @@ def test_logprob_entropy_benchmark_runs_at_toy_size(tmp_path):
 def test_packing_benchmark_runs_at_toy_size(tmp_path):
     """bench_packing.py end to end on one prompt's 8 short rows, the LM head unchunked (its logits kept, one product
     fewer in the work it counts): both sides timed, the padding-free one with no padded position, one CSV row."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_packing.py"), "--prompts", "1", "--new-tokens", "16",
-         "--rounds", "1", "--token-budget", "0", "--lm-head-chunk", "0", "--csv", str(tmp_path / "results.csv")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_benchmark("bench_packing.py", "--prompts", "1", "--new-tokens", "16", "--rounds", "1",
+                           "--token-budget", "0", "--lm-head-chunk", "0", "--csv", str(tmp_path / "results.csv"))
     sides = {line.split(":")[0].strip(): line for line in result.stdout.splitlines() if "update median" in line}
     assert sides.keys() == {"padded", "padding_free"}, result.stdout
     assert sides["padding_free"].endswith("perf/padding_frac 0.000")

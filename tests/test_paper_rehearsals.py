@@ -170,6 +170,21 @@ UNEVEN_DAPO = ("--model.init_args.controls.dynamic_sampling_max_draws", "3",
                "--model.init_args.reward_functions", "[{function: uneven_groups.rank_dependent_reward}]")
 
 
+def assert_uneven_groups_kept_and_padded(root: Path) -> None:
+    """Under UNEVEN_DAPO rank 0 kept 2 groups (16 rows) and rank 1 one (8 rows) in both steps, and the ranks padded
+    where they disagreed: the LM head, the scoring pass and the flow loss's pieces."""
+    records = rank_files(root, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
+    assert [records[rank]["kept"] for rank in range(2)] == [[[2, 16], [2, 16]], [[1, 8], [1, 8]]]
+    for site in ("lm_head", "flow_scoring", "flow_pieces"):
+        assert padded(root, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
+
+
+def assert_dapo_draws(step: dict[str, str]) -> None:
+    drawn, kept = float(step["train/groups_drawn"]), float(step["train/groups_kept"])
+    assert 2 <= drawn <= 6 and kept <= 2  # 2 prompts per rank and draw, at most 3 draws
+    assert 0 <= float(step["train/truncated_frac"]) <= 1
+
+
 def test_rlfr_qwen_official_with_dapo_controls_and_a_token_budget_keeps_uneven_ranks_in_step(tmp_path):
     """rlfr_qwen_official.yaml with the online update on (the official per-micro-batch flow loss, 8 minibatches) on 2
     ZeRO-3 ranks, micro-batches cut by a token budget, with DAPO's controls on and an outcome reward
@@ -181,21 +196,12 @@ def test_rlfr_qwen_official_with_dapo_controls_and_a_token_budget_keeps_uneven_r
                         *OFFICIAL_ONLINE, *UNEVEN_DAPO, "--model.init_args.update.micro_batch_tokens", "64",
                         *probed(tmp_path))
     assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
-    records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
-    assert [records[rank]["kept"] for rank in range(2)] == [[[2, 16], [2, 16]], [[1, 8], [1, 8]]]
-    for site in ("lm_head", "flow_scoring", "flow_pieces"):
-        assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
+    assert_uneven_groups_kept_and_padded(tmp_path)
     steps = metrics(next((tmp_path / "run").glob("version_*")))
     assert sorted(steps) == [1, 2]
     for step in steps.values():
         assert float(step["flow/loss"]) > 0  # the official cadence: a flow step in every RL step
         assert_dapo_draws(step)
-
-
-def assert_dapo_draws(step: dict[str, str]) -> None:
-    drawn, kept = float(step["train/groups_drawn"]), float(step["train/groups_kept"])
-    assert 2 <= drawn <= 6 and kept <= 2  # 2 prompts per rank and draw, at most 3 draws
-    assert 0 <= float(step["train/truncated_frac"]) <= 1
 
 
 def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(tmp_path):
@@ -215,10 +221,7 @@ def test_rlfr_qwen_official_with_every_online_option_keeps_uneven_ranks_in_step(
                         *OFFICIAL_ONLINE, *UNEVEN_DAPO,
                         *probed(tmp_path), "--trainer.callbacks.every_step", "true")
     weights = assert_ranks_equal_and_trained(tmp_path, ("policy.", "reward_model."))
-    records = rank_files(tmp_path, "probe/probe_rank{rank}.json", lambda p: json.loads(p.read_text()))
-    assert [records[rank]["kept"] for rank in range(2)] == [[[2, 16], [2, 16]], [[1, 8], [1, 8]]]
-    for site in ("lm_head", "flow_scoring", "flow_pieces"):
-        assert padded(tmp_path, site), f"the ranks never disagreed at {site}: the rehearsal proves nothing there"
+    assert_uneven_groups_kept_and_padded(tmp_path)
 
     def changed(prefix: str, before: str, after: str) -> bool:
         names = [k.removeprefix(f"{before}/") for k in weights if k.startswith(f"{before}/{prefix}")]
