@@ -48,12 +48,18 @@ def grad_input(grad_output: Tensor, weight: Tensor) -> Tensor:
 
 
 def grad_weight(grad_output: Tensor, x: Tensor, scratch: Tensor | None = None) -> Tensor:
-    """``grad_output^T @ x`` (M, N)ᵀ × (M, K): the weight's gradient of a linear layer. oneDNN takes row-major
-    operands only, so it multiplies a copy of ``grad_output^T``; ``scratch`` (a flat tensor of at least M·N elements
-    of its dtype) holds that copy instead of a fresh allocation, for a caller that repeats the product."""
+    """``grad_output^T @ x`` (M, N)ᵀ × (M, K): the weight's gradient of a linear layer. oneDNN takes a row-major
+    input only, so it multiplies a transposed copy of the narrower operand: of ``grad_output`` when N ≤ K, else of
+    ``x``, computing ``(x^T @ grad_output)^T`` and returning it as an (N, K) view of a (K, N) tensor (an LM head's
+    N = 152k vocabulary against K = 4k hidden: M·K floats copied instead of M·N). ``scratch`` (a flat tensor of at
+    least M·min(N, K) elements of its dtype) holds that copy instead of a fresh allocation, for a caller that repeats
+    the product."""
+    if grad_output.shape[1] > x.shape[1] and _onednn_product(x.t(), grad_output.t()):
+        return grad_weight(x, grad_output, scratch).t()
     transposed = grad_output.t()
-    if scratch is not None and _onednn_product(transposed, x.t()):
-        transposed = scratch[:transposed.numel()].view(transposed.shape).copy_(transposed)
+    if _onednn_product(transposed, x.t()):
+        transposed = (transposed.contiguous() if scratch is None else
+                      scratch[:transposed.numel()].view(transposed.shape).copy_(transposed))
     return _product(transposed, x.t())
 
 

@@ -83,11 +83,12 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         weight = head.weight.to(dtype)
         bias = None if head.bias is None else head.bias.to(dtype)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_weight = None  # the first chunk's, in the layout cpu_linear returns it (a strided sum is ~4× slower)
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_bias else None
-        # one buffer for every chunk's transposed logit gradient (a fresh one per chunk is page-faulted in anew on CPU)
+        # one buffer for every chunk's transposed copy that oneDNN multiplies (cpu_linear.grad_weight; a fresh one per
+        # chunk is page-faulted in anew on CPU)
         on_cpu = want_weight and weight.device.type == "cpu"
-        scratch = weight.new_empty(min(ctx.chunk, len(targets)) * weight.shape[0]) if on_cpu else None
+        scratch = weight.new_empty(min(ctx.chunk, len(targets)) * min(weight.shape)) if on_cpu else None
         for start in range(0, len(targets), ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             states = hidden[rows].to(dtype)
@@ -100,9 +101,12 @@ class _LinearHeadLogprobs(torch.autograd.Function):
                 grad_entropy[rows] if ctx.entropy_gradient else None, ctx.temperature).to(dtype)
             grad_hidden[rows] = cpu_linear.grad_input(grad_logits, weight).to(hidden.dtype)
             if want_weight:
-                grad_weight += cpu_linear.grad_weight(grad_logits, states, scratch).float()
+                part = cpu_linear.grad_weight(grad_logits, states, scratch).float()
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
             if want_bias:
                 grad_bias += grad_logits.float().sum(0)
+        if want_weight and grad_weight is None:  # no tokens
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_weight = None if grad_weight is None else grad_weight.to(head.weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(head.bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None

@@ -43,6 +43,8 @@ def test_forward_and_gradients_match_float64(onednn_calls, lead, k, n, bias):
     grad = torch.randn_like(out)
     out.backward(grad)
     assert len(onednn_calls) == 3  # the forward and both gradient products
+    rows = x[..., 0].numel()
+    assert onednn_calls[2][0] == (min(k, n), rows)  # the weight's gradient copies the narrower operand
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     b64 = b.detach().double().requires_grad_() if bias else None
     reference = F.linear(x64, w64, b64)
