@@ -3,9 +3,11 @@
 PyTorch runs a float32 CPU matmul through its BLAS (MKL in the x86 wheels), and MKL takes its AVX-512 kernels on
 Intel CPUs only: on an AMD one with AVX-512 it runs its AVX2 kernels. oneDNN, which PyTorch bundles for its bf16 CPU
 path, dispatches on the instruction set instead and runs the same float32 products about 2× faster on Zen 5 (full
-width AVX-512); on Zen 4 (AVX-512 as two 256-bit halves) the two run at the same rate
-(``benchmarks/bench_cpu_linear.py``). Below ~2^21 multiply-adds a product is mostly call
-overhead, where oneDNN's is the larger, so small products keep ``F.linear``.
+width AVX-512). On Zen 4 (AVX-512 as two 256-bit halves) AVX2 already reaches the core's peak: oneDNN is 10–17%
+faster on large products and slower on small ones, where its call overhead and the Python backward count
+(``benchmarks/bench_cpu_linear.py``). So a product takes oneDNN from :data:`ONEDNN_MIN_MACS` multiply-adds up:
+2^21 on AMD family 1Ah (Zen 5) and later, 2^26 on any other CPU (Zen 4's crossover; the CPUs measured are those
+two).
 
 The oneDNN call is ``torch.ops.mkldnn._linear_pointwise`` (the op Inductor's CPU backend lowers linear layers to);
 it has no autograd, so :class:`_OneDNNLinear` supplies the backward with the same op. Products differ from
@@ -15,13 +17,36 @@ built without oneDNN, ``FLOWKIT_KERNELS=reference`` — runs ``F.linear`` (the r
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .backends import forced_backend
 
-ONEDNN_MIN_MACS = 1 << 21  # multiply-adds below which a product is mostly call overhead (bench_cpu_linear.py)
+
+def onednn_min_macs(cpuinfo: str) -> int:
+    """The multiply-adds from which a product takes oneDNN on the CPU ``cpuinfo`` (``/proc/cpuinfo``'s text)
+    describes: 2^21 on AMD family 1Ah+ (Zen 5: full-width AVX-512 that MKL leaves half used, so oneDNN is ~2× faster
+    once a product outweighs the call), 2^26 elsewhere (Zen 4: same peak, oneDNN ahead only on large products)."""
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", cpuinfo, re.MULTILINE)
+    family = re.search(r"^cpu family\s*:\s*(\d+)", cpuinfo, re.MULTILINE)
+    full_width = bool(vendor and family) and vendor[1] == "AuthenticAMD" and int(family[1]) >= 0x1A
+    return 1 << 21 if full_width else 1 << 26
+
+
+def _cpuinfo() -> str:
+    """The start of ``/proc/cpuinfo``: the first core's vendor and family (the whole file is ~1 KB per core)."""
+    try:
+        with Path("/proc/cpuinfo").open() as info:
+            return info.read(4096)
+    except OSError:  # not Linux
+        return ""
+
+
+ONEDNN_MIN_MACS = onednn_min_macs(_cpuinfo())  # this machine's
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
@@ -57,10 +82,11 @@ def grad_weight(grad_output: Tensor, x: Tensor, scratch: Tensor | None = None) -
     if grad_output.shape[1] > x.shape[1] and _onednn_product(x.t(), grad_output.t()):
         return grad_weight(x, grad_output, scratch).t()
     transposed = grad_output.t()
-    if _onednn_product(transposed, x.t()):
-        transposed = (transposed.contiguous() if scratch is None else
-                      scratch[:transposed.numel()].view(transposed.shape).copy_(transposed))
-    return _product(transposed, x.t())
+    if not _onednn_product(transposed, x.t()):
+        return _product(transposed, x.t())
+    transposed = (transposed.contiguous() if scratch is None else
+                  scratch[:transposed.numel()].view(transposed.shape).copy_(transposed))
+    return _onednn(transposed, x.contiguous().t(), None)  # dense: see _OneDNNLinear.backward
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -75,6 +101,7 @@ class _OneDNNLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         want_x, want_weight, want_bias = ctx.needs_input_grad
+        grad = grad.contiguous()  # a sum's gradient is broadcast (stride 0): oneDNN would read it ~1000× slower
         return (grad_input(grad, weight) if want_x else None,
                 grad_weight(grad, x) if want_weight else None,
                 grad.sum(0) if want_bias and ctx.has_bias else None)

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.skipif(cpu_linear._ONEDNN_LINEAR is None, reason="this 
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """Counts the oneDNN calls, so a test sees which products took it."""
+    """Counts the oneDNN calls, so a test sees which products took it; products take it from 2^21 multiply-adds
+    (Zen 5's threshold) whatever this machine's."""
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 1 << 21)
     calls = []
     real = cpu_linear._ONEDNN_LINEAR
 
@@ -26,6 +28,16 @@ def onednn_calls(monkeypatch):
 
     monkeypatch.setattr(cpu_linear, "_ONEDNN_LINEAR", counted)
     return calls
+
+
+ZEN5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+XEON = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+
+
+@pytest.mark.parametrize("cpuinfo, threshold", [(ZEN5, 1 << 21), (ZEN4, 1 << 26), (XEON, 1 << 26), ("", 1 << 26)])
+def test_the_threshold_follows_the_cpu(cpuinfo, threshold):
+    assert cpu_linear.onednn_min_macs(cpuinfo) == threshold
 
 
 def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
@@ -53,6 +65,25 @@ def test_forward_and_gradients_match_float64(onednn_calls, lead, k, n, bias):
     pairs = [(out, reference), (x.grad, x64.grad), (weight.grad, w64.grad)] + ([(b.grad, b64.grad)] if bias else [])
     for value, expected in pairs:
         assert _relative_error(value, expected) < 2e-6
+
+
+def test_a_broadcast_gradient_reaches_onednn_as_dense_operands(monkeypatch):
+    """``out.sum().backward()`` hands the backward a gradient of stride 0; oneDNN given it as an operand crawls
+    (~1000× slower at 4096 × 128 × 512), so every operand it gets has non-zero strides."""
+    strides = []
+    real = cpu_linear._ONEDNN_LINEAR
+
+    def recorded(x, weight, *args):
+        strides.append(x.stride() + weight.stride())
+        return real(x, weight, *args)
+
+    monkeypatch.setattr(cpu_linear, "_ONEDNN_LINEAR", recorded)
+    for k, n in ((128, 512), (512, 128)):  # the weight gradient's copied operand: x, then the gradient
+        x = torch.randn(1100, k, requires_grad=True)
+        weight = torch.randn(n, k, requires_grad=True)
+        cpu_linear.linear(x, weight).sum().backward()
+        assert torch.allclose(weight.grad, x.detach().sum(0).expand(n, k), rtol=1e-4, atol=1e-3)
+    assert len(strides) == 6 and all(min(s) > 0 for s in strides)
 
 
 def test_frozen_weight_and_inference_take_onednn_without_the_weight_gradient(onednn_calls):
