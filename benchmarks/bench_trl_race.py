@@ -37,8 +37,8 @@ generating all rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task
 where the difference comes from: ``flowkit-every-row`` runs ``update.skip_zero_advantage_rows: false`` (TRL forwards
 every row too), and ``flowkit-f-linear`` runs the linear layers on ``F.linear`` (``FLOWKIT_KERNELS=reference``), as TRL
 does, instead of flowkit's oneDNN route for float32 CPU products (flowkit.kernels.cpu_linear: on AMD Zen 5, where
-MKL's AVX2 kernels leave half of the full-width AVX-512 rate unused, oneDNN runs them about 2× faster; elsewhere,
-Zen 4 included, the two are near).
+MKL's AVX2 kernels leave half of the full-width AVX-512 rate unused, oneDNN runs them about 2× faster; elsewhere
+flowkit takes it for large products only, so on Zen 4 the two sides run nearly the same products).
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
