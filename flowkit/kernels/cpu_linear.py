@@ -3,8 +3,8 @@
 PyTorch runs a float32 CPU matmul through its BLAS (MKL in the x86 wheels), and MKL takes its AVX-512 kernels on
 Intel CPUs only: on an AMD one with AVX-512 it runs its AVX2 kernels. oneDNN, which PyTorch bundles for its bf16 CPU
 path, dispatches on the instruction set instead and runs the same float32 products about 2× faster on Zen 5 (full
-width AVX-512). On Zen 4 (AVX-512 as two 256-bit halves) AVX2 already reaches the core's peak: oneDNN is 10–17%
-faster on large products and slower on small ones, where its call overhead and the Python backward count
+width AVX-512). On Zen 4 (AVX-512 as two 256-bit halves) AVX2 already reaches the core's peak: oneDNN is up to
+~20% faster on large products and slower on small ones, where its call overhead and the Python backward count
 (``benchmarks/bench_cpu_linear.py``). So a product takes oneDNN from :data:`ONEDNN_MIN_MACS` multiply-adds up:
 2^21 on AMD family 1Ah (Zen 5) and later, 2^26 on any other CPU (Zen 4's crossover; the CPUs measured are those
 two).
@@ -101,7 +101,7 @@ class _OneDNNLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         want_x, want_weight, want_bias = ctx.needs_input_grad
-        grad = grad.contiguous()  # a sum's gradient is broadcast (stride 0): oneDNN would read it ~1000× slower
+        grad = grad.contiguous()  # a sum's gradient is broadcast (stride 0): oneDNN would read it ~300× slower
         return (grad_input(grad, weight) if want_x else None,
                 grad_weight(grad, x) if want_weight else None,
                 grad.sum(0) if want_bias and ctx.has_bias else None)
