@@ -79,14 +79,18 @@ def grad_weight(grad_output: Tensor, x: Tensor, scratch: Tensor | None = None) -
     N = 152k vocabulary against K = 4k hidden: M·K floats copied instead of M·N). ``scratch`` (a flat tensor of at
     least M·min(N, K) elements of its dtype) holds that copy instead of a fresh allocation, for a caller that repeats
     the product."""
-    if grad_output.shape[1] > x.shape[1] and _onednn_product(x.t(), grad_output.t()):
-        return grad_weight(x, grad_output, scratch).t()
-    transposed = grad_output.t()
-    if not _onednn_product(transposed, x.t()):
-        return _product(transposed, x.t())
-    transposed = (transposed.contiguous() if scratch is None else
-                  scratch[:transposed.numel()].view(transposed.shape).copy_(transposed))
-    return _onednn(transposed, x.contiguous().t(), None)  # dense: see _OneDNNLinear.backward
+    if not _onednn_product(grad_output.t(), x.t()):
+        return torch.nn.functional.linear(grad_output.t(), x.t())
+    if grad_output.shape[1] > x.shape[1]:
+        return _onednn_transposed_product(x, grad_output, scratch).t()
+    return _onednn_transposed_product(grad_output, x, scratch)
+
+
+def _onednn_transposed_product(a: Tensor, b: Tensor, scratch: Tensor | None) -> Tensor:
+    """``a^T @ b`` by oneDNN, ``a^T`` copied row-major (into ``scratch`` when given) and ``b`` made dense (see
+    :meth:`_OneDNNLinear.backward`)."""
+    transposed = a.t().contiguous() if scratch is None else scratch[:a.numel()].view(a.t().shape).copy_(a.t())
+    return _onednn(transposed, b.contiguous().t(), None)
 
 
 class _OneDNNLinear(torch.autograd.Function):
