@@ -19,6 +19,7 @@ from transformers import (
 
 from flowkit.batch import RolloutBatch
 from flowkit.distributed import all_reduce_int, zero3_sharded
+from flowkit.llm.decode_step import decode_step_for
 from flowkit.llm.forward import position_ids
 from flowkit.llm.kv_cache import cache_argument, prompt_cache, recomputed_cache
 from flowkit.llm.packing import pack_rollouts
@@ -220,11 +221,13 @@ class HFRolloutEngine:
         under the sampler (B × steps taken; padding after EOS or the limit), and the policy version each step sampled
         from (:attr:`held_version`). Rows that emitted EOS or reached their limit leave the batch and the KV cache
         (once an eighth of the batch has ended: dropping rows copies the cache), so the long tail of a batch decodes
-        only its own rows (HF ``generate`` decodes finished rows until the last one ends). ``synced`` (ZeRO-3 without
-        whole weights): every forward is a collective, so finished rows stay and the ranks decode until every rank's
-        rows have ended."""
+        only its own rows (HF ``generate`` decodes finished rows until the last one ends). One token per row runs
+        through :class:`~flowkit.llm.decode_step.DecodeStep` where the model allows (HF's logits, less its Python).
+        ``synced`` (ZeRO-3 without whole weights): every forward is a collective, so finished rows stay and the ranks
+        decode until every rank's rows have ended."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         name = cache_argument(self.model.get_decoder())
+        step = decode_step_for(self.model)  # HF's forward where None
         rows = torch.arange(len(pending), device=pending.device)  # the generated row of each row still decoding
         unfinished = torch.ones_like(rows, dtype=torch.bool)
         generated = torch.full((len(rows), max_new_tokens), pad, dtype=torch.long, device=pending.device)
@@ -236,9 +239,13 @@ class HFRolloutEngine:
             if step_versions and version != step_versions[-1]:  # new weights: every position but the pending one
                 cache = recomputed_cache(self.model, torch.cat([prompt_ids[rows], generated[rows, :steps - 1]], 1),
                                          attention_mask[:, :-1], prompt_ids.shape[1] + max_new_tokens)
+                step = decode_step_for(self.model)
             step_versions.append(version)
-            logits = self.model(input_ids=pending, attention_mask=attention_mask, position_ids=positions,
-                                use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
+            if step is not None and pending.shape[1] == 1:
+                logits = step(pending, attention_mask, positions, cache)
+            else:
+                logits = self.model(input_ids=pending, attention_mask=attention_mask, position_ids=positions,
+                                    use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
             scores, nonfinite = _next_token_scores(logits, temperature, self.top_p)
             self.saw_nonfinite_logits |= nonfinite
             if temperature > 0:
