@@ -134,9 +134,10 @@ def write_prompt_stream(path: Path, steps: int, prompts: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- workers
-def count_positions() -> dict[str, int]:
+def count_positions(decode_step: type | None = None) -> dict[str, int]:
     """Counts the positions every decoder forward of a Qwen2 runs, into ``{"generation": n, "training": n}`` (no
-    grad: sampling; grad: the training passes), so the race shows the work each side does beside its time."""
+    grad: sampling; grad: the training passes), so the race shows the work each side does beside its time; with
+    ``decode_step`` (flowkit's :class:`~flowkit.llm.decode_step.DecodeStep`), its decoding steps too."""
     import torch
     from transformers.models.qwen2 import modeling_qwen2
 
@@ -149,6 +150,14 @@ def count_positions() -> dict[str, int]:
         return forward(self, input_ids, *args, **kwargs)
 
     modeling_qwen2.Qwen2Model.forward = counted
+    if decode_step is not None:
+        step = decode_step.__call__
+
+        def counted_step(self, input_ids, *args, **kwargs):
+            counts["generation"] += input_ids.numel()
+            return step(self, input_ids, *args, **kwargs)
+
+        decode_step.__call__ = counted_step
     return counts
 
 
@@ -160,10 +169,11 @@ def flowkit_worker(steps: int, warmup: int, skip_zero_advantage_rows: bool, size
 
     import flowkit
     from bench_rl_step import time_steps
+    from flowkit.llm.decode_step import DecodeStep
     from flowkit.modules.policy_options import OptimOptions, SamplingOptions, UpdateOptions
 
     torch.set_num_threads(1)
-    positions = count_positions()
+    positions = count_positions(DecodeStep)
     setting = SIZES[size]
     options = {} if size == "tiny" else {
         "backbone": str(policy), "outcome_reward": "none",

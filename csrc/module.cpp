@@ -33,6 +33,15 @@ TORCH_LIBRARY(flowkit, m) {
   // LM-head softmax over the vocabulary: log p(target), the entropy and the log-normaliser of z/T per row of raw
   // float32 logits z (N, V); the backward overwrites z with ∂(Σ g_p·log p + g_H·H)/∂z.
   m.def("logprob_entropy(Tensor logits, Tensor targets, float temperature) -> (Tensor, Tensor, Tensor)");
+  // One decoding step's attention: the group of queries (B, Hkv, G, D) of each row and KV head over its cached keys
+  // and values (B, Hkv, L, D; any strides but the last), keys where the bool mask (B, L) is false left out.
+  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+  // Llama-family MLP gate: silu(gate)·up, and both gradients from the output's.
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  // RMSNorm over the last dimension: w·x/rms(x) and each row's 1/rms; the backward gives x's and w's gradients.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor inverse_rms) -> (Tensor, Tensor)");
   m.def(
       "logprob_entropy_backward_(Tensor(a!) logits, Tensor targets, Tensor log_normalizer, Tensor entropy, "
       "Tensor grad_logprob, Tensor? grad_entropy, float temperature) -> ()");

@@ -3,10 +3,12 @@
 A decoding step is one token per row, so its products are small and HF's forward spends as long in Python as in
 arithmetic: output capturing, argument deprecation and hub-kernel wrappers, the causal-mask builder, a module call per
 norm and projection (on the bundled tiny policy, 128 rows: ~1.6 of ~6.3 ms per step on a Zen 4 core).
-:class:`DecodeStep` runs the same tensor ops in the same order on the same tensors (its test checks the logits are
-bitwise HF's, step after step, with and without left padding, rows leaving the batch, GQA and not), as one Python
-loop over the layers. It reads the model's own parameters, so weights updated in place need no refresh, and the
-KV cache is the one HF's prefill filled.
+:class:`DecodeStep` runs the same tensor ops in the same order on the same tensors, as one Python loop over the
+layers, but for the attention: :func:`~flowkit.kernels.decode_attention.decode_attention`, whose reference is SDPA
+called as transformers calls it (with it the logits are bitwise HF's, step after step, with and without left
+padding, rows leaving the batch, GQA and not: the test checks) and whose native CPU kernel agrees to float32
+rounding. It reads the model's own parameters, so weights updated in place need no refresh, and the KV cache is
+the one HF's prefill filled.
 
 :func:`decode_step_for` returns None, and the caller runs HF's forward, for anything it does not mirror exactly: other
 architectures, attention other than ``sdpa``, sliding windows, RoPE that rescales with the sequence length, adapters
@@ -23,18 +25,32 @@ from transformers import DynamicCache, PreTrainedModel
 
 from flowkit.kernels import cpu_linear
 from flowkit.kernels.backends import forced_backend
+from flowkit.kernels.decode_attention import decode_attention
+from flowkit.kernels.reference.rms_norm import rms_norm as hf_rms_norm
+from flowkit.kernels.reference.swiglu import swiglu as hf_swiglu
+from flowkit.kernels.rms_norm import rms_norm
+from flowkit.kernels.swiglu import swiglu
+from flowkit.llm.fused_layers import HF_MLPS, HF_RMS_NORMS, FusedRMSNorm, FusedSwiGLUMLP
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
-_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def _rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
-    """The RMSNorm forward of :data:`_RMS_NORMS`, op for op."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
+def _norm(module: nn.Module | None) -> tuple | None:
+    """``(function, weight, eps)`` of an RMSNorm, the function its forward runs; None for no norm."""
+    if module is None:
+        return None
+    function = rms_norm if isinstance(module, FusedRMSNorm) else hf_rms_norm
+    return function, module.weight, module.variance_epsilon
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, FusedRMSNorm) or type(module).__name__ in HF_RMS_NORMS
+
+
+def _normed(x: Tensor, norm: tuple) -> Tensor:
+    function, weight, eps = norm
+    return function(x, weight, eps)
 
 
 def _rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -64,15 +80,17 @@ def _mirrorable(model: PreTrainedModel) -> bool:
         type(layer.self_attn.q_proj) in linear_types and type(layer.self_attn.k_proj) in linear_types
         and type(layer.self_attn.v_proj) in linear_types and type(layer.self_attn.o_proj) in linear_types
         and all(type(getattr(layer.mlp, name, None)) in linear_types for name in ("gate_proj", "up_proj", "down_proj"))
-        and type(layer.input_layernorm).__name__ in _RMS_NORMS
-        and type(layer.post_attention_layernorm).__name__ in _RMS_NORMS
+        and (isinstance(layer.mlp, FusedSwiGLUMLP) or type(layer.mlp).__name__ in HF_MLPS)
+        and _is_norm(layer.input_layernorm) and _is_norm(layer.post_attention_layernorm)
+        and all(_is_norm(norm) for norm in (getattr(layer.self_attn, "q_norm", None),
+                                             getattr(layer.self_attn, "k_norm", None)) if norm is not None)
         for layer in decoder.layers)
     return (config.model_type in ARCHITECTURES and config._attn_implementation == "sdpa"
             and getattr(config, "hidden_act", None) == "silu"
             and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
             and getattr(config, "sliding_window", None) is None
             and getattr(decoder.rotary_emb, "rope_type", "default") not in _LENGTH_DEPENDENT_ROPE
-            and layers_plain and type(decoder.norm).__name__ in _RMS_NORMS and type(head) in linear_types
+            and layers_plain and _is_norm(decoder.norm) and type(head) in linear_types
             and not model.training and not _hooked(model))
 
 
@@ -90,6 +108,7 @@ class DecodeStep:
     def __init__(self, model: PreTrainedModel):
         decoder = model.get_decoder()
         self.decoder, self.head = decoder, _linear(model.get_output_embeddings())
+        self.norm = _norm(decoder.norm)
         attention = decoder.layers[0].self_attn
         self.head_dim, self.groups, self.scaling = attention.head_dim, attention.num_key_value_groups, attention.scaling
         self.layers = [self._layer(layer) for layer in decoder.layers]
@@ -97,10 +116,11 @@ class DecodeStep:
     @staticmethod
     def _layer(layer: nn.Module) -> tuple:
         attention, mlp = layer.self_attn, layer.mlp
-        head_norms = (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))  # Qwen3's, per head
-        return (layer.input_layernorm, _linear(attention.q_proj), _linear(attention.k_proj), _linear(attention.v_proj),
-                head_norms, _linear(attention.o_proj), layer.post_attention_layernorm,
-                _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj))
+        head_norms = (_norm(getattr(attention, "q_norm", None)), _norm(getattr(attention, "k_norm", None)))  # Qwen3's
+        gated = swiglu if isinstance(mlp, FusedSwiGLUMLP) else hf_swiglu
+        return (_norm(layer.input_layernorm), _linear(attention.q_proj), _linear(attention.k_proj),
+                _linear(attention.v_proj), head_norms, _linear(attention.o_proj), _norm(layer.post_attention_layernorm),
+                gated, _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj))
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: DynamicCache) -> Tensor:
         """Logits (B × V) of the token after ``input_ids`` (B × 1), whose key and value ``cache`` takes in;
@@ -108,33 +128,25 @@ class DecodeStep:
         rows = input_ids.shape[0]
         hidden = self.decoder.embed_tokens(input_ids)
         cos, sin = (part.unsqueeze(1) for part in self.decoder.rotary_emb(hidden, position_ids))
-        # HF's mask for one query: none when no position is padding (SDPA then repeats the KV heads itself), else
-        # the padding mask, each KV head's queries packed into one block
-        mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        mask = None if bool(attention_mask.all()) else attention_mask.bool()  # HF's: none where nothing is padding
         heads = (rows, 1, -1, self.head_dim)
-        for index, (norm_in, q, k, v, (q_norm, k_norm), o, norm_out, gate, up, down) in enumerate(self.layers):
-            x = _rms_norm(hidden, norm_in)
+        for index, (norm_in, q, k, v, (q_norm, k_norm), o, norm_out, gated, gate, up, down) in enumerate(self.layers):
+            x = _normed(hidden, norm_in)
             query, key, value = (product(x, weight, bias).view(heads) for product, weight, bias in (q, k, v))
             if q_norm is not None:
-                query, key = _rms_norm(query, q_norm), _rms_norm(key, k_norm)
+                query, key = _normed(query, q_norm), _normed(key, k_norm)
             query = _rotated(query.transpose(1, 2), cos, sin)
             key = _rotated(key.transpose(1, 2), cos, sin)
             keys, values = cache.layers[index].update(key, value.transpose(1, 2))
             attended = self._attention(query, keys, values, mask)
             hidden = hidden + o[0](attended, o[1], o[2])
-            x = _rms_norm(hidden, norm_out)
-            hidden = hidden + down[0](F.silu(gate[0](x, gate[1], gate[2])) * up[0](x, up[1], up[2]), down[1], down[2])
+            x = _normed(hidden, norm_out)
+            hidden = hidden + down[0](gated(gate[0](x, gate[1], gate[2]), up[0](x, up[1], up[2])), down[1], down[2])
         product, weight, bias = self.head
-        return product(_rms_norm(hidden, self.decoder.norm), weight, bias)[:, -1]
+        return product(_normed(hidden, self.norm), weight, bias)[:, -1]
 
     def _attention(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-        """transformers' ``sdpa_attention_forward`` for one query per row: B × 1 × heads·head_dim."""
+        """Attention of one query per row and head (B × heads × 1 × head_dim): B × 1 × heads·head_dim."""
         rows, heads = query.shape[0], query.shape[1]
-        extra = {}
-        if self.groups > 1 and mask is None and self.head_dim <= 256:
-            extra["enable_gqa"] = True
-        elif self.groups > 1:
-            query = query.reshape(rows, heads // self.groups, self.groups, self.head_dim)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling, **extra)
-        out = out.reshape(rows, -1, 1, self.head_dim).transpose(1, 2).contiguous()
-        return out.reshape(rows, 1, -1).contiguous()
+        grouped = query.reshape(rows, heads // self.groups, self.groups, self.head_dim)  # by the KV head they read
+        return decode_attention(grouped, keys, values, mask, self.scaling).reshape(rows, 1, -1)

@@ -9,10 +9,13 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from flowkit.kernels import decode_attention
+from flowkit.kernels.backends import native_has
 from flowkit.kernels.cpu_linear import use_onednn_linears
 from flowkit.llm import hf_engine
 from flowkit.llm.decode_step import decode_step_for
 from flowkit.llm.forward import position_ids
+from flowkit.llm.fused_layers import use_fused_layers
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.kv_cache import prompt_cache
 from flowkit.llm.tiny import char_tokenizer, tiny_qwen2
@@ -21,19 +24,21 @@ SIZE = {"vocab_size": 37, "hidden_size": 48, "intermediate_size": 80, "num_hidde
         "max_position_embeddings": 64, "pad_token_id": 0, "eos_token_id": 2}
 
 
-def qwen2(heads=4, kv_heads=2):
-    return Qwen2ForCausalLM(Qwen2Config(**SIZE, num_attention_heads=heads, num_key_value_heads=kv_heads))
+def qwen2(heads=4, kv_heads=2, hidden=SIZE["hidden_size"]):
+    return Qwen2ForCausalLM(Qwen2Config(**{**SIZE, "hidden_size": hidden}, num_attention_heads=heads,
+                                        num_key_value_heads=kv_heads))
 
 
 def qwen3():
     return Qwen3ForCausalLM(Qwen3Config(**SIZE, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
 
 
-def llama():  # no biases but the MLP's, RoPE rescaled as Llama 3's
+def llama(heads=3, hidden=SIZE["hidden_size"]):  # no biases but the MLP's, RoPE rescaled as Llama 3's
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    return LlamaForCausalLM(LlamaConfig(**SIZE, num_attention_heads=3, num_key_value_heads=1, mlp_bias=True,
-                                        rope_parameters=rope, tie_word_embeddings=False))
+    return LlamaForCausalLM(LlamaConfig(**{**SIZE, "hidden_size": hidden}, num_attention_heads=heads,
+                                        num_key_value_heads=1, mlp_bias=True, rope_parameters=rope,
+                                        tie_word_embeddings=False))
 
 
 def mistral(sliding_window=None):
@@ -81,20 +86,44 @@ def decode(model, encoded, tokens, mirrored: bool, drop_at: int) -> list[torch.T
     return out
 
 
+@pytest.fixture
+def sdpa_attention(monkeypatch):
+    """The decoding attention's reference (SDPA as transformers calls it) wherever the native kernel would run."""
+    monkeypatch.setattr(decode_attention, "backend_for", lambda query: "reference")
+
+
 @pytest.mark.parametrize("architecture", MODELS)
 @pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_step_gives_hfs_logits_bitwise(architecture, padded, dtype):
+def test_the_step_gives_hfs_logits_bitwise(architecture, padded, dtype, sdpa_attention):
     torch.manual_seed(0)
     model = MODELS[architecture]().to(dtype).eval()
-    if architecture == "qwen2-gqa":
-        use_onednn_linears(model)  # the backbone loader's layers
+    if architecture in ("qwen2-gqa", "qwen3"):  # the backbone loader's layers
+        use_onednn_linears(model)
+        assert use_fused_layers(model) == (2 * 3 + 1 if architecture == "qwen2-gqa" else 2 * 5 + 1)
     encoded = prompts(9, 7, padded)
     tokens = torch.randint(3, SIZE["vocab_size"], (12, 9))
     reference = decode(model, encoded, tokens, mirrored=False, drop_at=5)
     mirrored = decode(model, encoded, tokens, mirrored=True, drop_at=5)
     assert [logits.shape for logits in mirrored] == [logits.shape for logits in reference]
     assert all(torch.equal(a, b) for a, b in zip(mirrored, reference))
+
+
+@pytest.mark.skipif(not native_has("cpu", "decode_attention"), reason="flowkit._C without decode_attention")
+@pytest.mark.parametrize("build", [lambda: qwen2(4, 2, hidden=128), lambda: llama(2, hidden=128)],
+                         ids=["qwen2-gqa", "llama3-gqa"])
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+def test_with_the_native_attention_the_logits_agree_to_rounding(build, padded):
+    torch.manual_seed(0)
+    model = build().eval()  # head dimensions 32 and 64, which the native kernel is compiled for
+    encoded = prompts(9, 7, padded)
+    tokens = torch.randint(3, SIZE["vocab_size"], (12, 9))
+    assert decode_attention.backend_for(torch.zeros(1, 1, 1, 32)) == "native"
+    reference = decode(model, encoded, tokens, mirrored=False, drop_at=5)
+    mirrored = decode(model, encoded, tokens, mirrored=True, drop_at=5)
+    for a, b in zip(mirrored, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not all(torch.equal(a, b) for a, b in zip(mirrored, reference))  # the native kernel did run
 
 
 def test_the_step_steps_aside_where_it_would_not_be_hfs(monkeypatch):
@@ -122,7 +151,7 @@ def test_the_step_steps_aside_where_it_would_not_be_hfs(monkeypatch):
     assert decode_step_for(qwen2().eval()) is None
 
 
-def test_the_engine_samples_the_same_rollouts_through_either_forward(monkeypatch):
+def test_the_engine_samples_the_same_rollouts_through_either_forward(monkeypatch, sdpa_attention):
     tokenizer = char_tokenizer("0123456789+=")
     torch.manual_seed(1)
     model = tiny_qwen2(len(tokenizer), hidden_size=32, num_layers=2, intermediate_size=64)

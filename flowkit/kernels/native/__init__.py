@@ -9,4 +9,6 @@ except ImportError:
     LOADED = False
 else:
     LOADED = True
-    from . import flow_attention, logprob_entropy, velocity_deviation  # noqa: F401  (register fakes + autograd)
+    from . import (  # noqa: F401  (register fakes + autograd)
+        decode_attention, flow_attention, logprob_entropy, rms_norm, swiglu, velocity_deviation,
+    )
