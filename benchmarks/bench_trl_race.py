@@ -35,10 +35,12 @@ logits kept for the backward (``update.lm_head_chunk_size: null``; at most 2048 
 the whole step's); TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches,
 generating all rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). Two more flowkit sides show
 where the difference comes from: ``flowkit-every-row`` runs ``update.skip_zero_advantage_rows: false`` (TRL forwards
-every row too), and ``flowkit-f-linear`` runs the linear layers on ``F.linear`` (``FLOWKIT_KERNELS=reference``), as TRL
-does, instead of flowkit's oneDNN route for float32 CPU products (flowkit.kernels.cpu_linear: on AMD Zen 5, where
-MKL's AVX2 kernels leave half of the full-width AVX-512 rate unused, oneDNN runs them about 2× faster; elsewhere
-flowkit takes it for large products only, so on Zen 4 the two sides run nearly the same products).
+every row too), and ``flowkit-reference`` runs flowkit's kernels off (``FLOWKIT_KERNELS=reference``): PyTorch's and
+HF's ops throughout, as TRL runs them — ``F.linear`` instead of the oneDNN route for float32 CPU products
+(flowkit.kernels.cpu_linear: about 2× faster on AMD Zen 5, whose full-width AVX-512 MKL's AVX2 kernels leave half
+unused; elsewhere for large products only), HF's forward at every decoding step instead of flowkit's
+(flowkit.llm.decode_step), PyTorch's RMSNorm, SwiGLU, decoding attention and LM-head softmax instead of flowkit's
+native CPU kernels.
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
@@ -68,7 +70,7 @@ SIZES = {  # prompts per step, new tokens, reward, learning rate; each side's fa
             "token_budget": 2048, "padding_free": True, "lm_head_chunk": None, "trl_micro_batches": 1},
 }
 EOS_LOGIT = 10.0  # the mid policy's EOS logit at its mean final hidden state
-SIDES = ("flowkit", "flowkit-every-row", "flowkit-f-linear", "trl")
+SIDES = ("flowkit", "flowkit-every-row", "flowkit-reference", "trl")
 FLOWKIT_SIDES = SIDES[:-1]
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "math-verify==0.9.0")  # math-verify: the grader's fallback
 
@@ -268,7 +270,7 @@ def run_worker(python: Path, side: str, args: argparse.Namespace, prompts_path: 
                "--prompts-file", str(prompts_path),
                "--result", str(out)]
     env = single_thread_env()
-    if side == "flowkit-f-linear":  # the linear layers on F.linear, as before flowkit.kernels.cpu_linear
+    if side == "flowkit-reference":  # flowkit's kernels off: PyTorch's and HF's ops, as TRL runs them
         env["FLOWKIT_KERNELS"] = "reference"
     subprocess.run(command, check=True, env=env, cwd=prompts_path.parent)
     return json.loads(out.read_text())

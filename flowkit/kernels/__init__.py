@@ -1,9 +1,10 @@
 """Fused ops for flow-matching rewards (DESIGN §5): RLFR velocity deviation and flow-token attention.
 
 Each has a PyTorch reference, Triton kernels, and native C++/CUDA kernels (``torch.ops.flowkit``, built
-from ``csrc/``); :func:`available_backends` lists what runs here and ``FLOWKIT_KERNELS`` forces one. Two more ops
-serve training: :mod:`.cpu_linear` (float32 CPU linear layers through oneDNN) and :mod:`.logprob_entropy` (the LM
-head's softmax over the vocabulary: native on CPU, Triton on CUDA).
+from ``csrc/``); :func:`available_backends` lists what runs here and ``FLOWKIT_KERNELS`` forces one. More ops
+serve the policy: :mod:`.cpu_linear` (float32 CPU linear layers through oneDNN), :mod:`.logprob_entropy` (the LM
+head's softmax over the vocabulary: native on CPU, Triton on CUDA), and native CPU kernels for Llama-family layers:
+:mod:`.rms_norm`, :mod:`.swiglu` and :mod:`.decode_attention` (one decoding step's attention).
 """
 
 from .backends import available_backends

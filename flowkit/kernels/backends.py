@@ -35,6 +35,7 @@ def native_loaded() -> bool:
     return native.LOADED
 
 
+@functools.cache  # asked on every call of an op; what flowkit._C registered does not change once loaded
 def native_has(device_type: str, op: str = "velocity_deviation") -> bool:
     """True when ``flowkit._C`` was built with a kernel of ``op`` for ``device_type`` ("cpu" or "cuda")."""
     if not native_loaded():
