@@ -83,3 +83,25 @@ def test_packing_benchmark_runs_at_toy_size(tmp_path):
     with open(tmp_path / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 1 and rows[0]["bench"] == "packing" and rows[0]["lm_head_chunk"] == ""
+
+
+def test_kernels_step_benchmark_alternates_the_kernels(tmp_path, monkeypatch):
+    """bench_kernels_step.py end to end at 4 steps (2 warm-up): one pair of steps timed and written; its callback
+    turns flowkit's kernels off on odd steps only, and back on at the end."""
+    from types import SimpleNamespace
+
+    from bench_kernels_step import AlternateKernels
+
+    from flowkit.kernels.backends import forced_backend
+
+    monkeypatch.delenv("FLOWKIT_KERNELS", raising=False)
+    callback, seen = AlternateKernels(), []
+    for step in range(4):
+        callback.on_train_batch_start(SimpleNamespace(global_step=step))
+        seen.append(forced_backend())
+    callback.on_train_end(None)
+    assert seen == ["", "reference", "", "reference"] and forced_backend() == ""
+    result = run_benchmark("bench_kernels_step.py", "--steps", "4", "--warmup", "2",
+                           "--csv", str(tmp_path / "results.csv"))
+    assert "(1 pairs, token budget 1024)" in result.stdout, result.stdout
+    assert (tmp_path / "results.csv").read_text().count("kernels_step") == 1

@@ -73,6 +73,8 @@ def _hooked(model: nn.Module) -> bool:
 
 def _mirrorable(model: PreTrainedModel) -> bool:
     config = model.config
+    if getattr(config, "model_type", None) not in ARCHITECTURES or config._attn_implementation != "sdpa":
+        return False
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
     linear_types = (nn.Linear, cpu_linear.OneDNNLinear)
@@ -85,8 +87,7 @@ def _mirrorable(model: PreTrainedModel) -> bool:
         and all(_is_norm(norm) for norm in (getattr(layer.self_attn, "q_norm", None),
                                              getattr(layer.self_attn, "k_norm", None)) if norm is not None)
         for layer in decoder.layers)
-    return (config.model_type in ARCHITECTURES and config._attn_implementation == "sdpa"
-            and getattr(config, "hidden_act", None) == "silu"
+    return (getattr(config, "hidden_act", None) == "silu"
             and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
             and getattr(config, "sliding_window", None) is None
             and getattr(decoder.rotary_emb, "rope_type", "default") not in _LENGTH_DEPENDENT_ROPE

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-    Qwen3ForCausalLM,
+    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
 from flowkit.kernels import decode_attention
@@ -134,6 +134,7 @@ def test_the_step_steps_aside_where_it_would_not_be_hfs(monkeypatch):
     eager.config._attn_implementation = "eager"
     assert decode_step_for(eager) is None
     assert decode_step_for(mistral(sliding_window=8).eval()) is None
+    assert decode_step_for(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=37)).eval()) is None
     hooked = qwen2().eval()
     handle = hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
     assert decode_step_for(hooked) is None
