@@ -95,3 +95,10 @@ def select_backend(device: torch.device) -> str:
     if "native" not in available:
         warn_once("flowkit._C is not built (pip install -e . builds it); using the PyTorch reference ops")
     return "native" if "native" in available else "reference"
+
+
+def runs_native_cpu_float32(tensor: torch.Tensor, op: str) -> bool:
+    """Whether a CPU-only native ``op`` (no Triton or CUDA kernel) runs for ``tensor``: a float32 CPU tensor, the
+    native backend selected and ``flowkit._C`` built with the op."""
+    return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and select_backend(tensor.device) == "native"
+            and native_has("cpu", op))

@@ -15,17 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .backends import native_has, select_backend
+from .backends import runs_native_cpu_float32
 from .reference import decode_attention as reference
-
 
 NATIVE_HEAD_DIMS = (32, 64, 128)  # compiled for; at other sizes the native kernel is no faster than SDPA
 
 
 def backend_for(query: Tensor) -> str:
     """The implementation the op runs for this query: "native" or "reference"."""
-    native = (query.device.type == "cpu" and query.dtype == torch.float32 and query.shape[-1] in NATIVE_HEAD_DIMS
-              and select_backend(query.device) == "native" and native_has("cpu", "decode_attention"))
+    native = query.shape[-1] in NATIVE_HEAD_DIMS and runs_native_cpu_float32(query, "decode_attention")
     return "native" if native else "reference"
 
 

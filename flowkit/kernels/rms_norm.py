@@ -14,15 +14,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .backends import native_has, select_backend
+from .backends import runs_native_cpu_float32
 from .reference import rms_norm as reference
 
 
 def backend_for(x: Tensor) -> str:
     """The implementation the op runs for this input: "native" or "reference"."""
-    native = (x.device.type == "cpu" and x.dtype == torch.float32 and select_backend(x.device) == "native"
-              and native_has("cpu", "rms_norm"))
-    return "native" if native else "reference"
+    return "native" if runs_native_cpu_float32(x, "rms_norm") else "reference"
 
 
 class _NativeRMSNorm(torch.autograd.Function):

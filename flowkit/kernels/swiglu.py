@@ -14,15 +14,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .backends import native_has, select_backend
+from .backends import runs_native_cpu_float32
 from .reference import swiglu as reference
 
 
 def backend_for(gate: Tensor) -> str:
     """The implementation the op runs for this input: "native" or "reference"."""
-    native = (gate.device.type == "cpu" and gate.dtype == torch.float32 and select_backend(gate.device) == "native"
-              and native_has("cpu", "swiglu"))
-    return "native" if native else "reference"
+    return "native" if runs_native_cpu_float32(gate, "swiglu") else "reference"
 
 
 class _NativeSwiGLU(torch.autograd.Function):
