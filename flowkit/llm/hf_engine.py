@@ -227,7 +227,7 @@ class HFRolloutEngine:
         decode until every rank's rows have ended."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         name = cache_argument(self.model.get_decoder())
-        step = decode_step_for(self.model)  # HF's forward where None
+        decode_step = decode_step_for(self.model)  # HF's forward where None
         rows = torch.arange(len(pending), device=pending.device)  # the generated row of each row still decoding
         unfinished = torch.ones_like(rows, dtype=torch.bool)
         generated = torch.full((len(rows), max_new_tokens), pad, dtype=torch.long, device=pending.device)
@@ -239,10 +239,10 @@ class HFRolloutEngine:
             if step_versions and version != step_versions[-1]:  # new weights: every position but the pending one
                 cache = recomputed_cache(self.model, torch.cat([prompt_ids[rows], generated[rows, :steps - 1]], 1),
                                          attention_mask[:, :-1], prompt_ids.shape[1] + max_new_tokens)
-                step = decode_step_for(self.model)
+                decode_step = decode_step_for(self.model)
             step_versions.append(version)
-            if step is not None and pending.shape[1] == 1:
-                logits = step(pending, attention_mask, positions, cache)
+            if decode_step is not None and pending.shape[1] == 1:
+                logits = decode_step(pending, attention_mask, positions, cache)
             else:
                 logits = self.model(input_ids=pending, attention_mask=attention_mask, position_ids=positions,
                                     use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
