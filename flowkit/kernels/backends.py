@@ -98,7 +98,8 @@ def select_backend(device: torch.device) -> str:
 
 
 def runs_native_cpu_float32(tensor: torch.Tensor, op: str) -> bool:
-    """Whether a CPU-only native ``op`` (no Triton or CUDA kernel) runs for ``tensor``: a float32 CPU tensor, the
-    native backend selected and ``flowkit._C`` built with the op."""
-    return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and select_backend(tensor.device) == "native"
-            and native_has("cpu", op))
+    """Whether a CPU-only native ``op`` (no Triton or CUDA kernel) runs for ``tensor``: a float32 CPU tensor outside
+    CPU autocast (where the reference's ops take autocast's dtypes), the native backend selected and ``flowkit._C``
+    built with the op."""
+    return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and select_backend(tensor.device) == "native" and native_has("cpu", op))

@@ -3,8 +3,8 @@
 PyTorch runs it as a cast, pow, mean, add, rsqrt and two products, and the backward as about a dozen more passes over
 the M × d activations. The native CPU kernel (``csrc/rms_norm/``) makes one pass per row each way, keeping each
 row's 1/rms for the backward (0.6 ms forward and backward for 1024 × 128 floats in PyTorch on a Zen 4 core). It agrees
-with the reference to float32 rounding (summation order), not bitwise. Everything else (CUDA, other dtypes, a
-``flowkit._C`` without the op, ``FLOWKIT_KERNELS=reference``) runs the reference: transformers' formula, its casts
+with the reference to float32 rounding (summation order), not bitwise. Everything else (CUDA, other dtypes, CPU
+autocast, a ``flowkit._C`` without the op, ``FLOWKIT_KERNELS=reference``) runs the reference: transformers' formula, its casts
 included.
 """
 

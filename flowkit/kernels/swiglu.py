@@ -4,8 +4,8 @@ PyTorch runs it as silu, a product and, in the backward, their gradients: about 
 intermediate activations and four fresh tensors of that size, which on CPU cost more than the products around them
 at small hidden sizes (2.2 ms forward and backward for 1024 × 512 floats on a Zen 4 core). The native CPU kernel
 (``csrc/swiglu/``) makes one pass each way, recomputing the sigmoid in the backward. It agrees with the reference to
-float32 rounding (its own exponential: ≤ 2 ulp), not bitwise. Everything else (CUDA, other dtypes, a ``flowkit._C``
-without the op, ``FLOWKIT_KERNELS=reference``) runs the reference.
+float32 rounding (its own exponential: ≤ 2 ulp), not bitwise. Everything else (CUDA, other dtypes, CPU autocast,
+a ``flowkit._C`` without the op, ``FLOWKIT_KERNELS=reference``) runs the reference.
 """
 
 from __future__ import annotations

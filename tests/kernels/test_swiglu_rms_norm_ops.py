@@ -77,5 +77,7 @@ def test_dispatch(monkeypatch):
     expected = "native" if native_has("cpu", "swiglu") else "reference"
     assert swiglu_op.backend_for(x) == norm_op.backend_for(x) == expected
     torch.testing.assert_close(swiglu_op.swiglu(x, x.t().contiguous().t()), swiglu_reference.swiglu(x, x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert swiglu_op.backend_for(x) == norm_op.backend_for(x) == "reference"
     monkeypatch.setenv("FLOWKIT_KERNELS", "reference")
     assert swiglu_op.backend_for(x) == norm_op.backend_for(x) == "reference"

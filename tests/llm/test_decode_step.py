@@ -109,6 +109,21 @@ def test_the_step_gives_hfs_logits_bitwise(architecture, padded, dtype, sdpa_att
     assert all(torch.equal(a, b) for a, b in zip(mirrored, reference))
 
 
+def test_under_bf16_autocast_the_step_gives_hfs_logits_bitwise():
+    """float32 weights under CPU bf16 autocast (``trainer.precision: bf16-mixed``): the cache holds bf16 values, and
+    every op, the native kernels' references included, takes autocast's dtypes as in HF's forward."""
+    torch.manual_seed(0)
+    model = qwen2(4, 2, hidden=128).eval()  # head dimension 32, which the native attention is compiled for
+    use_onednn_linears(model)
+    use_fused_layers(model)
+    encoded = prompts(9, 7, padded=True)
+    tokens = torch.randint(3, SIZE["vocab_size"], (6, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = decode(model, encoded, tokens, mirrored=False, drop_at=3)
+        mirrored = decode(model, encoded, tokens, mirrored=True, drop_at=3)
+    assert all(torch.equal(a, b) for a, b in zip(mirrored, reference))
+
+
 @pytest.mark.skipif(not native_has("cpu", "decode_attention"), reason="flowkit._C without decode_attention")
 @pytest.mark.parametrize("build", [lambda: qwen2(4, 2, hidden=128), lambda: llama(2, hidden=128)],
                          ids=["qwen2-gqa", "llama3-gqa"])
