@@ -28,7 +28,8 @@ def inputs(rows, kv_heads, group, dim, length, padded, capacity=None):
 
 @native
 @pytest.mark.parametrize("rows,kv_heads,group,dim,length", [
-    (1, 1, 1, 8, 1), (5, 3, 1, 24, 7), (7, 2, 2, 32, 33), (3, 1, 3, 40, 70), (2, 2, 4, 128, 129), (4, 1, 5, 20, 2)])
+    (1, 1, 1, 8, 1), (5, 3, 1, 24, 7), (7, 2, 2, 32, 33), (3, 1, 3, 40, 70), (2, 2, 4, 128, 129), (4, 1, 5, 20, 2),
+    (3, 2, 2, 64, 16), (2, 1, 2, 64, 47), (6, 2, 2, 32, 1)])
 @pytest.mark.parametrize("padded", [True, False], ids=["mask", "no-mask"])
 def test_native_matches_the_reference(rows, kv_heads, group, dim, length, padded):
     torch.manual_seed(rows * 100 + length)
@@ -41,6 +42,19 @@ def test_native_matches_the_reference(rows, kv_heads, group, dim, length, padded
     if padded:  # a masked key changes nothing, whatever it holds
         keys[~mask[:, None, :, None].expand_as(keys)] = 1e4
         torch.testing.assert_close(torch.ops.flowkit.decode_attention(query, keys, values, mask, scale), got)
+
+
+@native
+@pytest.mark.parametrize("dim,length", [(32, 45), (64, 17), (128, 31)])
+def test_keys_masked_anywhere(dim, length):
+    """Masked keys in every block of 16 the kernel scores at once, the last block partly past the end."""
+    torch.manual_seed(dim + length)
+    query, keys, values, _ = inputs(5, 2, 2, dim, length, padded=False)
+    mask = torch.rand(5, length) < 0.6
+    mask[:, -1] = True
+    got = torch.ops.flowkit.decode_attention(query, keys, values, mask, dim ** -0.5)
+    torch.testing.assert_close(got, reference.decode_attention(query, keys, values, mask, dim ** -0.5),
+                               rtol=2e-6, atol=2e-6)
 
 
 @native
