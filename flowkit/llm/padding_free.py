@@ -22,9 +22,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flowkit.llm.forward import position_ids
+from flowkit.llm.grouped_sdpa import SDPA_IMPLEMENTATIONS
 
 # Attention implementations whose transformers mask or kernel separates packed rows by their position ids.
-PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKING_ATTENTION = (*SDPA_IMPLEMENTATIONS, "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 ROW_BY_ROW_SDPA = "flowkit_row_by_row_sdpa"
 
 
@@ -47,7 +48,8 @@ def _packed_attention(model: torch.nn.Module):
     (its recomputation in the backward would run outside the switch) and no sliding-window layer (a row would attend
     past its window); elsewhere transformers' block-causal mask."""
     config = model.config
-    switch = config._attn_implementation == "sdpa" and not any(
+    implementation = config._attn_implementation
+    switch = implementation in SDPA_IMPLEMENTATIONS and not any(
         getattr(m, "gradient_checkpointing", False) or getattr(m, "sliding_window", None) for m in model.modules())
     if switch:
         config._attn_implementation = ROW_BY_ROW_SDPA
@@ -55,7 +57,7 @@ def _packed_attention(model: torch.nn.Module):
         yield
     finally:
         if switch:
-            config._attn_implementation = "sdpa"
+            config._attn_implementation = implementation
 
 
 def packs_rows(model: torch.nn.Module) -> bool:

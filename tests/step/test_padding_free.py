@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flowkit.batch import RolloutBatch
 from flowkit.llm.backbone import load_backbone
+from flowkit.llm.grouped_sdpa import SDPA_IMPLEMENTATIONS
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.kv_cache import forward_hidden_shared_prompts
 from flowkit.llm.latent_tap import LatentTap
@@ -94,7 +95,7 @@ SUBSETS = {"all": list(range(12)), "one row": [5], "one-token rows": [2, 7, 10],
 
 
 @pytest.mark.parametrize("subset", SUBSETS)
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", [*SDPA_IMPLEMENTATIONS, "eager"])
 def test_packed_pass_equals_padded_fp32(rows, subset, attention):
     model = policy(torch.float32, attention)
     assert packs_rows(model)
@@ -126,10 +127,12 @@ def test_packed_latents_and_flow_rewards_equal_padded(rows, lora):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_sdpa_runs_row_by_row_except_under_activation_checkpointing(rows, checkpointing, monkeypatch):
-    """``sdpa`` attends row by row (no T×T mask); under activation checkpointing, whose recomputation runs after the
-    forward, transformers' block-causal mask instead. Both give the padded pass's outputs and gradients."""
-    model = policy(torch.float32)
+@pytest.mark.parametrize("attention", SDPA_IMPLEMENTATIONS)
+def test_sdpa_runs_row_by_row_except_under_activation_checkpointing(rows, checkpointing, attention, monkeypatch):
+    """``sdpa`` (transformers' or flowkit's grouped one) attends row by row (no T×T mask); under activation
+    checkpointing, whose recomputation runs after the forward, transformers' block-causal mask instead. Both give the
+    padded pass's outputs and gradients."""
+    model = policy(torch.float32, attention)
     if checkpointing:
         model.gradient_checkpointing_enable()
     calls = []
@@ -138,7 +141,7 @@ def test_sdpa_runs_row_by_row_except_under_activation_checkpointing(rows, checkp
     padded, packed = actors(model)
     assert_equal_passes(padded, packed, rows, torch.float32)
     assert len(calls) == (0 if checkpointing else rows.batch_size * model.config.num_hidden_layers)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention
 
 
 def test_packed_pass_equals_the_shared_prompt_pass(rows, monkeypatch):
