@@ -28,8 +28,8 @@ each side's mean outcome reward over its steps (warm-up included) per round, and
 standard error) beside TRL's spread over the rounds (meaningful on the tiny task: the mid one has nothing to learn).
 Appends one row per side with the library versions. Each side trains in the micro-batches that were fastest for it
 (``SIZES``; ``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under
-``micro_batch_tokens`` (1024 tiny, 2048 mid; on the tiny task the smaller activations stay in cache: 0.425 vs 0.463
-s/step without, 2048 0.438) and, at mid size, packs them padding-free (``update.padding_free``: the update 1.13–1.14×
+``micro_batch_tokens`` 2048 (on the tiny task the update is ~10% faster than at 1024 and ~5% faster than in one
+micro-batch, measured interleaved in one process by ``benchmarks/bench_update_budget.py``) and, at mid size, packs them padding-free (``update.padding_free``: the update 1.13–1.14×
 faster on these long-tailed lengths, docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its
 logits kept for the backward (``update.lm_head_chunk_size: null``; at most 2048 × 32k floats, 256 MB, where TRL holds
 the whole step's); TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches,
@@ -65,7 +65,7 @@ TINY_ADDER = REPO / "flowkit" / "assets" / "tiny_adder"
 SAMPLES = 8
 SIZES = {  # prompts per step, new tokens, reward, learning rate; each side's fastest micro-batching (measured)
     "tiny": {"prompts": 16, "new_tokens": 28, "reward": "binary", "lr": 5e-5,
-             "token_budget": 1024, "padding_free": False, "lm_head_chunk": 1024, "trl_micro_batches": 1},
+             "token_budget": 2048, "padding_free": False, "lm_head_chunk": 1024, "trl_micro_batches": 1},
     "mid": {"prompts": 4, "new_tokens": 256, "reward": "scrambled", "lr": 1e-7,
             "token_budget": 2048, "padding_free": True, "lm_head_chunk": None, "trl_micro_batches": 1},
 }

@@ -105,3 +105,16 @@ def test_kernels_step_benchmark_alternates_the_kernels(tmp_path, monkeypatch):
                            "--csv", str(tmp_path / "results.csv"))
     assert "(1 pairs, token budget 1024)" in result.stdout, result.stdout
     assert (tmp_path / "results.csv").read_text().count("kernels_step") == 1
+
+
+def test_update_budget_benchmark_times_every_budget_on_the_same_experiences(tmp_path):
+    """bench_update_budget.py end to end at one kept step and one round: each budget trains once on it, one row each;
+    a budget given twice is refused before any work."""
+    result = run_benchmark("bench_update_budget.py", "--steps", "1", "--rounds", "1", "--budgets", "0,512",
+                           "--csv", str(tmp_path / "results.csv"))
+    assert "micro_batch_tokens  none" in result.stdout and "micro_batch_tokens   512" in result.stdout, result.stdout
+    assert result.stdout.count("(1 updates)") == 2
+    assert (tmp_path / "results.csv").read_text().count("update_budget") == 2
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_update_budget.py"), "--budgets", "0,0"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "distinct" in refused.stderr
