@@ -42,6 +42,8 @@ TORCH_LIBRARY(flowkit, m) {
   // RMSNorm over the last dimension: w·x/rms(x) and each row's 1/rms; the backward gives x's and w's gradients.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor inverse_rms) -> (Tensor, Tensor)");
+  // Rotary position embedding of each head of each row: x (N, H, D) · cos (N, D) + rotate_half(x) · sin (N, D).
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def(
       "logprob_entropy_backward_(Tensor(a!) logits, Tensor targets, Tensor log_normalizer, Tensor entropy, "
       "Tensor grad_logprob, Tensor? grad_entropy, float temperature) -> ()");

@@ -39,5 +39,8 @@ class _NativeRMSNorm(torch.autograd.Function):
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``weight · x / sqrt(mean(x², last dim) + eps)``, differentiable in ``x`` and ``weight``."""
     if backend_for(x) == "native" and weight.dtype == torch.float32:
-        return _NativeRMSNorm.apply(x.contiguous(), weight.contiguous(), eps)
+        x, weight = x.contiguous(), weight.contiguous()
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _NativeRMSNorm.apply(x, weight, eps)
+        return torch.ops.flowkit.rms_norm(x, weight, eps)[0]  # nothing to record: no autograd Function's Python
     return reference.rms_norm(x, weight, eps)

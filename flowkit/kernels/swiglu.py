@@ -38,5 +38,8 @@ class _NativeSwiGLU(torch.autograd.Function):
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) · up`` for two tensors of one shape, differentiable in both."""
     if backend_for(gate) == "native" and up.dtype == torch.float32:
-        return _NativeSwiGLU.apply(gate.contiguous(), up.contiguous())
+        gate, up = gate.contiguous(), up.contiguous()
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return _NativeSwiGLU.apply(gate, up)
+        return torch.ops.flowkit.swiglu(gate, up)  # nothing to record: no autograd Function's Python
     return reference.swiglu(gate, up)

@@ -4,8 +4,9 @@ A decoding step is one token per row, so its products are small and HF's forward
 arithmetic: output capturing, argument deprecation and hub-kernel wrappers, the causal-mask builder, a module call per
 norm and projection (on the bundled tiny policy, 128 rows: ~1.6 of ~6.3 ms per step on a Zen 4 core).
 :class:`DecodeStep` runs the same tensor ops in the same order on the same tensors, as one Python loop over the
-layers, but for the attention: :func:`~flowkit.kernels.decode_attention.decode_attention`, whose reference is SDPA
-called as transformers calls it (with it the logits are bitwise HF's, step after step, with and without left
+layers, but for the rotary embedding, :func:`~flowkit.kernels.rotary.rotary` (one native op where transformers runs
+seven, to the bit), and the attention: :func:`~flowkit.kernels.decode_attention.decode_attention`, whose reference is
+SDPA called as transformers calls it (with it the logits are bitwise HF's, step after step, with and without left
 padding, rows leaving the batch, GQA and not: the test checks) and whose native CPU kernel agrees to float32
 rounding. It reads the model's own parameters, so weights updated in place need no refresh, and the KV cache is
 the one HF's prefill filled.
@@ -19,7 +20,6 @@ module hook (ZeRO-3's parameter gathering, latent taps), a model in training mod
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
@@ -30,6 +30,7 @@ from flowkit.kernels.decode_attention import decode_attention
 from flowkit.kernels.reference.rms_norm import rms_norm as hf_rms_norm
 from flowkit.kernels.reference.swiglu import swiglu as hf_swiglu
 from flowkit.kernels.rms_norm import rms_norm
+from flowkit.kernels.rotary import rotary
 from flowkit.kernels.swiglu import swiglu
 from flowkit.llm.fused_layers import HF_MLPS, HF_RMS_NORMS, FusedRMSNorm, FusedSwiGLUMLP
 from flowkit.llm.grouped_sdpa import SDPA_IMPLEMENTATIONS
@@ -53,12 +54,6 @@ def _is_norm(module: nn.Module) -> bool:
 def _normed(x: Tensor, norm: tuple) -> Tensor:
     function, weight, eps = norm
     return function(x, weight, eps)
-
-
-def _rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """HF's ``apply_rotary_pos_emb`` for one tensor: ``x·cos + rotate_half(x)·sin``."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _linear(module: nn.Module) -> tuple:
@@ -130,7 +125,7 @@ class DecodeStep:
         ``attention_mask`` (B × cached positions + 1) and ``position_ids`` (B × 1) as HF's forward takes them."""
         rows = input_ids.shape[0]
         hidden = self.decoder.embed_tokens(input_ids)
-        cos, sin = (part.unsqueeze(1) for part in self.decoder.rotary_emb(hidden, position_ids))
+        cos, sin = (part[:, 0] for part in self.decoder.rotary_emb(hidden, position_ids))  # rows × head_dim
         mask = None if bool(attention_mask.all()) else attention_mask.bool()  # HF's: none where nothing is padding
         heads = (rows, 1, -1, self.head_dim)
         for index, (norm_in, q, k, v, (q_norm, k_norm), o, norm_out, gated, gate, up, down) in enumerate(self.layers):
@@ -138,8 +133,8 @@ class DecodeStep:
             query, key, value = (product(x, weight, bias).view(heads) for product, weight, bias in (q, k, v))
             if q_norm is not None:
                 query, key = _normed(query, q_norm), _normed(key, k_norm)
-            query = _rotated(query.transpose(1, 2), cos, sin)
-            key = _rotated(key.transpose(1, 2), cos, sin)
+            query = rotary(query.reshape(rows, -1, self.head_dim), cos, sin).unsqueeze(2)  # rows × heads × 1 × dim
+            key = rotary(key.reshape(rows, -1, self.head_dim), cos, sin).unsqueeze(2)
             keys, values = cache.layers[index].update(key, value.transpose(1, 2))
             attended = self._attention(query, keys, values, mask)
             hidden = hidden + o[0](attended, o[1], o[2])

@@ -33,6 +33,8 @@ def test_swiglu_and_its_gradients_match_the_reference(shape):
     out = swiglu_op.swiglu(g1, u1)
     expected = swiglu_reference.swiglu(g2, u2)
     torch.testing.assert_close(out, expected, rtol=3e-6, atol=1e-6)
+    with torch.no_grad():  # the op itself, without the autograd Function: the same values
+        assert torch.equal(swiglu_op.swiglu(g1, u1), out)
     out.backward(grad)
     expected.backward(grad)
     torch.testing.assert_close(g1.grad, g2.grad, rtol=3e-6, atol=1e-6)
@@ -50,6 +52,8 @@ def test_rms_norm_and_its_gradients_match_the_reference(shape):
     expected = norm_reference.rms_norm(x2, w2, 1e-6)
     assert torch.ops.flowkit.rms_norm(x, weight, 1e-6)[1].shape == shape[:-1]
     torch.testing.assert_close(out, expected, rtol=3e-6, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(norm_op.rms_norm(x1, w1, 1e-6), out)
     out.backward(grad)
     expected.backward(grad)
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)
