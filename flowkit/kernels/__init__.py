@@ -4,7 +4,8 @@ Each has a PyTorch reference, Triton kernels, and native C++/CUDA kernels (``tor
 from ``csrc/``); :func:`available_backends` lists what runs here and ``FLOWKIT_KERNELS`` forces one. More ops
 serve the policy: :mod:`.cpu_linear` (float32 CPU linear layers through oneDNN), :mod:`.logprob_entropy` (the LM
 head's softmax over the vocabulary: native on CPU, Triton on CUDA), and native CPU kernels for Llama-family layers:
-:mod:`.rms_norm`, :mod:`.swiglu` and :mod:`.decode_attention` (one decoding step's attention).
+:mod:`.rms_norm`, :mod:`.swiglu`, :mod:`.decode_attention` (one decoding step's attention) and :mod:`.rotary` (one
+decoding step's rotary embedding).
 """
 
 from .backends import available_backends

@@ -24,7 +24,7 @@ from transformers.utils import logging as hf_logging
 from flowkit.errors import ConfigError
 from flowkit.kernels.cpu_linear import use_onednn_linears
 from flowkit.llm.fused_layers import use_fused_layers
-from flowkit.llm.grouped_sdpa import use_grouped_sdpa
+from flowkit.llm.sdpa import use_flowkit_sdpa
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -79,8 +79,8 @@ def load_backbone(
     format (``pytorch_model.bin``: only safetensors are loaded, a pickle is never opened) and a local directory
     without tokenizer files are each a :class:`BackboneError`. The model's linear layers run float32 CPU inputs
     through oneDNN (:mod:`flowkit.kernels.cpu_linear`), a Llama-family model's RMSNorms and MLP gates through
-    flowkit's fused kernels (:mod:`flowkit.llm.fused_layers`), and ``sdpa`` attention with a mask keeps its KV heads
-    unrepeated on CPU (:mod:`flowkit.llm.grouped_sdpa`).
+    flowkit's fused kernels (:mod:`flowkit.llm.fused_layers`), and ``sdpa`` attention with a mask on CPU through
+    flowkit's kernel for short sequences (:mod:`flowkit.llm.sdpa`).
     """
     torch_dtype(dtype)
     path = resolve_backbone_path(name_or_path)
@@ -109,7 +109,7 @@ def load_backbone(
         raise BackboneError(f"cannot load the weights of {path!r}: {_first_line(err)}") from None
     use_onednn_linears(model)
     use_fused_layers(model)
-    use_grouped_sdpa(model)
+    use_flowkit_sdpa(model)
     return model, load_tokenizer(path, trust_remote_code)
 
 

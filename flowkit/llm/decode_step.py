@@ -12,10 +12,10 @@ rounding. It reads the model's own parameters, so weights updated in place need 
 the one HF's prefill filled.
 
 :func:`decode_step_for` returns None, and the caller runs HF's forward, for anything it does not mirror exactly: other
-architectures, attention other than ``sdpa`` (or flowkit's :mod:`~flowkit.llm.grouped_sdpa`), sliding windows, RoPE
-that rescales with the sequence length, adapters or other layers where plain ``nn.Linear`` / RMSNorm are expected, any
-module hook (ZeRO-3's parameter gathering, latent taps), a model in training mode, or ``FLOWKIT_KERNELS=reference``
-(HF's forward, as other trainers run it).
+architectures, attention other than ``sdpa`` (transformers' or flowkit's, :mod:`~flowkit.llm.sdpa`), sliding
+windows, RoPE that rescales with the sequence length, adapters or other layers where plain ``nn.Linear`` / RMSNorm
+are expected, any module hook (ZeRO-3's parameter gathering, latent taps), a model in training mode, or
+``FLOWKIT_KERNELS=reference`` (HF's forward, as other trainers run it).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from flowkit.kernels.rms_norm import rms_norm
 from flowkit.kernels.rotary import rotary
 from flowkit.kernels.swiglu import swiglu
 from flowkit.llm.fused_layers import HF_MLPS, HF_RMS_NORMS, FusedRMSNorm, FusedSwiGLUMLP
-from flowkit.llm.grouped_sdpa import SDPA_IMPLEMENTATIONS
+from flowkit.llm.sdpa import SDPA_IMPLEMENTATIONS
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")

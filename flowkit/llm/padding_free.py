@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flowkit.llm.forward import position_ids
-from flowkit.llm.grouped_sdpa import SDPA_IMPLEMENTATIONS
+from flowkit.llm.sdpa import SDPA_IMPLEMENTATIONS
 
 # Attention implementations whose transformers mask or kernel separates packed rows by their position ids.
 PACKING_ATTENTION = (*SDPA_IMPLEMENTATIONS, "eager", "flex_attention", "flash_attention_2", "flash_attention_3")

@@ -15,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flowkit.batch import RolloutBatch
 from flowkit.llm.backbone import load_backbone
-from flowkit.llm.grouped_sdpa import SDPA_IMPLEMENTATIONS
+from flowkit.llm.sdpa import SDPA_IMPLEMENTATIONS
 from flowkit.llm.hf_engine import HFRolloutEngine
 from flowkit.llm.kv_cache import forward_hidden_shared_prompts
 from flowkit.llm.latent_tap import LatentTap
