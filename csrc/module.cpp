@@ -44,13 +44,6 @@ TORCH_LIBRARY(flowkit, m) {
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor inverse_rms) -> (Tensor, Tensor)");
   // Rotary position embedding of each head of each row: x (N, H, D) · cos (N, D) + rotate_half(x) · sin (N, D).
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  // Masked attention of short sequences with grouped KV heads: query (B, H, Q, D), key and value (B, Hkv, K, D),
-  // mask (B, 1, Q, K) true where attended; the output (B, Q, H, D) and each query's log-normaliser (B, H, Q). The
-  // backward takes the output's gradient (B, Q, H, D) and gives the query's, key's and value's.
-  m.def("short_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> (Tensor, Tensor)");
-  m.def(
-      "short_attention_backward(Tensor grad, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
-      "Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
       "logprob_entropy_backward_(Tensor(a!) logits, Tensor targets, Tensor log_normalizer, Tensor entropy, "
       "Tensor grad_logprob, Tensor? grad_entropy, float temperature) -> ()");

@@ -1,16 +1,17 @@
-"""flowkit's ``sdpa`` attention: transformers' ``sdpa``, with masked attention on CPU through flowkit's kernel.
+"""flowkit's ``sdpa`` attention: transformers' ``sdpa``, without copies of the KV heads for short masked calls on CPU.
 
 Every padded training forward flowkit runs (left padding, responses reading a group's cached prompt) calls attention
-with a mask. There transformers' ``sdpa`` first copies each KV head once per query head of its group
-(``repeat_kv``: CUDA's fused kernels take no mask with grouped heads) and PyTorch's flash kernel for CPU then tiles
-~30 queries and ~45 keys per row into blocks sized for long sequences. :func:`flowkit_sdpa` hands such calls on CPU
-to :func:`~flowkit.kernels.short_attention.short_attention` instead: the KV heads as they are, and a native kernel
-for short sequences whose reference is SDPA with ``enable_gqa`` (transformers' ``sdpa`` to the bit: the test
-checks). On the bundled tiny policy the update phase is ~4% faster from the copies alone and ~5% more from the
-kernel. :func:`use_flowkit_sdpa` (called by :func:`~flowkit.llm.backbone.load_backbone`) switches a model from
-``sdpa`` to it, registered as ``flowkit_sdpa`` with transformers' ``sdpa`` mask; everything else — CUDA tensors, one
-query per row (decoding, where transformers packs the group into the query), no mask where attention is not
-causal, dropout, a float mask, a position bias — runs transformers' ``sdpa`` unchanged.
+with a mask, and there transformers' ``sdpa`` copies each KV head once per query head of its group (``repeat_kv``)
+before SDPA, because CUDA's fused kernels take no mask with grouped heads. PyTorch's flash kernel for CPU takes both.
+With at most :data:`SHORT_KEYS` keys, where the copies weigh most against the attention itself, :func:`flowkit_sdpa`
+passes the KV heads as they are with ``enable_gqa=True``: the outputs are transformers' to the bit, the key and value
+gradients to float32 rounding (the group's sum in another order). On the bundled tiny policy (~45 keys) the update
+phase is ~4% faster; at 140–270 keys the grouped call measured no faster than the copies (up to ~10% slower at head
+dimension 64), so longer calls keep transformers' path. :func:`use_flowkit_sdpa` (called by
+:func:`~flowkit.llm.backbone.load_backbone`) switches a model from ``sdpa`` to it, registered as ``flowkit_sdpa``
+with transformers' ``sdpa`` mask; everything else — CUDA tensors, one query per row (decoding, where transformers
+packs the group into the query), no mask, no grouping, a position bias, ``FLOWKIT_KERNELS=reference`` — runs
+transformers' ``sdpa`` unchanged.
 """
 
 from __future__ import annotations
@@ -21,30 +22,26 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from flowkit.kernels.short_attention import short_attention
+from flowkit.kernels.backends import forced_backend
 
 FLOWKIT_SDPA = "flowkit_sdpa"
 SDPA_IMPLEMENTATIONS = ("sdpa", FLOWKIT_SDPA)  # transformers' sdpa attention, as it computes
+SHORT_KEYS = 64  # the longest key sequence that takes the grouped call
 
 
 def flowkit_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                  **kwargs) -> tuple[Tensor, None]:
-    """transformers' ``sdpa_attention_forward``, through :func:`short_attention` for a call on CPU with a bool mask or
-    a causal one (an unpadded pass without a cache: the same kernel as a padded one, so a row's outputs do not depend
-    on whether another row of its batch is padded)."""
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    mask = attention_mask
-    if mask is None and causal and query.shape[2] == key.shape[2]:
-        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
-        mask = mask.expand(query.shape[0], 1, *mask.shape)
-    kernel = (query.device.type == "cpu" and mask is not None and mask.dtype == torch.bool and mask.shape[1] == 1
-              and query.shape[2] > 1 and dropout == 0.0 and kwargs.get("position_bias") is None
-              and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
-    if not kernel:
+    """transformers' ``sdpa_attention_forward``, with the KV heads unrepeated for a short masked call on CPU."""
+    grouped = (query.device.type == "cpu" and attention_mask is not None and query.shape[2] > 1
+               and key.shape[2] <= SHORT_KEYS and getattr(module, "num_key_value_groups", 1) > 1
+               and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+               and not kwargs.get("output_attentions", False) and forced_backend() != "reference")
+    if not grouped:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return short_attention(query, key, value, mask, scale), None
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(FLOWKIT_SDPA, flowkit_sdpa)

@@ -10,6 +10,5 @@ except ImportError:
 else:
     LOADED = True
     from . import (  # noqa: F401  (register fakes + autograd)
-        decode_attention, flow_attention, logprob_entropy, rms_norm, rotary, short_attention, swiglu,
-        velocity_deviation,
+        decode_attention, flow_attention, logprob_entropy, rms_norm, rotary, swiglu, velocity_deviation,
     )
