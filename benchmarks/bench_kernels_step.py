@@ -1,6 +1,7 @@
 """flowkit's kernels on and off on alternate steps of one RL run: the tiny job's step with every flowkit kernel against
 ``FLOWKIT_KERNELS=reference`` (``F.linear``, HF's forward at every decoding step, PyTorch's RMSNorm, SwiGLU, decoding
-attention and LM-head softmax), the two interleaved step by step in one process.
+attention, rotary embedding and LM-head softmax, transformers' ``sdpa``), the two interleaved step by step in one
+process.
 
     python benchmarks/bench_kernels_step.py [--steps 44] [--warmup 4] [--token-budget 1024] [--csv F]
 

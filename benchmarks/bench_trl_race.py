@@ -39,8 +39,9 @@ every row too), and ``flowkit-reference`` runs flowkit's kernels off (``FLOWKIT_
 HF's ops throughout, as TRL runs them — ``F.linear`` instead of the oneDNN route for float32 CPU products
 (flowkit.kernels.cpu_linear: about 2× faster on AMD Zen 5, whose full-width AVX-512 MKL's AVX2 kernels leave half
 unused; elsewhere for large products only), HF's forward at every decoding step instead of flowkit's
-(flowkit.llm.decode_step), PyTorch's RMSNorm, SwiGLU, decoding attention and LM-head softmax instead of flowkit's
-native CPU kernels.
+(flowkit.llm.decode_step), PyTorch's RMSNorm, SwiGLU, decoding attention, rotary embedding and LM-head softmax
+instead of flowkit's native CPU kernels, and transformers' ``sdpa`` with its copies of the KV heads instead of
+flowkit's (flowkit.llm.sdpa).
 
 TRL is never a flowkit dependency: the first run creates its own venv (``torch==2.13.0`` first, so pip takes the
 local CPU wheel instead of a multi-GB CUDA build, then ``trl==1.16.0`` and the grader's ``math-verify``), and its
