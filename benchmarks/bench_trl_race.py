@@ -29,8 +29,9 @@ standard error) beside TRL's spread over the rounds (meaningful on the tiny task
 Appends one row per side with the library versions. Each side trains in the micro-batches that were fastest for it
 (``SIZES``; ``--token-budget`` and ``--trl-micro-batches`` re-check them): flowkit packs rows under
 ``micro_batch_tokens`` 2048 (on the tiny task the update is ~10% faster than at 1024 and ~5% faster than in one
-micro-batch, measured interleaved in one process by ``benchmarks/bench_update_budget.py``) and, at mid size, packs them padding-free (``update.padding_free``: the update 1.13–1.14×
-faster on these long-tailed lengths, docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its
+micro-batch, measured interleaved in one process by ``benchmarks/bench_update_budget.py``) and, at mid size, packs
+them padding-free (``update.padding_free``: the update 1.13–1.14× faster on these long-tailed lengths,
+docs/results/benchmarks.md) and runs a micro-batch's LM head in one piece, its
 logits kept for the backward (``update.lm_head_chunk_size: null``; at most 2048 × 32k floats, 256 MB, where TRL holds
 the whole step's); TRL trains the step's rows in one batch (gradient accumulation over 2 or 4 micro-batches,
 generating all rows first, gave 0.546 and 0.539 vs 0.535 s/step on the tiny task). Two more flowkit sides show
@@ -56,7 +57,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 

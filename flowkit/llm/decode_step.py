@@ -70,7 +70,8 @@ def _hooked(model: nn.Module) -> bool:
 
 def _mirrorable(model: PreTrainedModel) -> bool:
     config = model.config
-    if getattr(config, "model_type", None) not in ARCHITECTURES or config._attn_implementation not in SDPA_IMPLEMENTATIONS:
+    if (getattr(config, "model_type", None) not in ARCHITECTURES
+            or config._attn_implementation not in SDPA_IMPLEMENTATIONS):
         return False
     decoder = model.get_decoder()
     head = model.get_output_embeddings()

@@ -28,7 +28,8 @@ def test_native_equals_the_reference_bitwise(rows, heads, dim):
 @native
 def test_opcheck_bad_inputs_and_gradients():
     x, cos, sin = torch.randn(3, 2, 8), torch.randn(3, 8), torch.randn(3, 8)
-    torch.library.opcheck(torch.ops.flowkit.rotary.default, (x, cos, sin), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.flowkit.rotary.default, (x, cos, sin),
+                          test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(RuntimeError, match="even dim"):
         torch.ops.flowkit.rotary(torch.randn(3, 2, 7), torch.randn(3, 7), torch.randn(3, 7))
     with pytest.raises(RuntimeError, match="cos and sin"):
