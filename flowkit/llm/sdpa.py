@@ -9,9 +9,10 @@ gradients to float32 rounding (the group's sum in another order). On the bundled
 phase is ~4% faster; at 140–270 keys the grouped call measured no faster than the copies (up to ~10% slower at head
 dimension 64), so longer calls keep transformers' path. :func:`use_flowkit_sdpa` (called by
 :func:`~flowkit.llm.backbone.load_backbone`) switches a model from ``sdpa`` to it, registered as ``flowkit_sdpa``
-with transformers' ``sdpa`` mask; everything else — CUDA tensors, one query per row (decoding, where transformers
-packs the group into the query), no mask, no grouping, a position bias, ``FLOWKIT_KERNELS=reference`` — runs
-transformers' ``sdpa`` unchanged.
+with transformers' ``sdpa`` mask; everything else — CUDA tensors, other dtypes than float32 and CPU autocast (as for
+flowkit's native CPU kernels: a bf16 run keeps transformers' numerics), one query per row (decoding, where
+transformers packs the group into the query), no mask, no grouping, a position bias, ``FLOWKIT_KERNELS=reference``
+— runs transformers' ``sdpa`` unchanged.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def flowkit_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                  **kwargs) -> tuple[Tensor, None]:
     """transformers' ``sdpa_attention_forward``, with the KV heads unrepeated for a short masked call on CPU."""
-    grouped = (query.device.type == "cpu" and attention_mask is not None and query.shape[2] > 1
+    grouped = (query.device.type == "cpu" and query.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+               and attention_mask is not None and query.shape[2] > 1
                and key.shape[2] <= SHORT_KEYS and getattr(module, "num_key_value_groups", 1) > 1
                and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
                and not kwargs.get("output_attentions", False) and forced_backend() != "reference")

@@ -50,7 +50,7 @@ def fallbacks(monkeypatch):
 @pytest.mark.parametrize("model", models(), ids=["qwen2", "llama"])
 def test_flowkit_sdpa_is_transformers_sdpa(model, fallbacks, monkeypatch):
     """Padded rows (a mask): the grouped call, logits to the bit and every gradient to rounding. Unpadded rows (no
-    mask), masked calls longer than SHORT_KEYS and FLOWKIT_KERNELS=reference: transformers' own call."""
+    mask), masked calls longer than SHORT_KEYS, CPU autocast and FLOWKIT_KERNELS=reference: transformers' own call."""
     flowkit = copy.deepcopy(model)
     assert model.config._attn_implementation == "sdpa" and use_flowkit_sdpa(flowkit)
     assert flowkit.config._attn_implementation == FLOWKIT_SDPA and not use_flowkit_sdpa(flowkit)
@@ -65,9 +65,11 @@ def test_flowkit_sdpa_is_transformers_sdpa(model, fallbacks, monkeypatch):
     logits_and_grads(flowkit, ids, torch.ones_like(mask))
     long_ids, long_mask = left_padded(2, SHORT_KEYS + 1)
     logits_and_grads(flowkit, long_ids, long_mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits_and_grads(flowkit, ids, mask)
     monkeypatch.setenv("FLOWKIT_KERNELS", "reference")
     logits_and_grads(flowkit, ids, mask)
-    assert len(fallbacks) == 3 * model.config.num_hidden_layers
+    assert len(fallbacks) == 4 * model.config.num_hidden_layers
 
 
 def test_the_shared_prompt_pass_and_decoding(fallbacks):
