@@ -1,5 +1,5 @@
 // Floats16: 16 floats as one value (GCC's vector extension: AVX-512 registers in the avx512f clones, pairs or quads
-// of narrower ones in the others), and the attention kernels' dot products of a query with 16 keys at once.
+// of narrower ones in the others), and the decoding attention kernel's dot products of a query with 16 keys at once.
 #pragma once
 
 #include <cstdint>

@@ -97,9 +97,14 @@ def select_backend(device: torch.device) -> str:
     return "native" if "native" in available else "reference"
 
 
-def runs_native_cpu_float32(tensor: torch.Tensor, op: str) -> bool:
-    """Whether a CPU-only native ``op`` (no Triton or CUDA kernel) runs for ``tensor``: a float32 CPU tensor outside
-    CPU autocast (where the reference's ops take autocast's dtypes), the native backend selected and ``flowkit._C``
-    built with the op."""
+def cpu_float32_path(tensor: torch.Tensor) -> bool:
+    """Whether one of flowkit's own float32 CPU paths may take ``tensor``: a float32 CPU tensor outside CPU autocast
+    (where the reference's ops take autocast's dtypes), and ``FLOWKIT_KERNELS`` not forcing the references."""
     return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-            and select_backend(tensor.device) == "native" and native_has("cpu", op))
+            and forced_backend() != "reference")
+
+
+def runs_native_cpu_float32(tensor: torch.Tensor, op: str) -> bool:
+    """Whether a CPU-only native ``op`` (no Triton or CUDA kernel) runs for ``tensor``: :func:`cpu_float32_path`, the
+    native backend selected and ``flowkit._C`` built with the op."""
+    return cpu_float32_path(tensor) and select_backend(tensor.device) == "native" and native_has("cpu", op)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .backends import forced_backend
+from .backends import cpu_float32_path
 
 
 def onednn_min_macs(cpuinfo: str) -> int:
@@ -52,9 +52,8 @@ _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.b
 
 def _onednn_product(x: Tensor, weight: Tensor) -> bool:
     """Whether ``x @ weight^T`` (x: (..., K), weight: (N, K)) goes through oneDNN."""
-    return (_ONEDNN_LINEAR is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.device.type == "cpu" and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS
-            and not torch.is_autocast_enabled("cpu") and forced_backend() != "reference")
+    return (_ONEDNN_LINEAR is not None and weight.dtype == torch.float32
+            and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS and cpu_float32_path(x))
 
 
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

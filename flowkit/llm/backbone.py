@@ -79,8 +79,8 @@ def load_backbone(
     format (``pytorch_model.bin``: only safetensors are loaded, a pickle is never opened) and a local directory
     without tokenizer files are each a :class:`BackboneError`. The model's linear layers run float32 CPU inputs
     through oneDNN (:mod:`flowkit.kernels.cpu_linear`), a Llama-family model's RMSNorms and MLP gates through
-    flowkit's fused kernels (:mod:`flowkit.llm.fused_layers`), and ``sdpa`` attention with a mask on CPU through
-    flowkit's kernel for short sequences (:mod:`flowkit.llm.sdpa`).
+    flowkit's fused kernels (:mod:`flowkit.llm.fused_layers`), and ``sdpa`` attention's short masked float32 calls
+    on CPU without copies of the KV heads (:mod:`flowkit.llm.sdpa`).
     """
     torch_dtype(dtype)
     path = resolve_backbone_path(name_or_path)

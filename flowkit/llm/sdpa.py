@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from flowkit.kernels.backends import forced_backend
+from flowkit.kernels.backends import cpu_float32_path
 
 FLOWKIT_SDPA = "flowkit_sdpa"
 SDPA_IMPLEMENTATIONS = ("sdpa", FLOWKIT_SDPA)  # transformers' sdpa attention, as it computes
@@ -34,11 +34,10 @@ def flowkit_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                  **kwargs) -> tuple[Tensor, None]:
     """transformers' ``sdpa_attention_forward``, with the KV heads unrepeated for a short masked call on CPU."""
-    grouped = (query.device.type == "cpu" and query.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-               and attention_mask is not None and query.shape[2] > 1
+    grouped = (cpu_float32_path(query) and attention_mask is not None and query.shape[2] > 1
                and key.shape[2] <= SHORT_KEYS and getattr(module, "num_key_value_groups", 1) > 1
                and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-               and not kwargs.get("output_attentions", False) and forced_backend() != "reference")
+               and not kwargs.get("output_attentions", False))
     if not grouped:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
